@@ -1,0 +1,35 @@
+"""kvpool: a distributed KV-cache store for LLM serving.
+
+Public names: ``Pool``, ``Namespace``, ``KVLayout``, ``block_keys`` and the
+errors in ``kvpool.errors``.
+"""
+
+__version__ = "0.1.0"
+
+from kvpool.errors import (
+    BlockTooLargeError,
+    BufferSpecError,
+    InvalidKeyError,
+    KVPoolError,
+    PoolClosedError,
+    PoolFullError,
+    StorageError,
+    TierUnavailableError,
+)
+from kvpool.index.keys import Namespace, block_keys
+from kvpool.layout import KVLayout
+
+__all__ = [
+    "BlockTooLargeError",
+    "BufferSpecError",
+    "InvalidKeyError",
+    "KVLayout",
+    "KVPoolError",
+    "Namespace",
+    "PoolClosedError",
+    "PoolFullError",
+    "StorageError",
+    "TierUnavailableError",
+    "__version__",
+    "block_keys",
+]

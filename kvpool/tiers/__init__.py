@@ -1,0 +1,1 @@
+"""Storage tiers of one node: GPU memory, the DRAM arena, the SSD directory."""
