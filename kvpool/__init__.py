@@ -18,6 +18,7 @@ from kvpool.errors import (
 )
 from kvpool.index.keys import Namespace, block_keys
 from kvpool.layout import KVLayout
+from kvpool.pool import Pool
 
 __all__ = [
     "BlockTooLargeError",
@@ -26,6 +27,7 @@ __all__ = [
     "KVLayout",
     "KVPoolError",
     "Namespace",
+    "Pool",
     "PoolClosedError",
     "PoolFullError",
     "StorageError",

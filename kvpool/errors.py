@@ -37,3 +37,47 @@ class StorageError(KVPoolError, OSError):
 
 class TierUnavailableError(KVPoolError, RuntimeError):
     """A tier was asked for where its hardware is absent (GPU tier without CUDA)."""
+
+
+# --- RPC and transports (control plane and data path) ---------------------
+
+
+class ConnectionLostError(KVPoolError, ConnectionError):
+    """A peer (master or node) is unreachable, closed the connection, or died mid-call."""
+
+
+class HandshakeRefusedError(KVPoolError, ConnectionRefusedError):
+    """The server refused the handshake (wrong protocol version, missing or wrong token)."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__(f"handshake refused: {reason}")
+        self.reason = reason
+
+
+class CallTimeoutError(KVPoolError, TimeoutError):
+    """A remote call or transfer did not complete within its timeout."""
+
+
+class ProtocolError(KVPoolError, ValueError):
+    """A frame or message violates the wire protocol (bad magic, version, shape)."""
+
+
+class FrameTooLargeError(ProtocolError):
+    """A frame's declared length exceeds the receiver's maximum frame size."""
+
+
+class RemoteError(KVPoolError, RuntimeError):
+    """A remote handler failed; ``code`` names the failure, ``remote_type`` its class."""
+
+    def __init__(self, code: str, message: str, remote_type: str = "") -> None:
+        super().__init__(f"{code}: {message}" + (f" ({remote_type})" if remote_type else ""))
+        self.code = code
+        self.remote_type = remote_type
+
+
+class InsecureBindError(KVPoolError, ValueError):
+    """A server was asked to bind beyond loopback without a shared token."""
+
+
+class TransportUnavailableError(KVPoolError, RuntimeError):
+    """A transport was requested that cannot reach this peer from here (or is not installed)."""

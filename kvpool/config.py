@@ -1,0 +1,64 @@
+"""Configuration dataclasses and human-readable sizes ("4GiB", "512MiB")."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1 << 10,
+    "mib": 1 << 20,
+    "gib": 1 << 30,
+    "tib": 1 << 40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+DEFAULT_DRAM_BYTES = 256 << 20
+DEFAULT_ALIGNMENT = 4096
+
+
+def parse_size(text: str | int) -> int:
+    """Bytes in ``text``: an int, or a number with a unit (KiB, MiB, GiB, KB, MB, ...)."""
+    if isinstance(text, int):
+        return text
+    match = _SIZE.match(text)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"not a size: {text!r} (examples: 4096, 64KiB, 1.5GiB, 10GB)")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_size(n: int) -> str:
+    for unit, scale in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= scale and n % scale == 0:
+            return f"{n // scale}{unit}"
+    return f"{n}B"
+
+
+@dataclass(frozen=True)
+class PoolConfig:
+    """Capacities and policy of one embedded pool (or one storage node)."""
+
+    dram_bytes: int = DEFAULT_DRAM_BYTES
+    ssd_path: str | None = None
+    ssd_bytes: int = 0
+    gpu_bytes: int = 0
+    policy: str = "lru"
+    alignment: int = DEFAULT_ALIGNMENT
+
+    def __post_init__(self) -> None:
+        if self.dram_bytes < self.alignment:
+            raise ValueError(f"dram_bytes must be >= {self.alignment}, got {self.dram_bytes}")
+        if self.gpu_bytes < 0 or self.ssd_bytes < 0:
+            raise ValueError("gpu_bytes and ssd_bytes must be >= 0")
+        if (self.ssd_path is None) != (self.ssd_bytes == 0):
+            raise ValueError("ssd_path and ssd_bytes go together: give both or neither")

@@ -1,0 +1,75 @@
+"""Counters a pool keeps; ``snapshot`` turns them into the dict ``Pool.stats()`` returns."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class PoolStats:
+    """Plain counters, mutated under the pool's lock."""
+
+    puts: int = 0
+    bytes_written: int = 0
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+    removes: int = 0
+    promotions: int = 0
+    not_admitted: int = 0
+    corrupt_dropped: int = 0
+    ssd_errors: int = 0
+    tier_hits: Counter[str] = field(default_factory=Counter)
+    tier_puts: Counter[str] = field(default_factory=Counter)
+    tier_evictions: Counter[str] = field(default_factory=Counter)
+    tier_demotions: Counter[str] = field(default_factory=Counter)
+
+    def count_put(self, tier: str, size: int) -> None:
+        self.puts += 1
+        self.bytes_written += size
+        self.tier_puts[tier] += 1
+
+    def count_hit(self, tier: str, size: int) -> None:
+        self.hits += 1
+        self.bytes_read += size
+        self.tier_hits[tier] += 1
+
+    def count_eviction(self, tier: str) -> None:
+        self.tier_evictions[tier] += 1
+
+    def count_demotion(self, tier: str) -> None:
+        self.tier_demotions[tier] += 1
+
+    def snapshot(self, tiers: list[Any], blocks: int, policy: str) -> dict[str, Any]:
+        lookups = self.hits + self.misses
+        return {
+            "mode": "embedded",
+            "transport": "local",
+            "policy": policy,
+            "blocks": blocks,
+            "puts": self.puts,
+            "bytes_written": self.bytes_written,
+            "hits": self.hits,
+            "misses": self.misses,
+            "hit_ratio": self.hits / lookups if lookups else 0.0,
+            "bytes_read": self.bytes_read,
+            "removes": self.removes,
+            "promotions": self.promotions,
+            "not_admitted": self.not_admitted,
+            "corrupt_dropped": self.corrupt_dropped,
+            "ssd_errors": self.ssd_errors,
+            "tiers": {tier.name: self._tier_snapshot(tier) for tier in tiers},
+        }
+
+    def _tier_snapshot(self, tier: Any) -> dict[str, Any]:
+        return {
+            "capacity_bytes": tier.capacity,
+            "used_bytes": tier.allocator.used_bytes,
+            "blocks": len(tier.policy),
+            "puts": self.tier_puts[tier.name],
+            "hits": self.tier_hits[tier.name],
+            "evictions": self.tier_evictions[tier.name],
+            "demotions": self.tier_demotions[tier.name],
+        }

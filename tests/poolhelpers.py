@@ -1,0 +1,20 @@
+"""Helpers shared by test modules (tests/ is on sys.path via pytest's pythonpath)."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kvpool import Namespace, block_keys
+
+BLOCK = 64 << 10  # payload size used by most pool tests
+
+
+def make_keys(n: int, seed: int = 0) -> list[bytes]:
+    """n chained keys of a deterministic token stream (16 tokens per block)."""
+    tokens = np.random.default_rng(seed).integers(0, 32_000, n * 16)
+    return block_keys(tokens, Namespace("test-model"), block_tokens=16)
+
+
+def payload(i: int, size: int = BLOCK) -> np.ndarray:
+    """Distinct, non-constant bytes for block i."""
+    return (np.arange(size, dtype=np.uint32) * 2654435761 + i * 40503).astype(np.uint8)
