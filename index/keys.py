@@ -12,6 +12,7 @@ drifts silently.
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ _FORMAT_TAG = b"kvpool/key/v1\x00"
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
 
 BlockKey = bytes  # always exactly KEY_BYTES long
+_local = threading.local()
 
 
 @dataclass(frozen=True)
@@ -91,17 +93,24 @@ def block_keys(
         raise TypeError(f"namespace must be a kvpool.Namespace, got {type(namespace).__name__}")
     if not isinstance(block_tokens, int) or block_tokens <= 0:
         raise ValueError(f"block_tokens must be a positive int, got {block_tokens!r}")
-    ids = token_array(tokens)
+    ids = token_array(tokens, convert=False)
     n_blocks = ids.size // block_tokens
     if n_blocks == 0:
         return []
     # One row per block: [parent (16) | namespace digest (16) | tokens (4*B)].
-    # The namespace and token columns are filled in one vectorised step; only
-    # the parent column is written block by block, since it chains.
+    # The namespace and token columns are filled in one vectorised step each
+    # (tokens converted to int32 on the way); only the parent column is
+    # written block by block, since it chains. Rows live in a reused,
+    # already-faulted scratch buffer: fresh memory costs more than the hashing.
     row = 2 * KEY_BYTES + 4 * block_tokens
-    rows = np.empty((n_blocks, row), dtype=np.uint8)
+    rows = _scratch(n_blocks * row).reshape(n_blocks, row)
     rows[:, KEY_BYTES : 2 * KEY_BYTES] = np.frombuffer(namespace.digest(), dtype=np.uint8)
-    rows[:, 2 * KEY_BYTES :] = ids[: n_blocks * block_tokens].view(np.uint8).reshape(n_blocks, -1)
+    token_columns = rows[:, 2 * KEY_BYTES :].view("<i4")
+    np.copyto(
+        token_columns,
+        ids[: n_blocks * block_tokens].reshape(n_blocks, block_tokens),
+        casting="unsafe",
+    )
     flat = memoryview(rows.data).cast("B")
     digest = xxhash.xxh3_128_digest
     parent = root_key(namespace, block_tokens)
@@ -114,8 +123,21 @@ def block_keys(
     return keys
 
 
-def token_array(tokens: Any) -> np.ndarray:
-    """Token ids as a contiguous little-endian int32 vector (checked range)."""
+def _scratch(nbytes: int) -> np.ndarray:
+    """A per-thread uint8 buffer of at least ``nbytes``, reused across calls."""
+    buffer: np.ndarray | None = getattr(_local, "buffer", None)
+    if buffer is None or buffer.nbytes < nbytes:
+        buffer = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)  # faults once, then reused
+        _local.buffer = buffer
+    return buffer[:nbytes]
+
+
+def token_array(tokens: Any, convert: bool = True) -> np.ndarray:
+    """Token ids as a 1-D integer array whose values fit int32 (checked).
+
+    With ``convert`` the result is a contiguous little-endian int32 copy;
+    without, the caller converts (``block_keys`` casts straight into its rows).
+    """
     if hasattr(tokens, "detach") and hasattr(tokens, "cpu"):  # torch.Tensor
         tokens = tokens.detach().cpu().numpy()
     arr = np.asarray(tokens)
@@ -129,4 +151,4 @@ def token_array(tokens: Any) -> np.ndarray:
         lo, hi = int(arr.min()), int(arr.max())
         if lo < _INT32_MIN or hi > _INT32_MAX:
             raise ValueError(f"token ids must fit in int32, got range [{lo}, {hi}]")
-    return np.ascontiguousarray(arr, dtype="<i4")
+    return np.ascontiguousarray(arr, dtype="<i4") if convert else arr

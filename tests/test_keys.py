@@ -12,9 +12,9 @@ import torch
 import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from kvpool.index.keys import root_key
 
 from kvpool import KVLayout, Namespace, block_keys
+from kvpool.index.keys import root_key
 
 NS = Namespace("llama2-7b")
 

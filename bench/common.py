@@ -1,0 +1,129 @@
+"""Shared benchmark plumbing: size lists, timing loops, percentiles, output.
+
+Every benchmark pre-faults its buffers before timing (first touch of fresh
+memory runs at ~0.45 GB/s here and would swamp the result) and measures its
+baseline in the same run, so the ratio survives a noisy shared machine.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from kvpool.config import format_size, parse_size
+
+
+def parse_sizes(text: str) -> list[int]:
+    """'64KiB,1MiB' -> [65536, 1048576]."""
+    sizes = [parse_size(part) for part in text.split(",") if part.strip()]
+    if not sizes or min(sizes) <= 0:
+        raise ValueError(f"--sizes needs positive sizes, got {text!r}")
+    return sizes
+
+
+def faulted(nbytes: int, fill: int | None = None) -> np.ndarray:
+    """A uint8 buffer whose pages are all touched (random-ish contents if fill is None)."""
+    buffer = np.empty(nbytes, dtype=np.uint8)
+    if fill is None:
+        buffer[:] = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
+    else:
+        buffer.fill(fill)
+    return buffer
+
+
+def count_for(size: int, working_set: int = 128 << 20, lo: int = 8, hi: int = 512) -> int:
+    """Buffers to rotate through so the working set exceeds the CPU caches."""
+    return int(min(hi, max(lo, working_set // size)))
+
+
+@dataclass
+class Timing:
+    """Per-operation latencies (seconds) for ops of ``size`` bytes."""
+
+    size: int
+    latencies: list[float]
+
+    @property
+    def gbps(self) -> float:
+        return self.size * len(self.latencies) / sum(self.latencies) / 1e9
+
+    def percentile_us(self, q: float) -> float:
+        return float(np.percentile(self.latencies, q) * 1e6)
+
+
+def time_ops(
+    size: int,
+    op: Callable[[int], object],
+    count: int,
+    rounds: int,
+    reset: Callable[[], object] | None = None,
+) -> Timing:
+    """Time ``op(i)`` for i in range(count), ``rounds`` times, after one warm-up round.
+
+    ``reset`` runs untimed before every round (e.g. removing what puts stored).
+    """
+    for i in range(count):
+        op(i)
+    latencies = []
+    clock = time.perf_counter
+    for _ in range(rounds):
+        if reset is not None:
+            reset()
+        for i in range(count):
+            start = clock()
+            op(i)
+            latencies.append(clock() - start)
+    return Timing(size, latencies)
+
+
+@dataclass
+class Row:
+    """One result line: ours against the baseline measured in the same run."""
+
+    op: str
+    tier: str
+    size: int
+    gbps: float
+    baseline_gbps: float
+    ratio: float
+    p50_us: float
+    p99_us: float
+    baseline: str
+
+
+def make_row(op: str, tier: str, ours: Timing, base: Timing, baseline: str) -> Row:
+    return Row(
+        op=op,
+        tier=tier,
+        size=ours.size,
+        gbps=round(ours.gbps, 3),
+        baseline_gbps=round(base.gbps, 3),
+        ratio=round(ours.gbps / base.gbps, 3),
+        p50_us=round(ours.percentile_us(50), 1),
+        p99_us=round(ours.percentile_us(99), 1),
+        baseline=baseline,
+    )
+
+
+def print_table(rows: Sequence[Row]) -> None:
+    header = f"{'op':<9} {'tier':<5} {'size':>7} {'GB/s':>7} {'base':>7} {'ratio':>6} "
+    print(header + f"{'p50 us':>9} {'p99 us':>9}  baseline")
+    for r in rows:
+        print(
+            f"{r.op:<9} {r.tier:<5} {format_size(r.size):>7} {r.gbps:>7.2f} "
+            f"{r.baseline_gbps:>7.2f} {r.ratio:>6.2f} {r.p50_us:>9.1f} {r.p99_us:>9.1f}  "
+            f"{r.baseline}"
+        )
+
+
+def write_json(path: str | None, payload: Any) -> None:
+    if path:
+        if isinstance(payload, list):
+            payload = [asdict(p) if hasattr(p, "__dataclass_fields__") else p for p in payload]
+        with open(path, "w") as f:
+            json.dump(payload, f, indent=2)

@@ -1,0 +1,128 @@
+"""``kvpool bench local``: put / get_into per tier against memcpy and raw O_DIRECT.
+
+DRAM: ``Pool.put`` and ``Pool.get_into`` against ``np.copyto`` between the
+same kind of pre-faulted buffers. SSD: the SSD tier's own store (O_DIRECT
+write + checksum + index commit) and read (O_DIRECT read + checksum check),
+the exact code the pool runs when it demotes and promotes, against dd-style
+O_DIRECT ``pwrite``/``preadv`` of the same sizes on the same filesystem.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import shutil
+import tempfile
+
+import numpy as np
+
+from kvpool.bench.common import Row, count_for, faulted, make_row, time_ops
+from kvpool.eviction import make_policy
+from kvpool.index.keys import Namespace, block_keys
+from kvpool.pool import Pool
+from kvpool.tiers.ssd import SsdRecord, SsdTier
+
+_PAGE = 4096
+
+
+def run_local(sizes: list[int], tiers: list[str], ssd_dir: str | None, rounds: int) -> list[Row]:
+    rows: list[Row] = []
+    for size in sizes:
+        if "dram" in tiers:
+            rows += _dram_rows(size, rounds)
+        if "ssd" in tiers:
+            rows += _ssd_rows(size, rounds, ssd_dir)
+    return rows
+
+
+def _keys(n: int) -> list[bytes]:
+    return block_keys(np.arange(n * 4), Namespace("bench"), block_tokens=4)
+
+
+def _rounded(size: int) -> int:
+    return -(-size // _PAGE) * _PAGE
+
+
+def _dram_rows(size: int, rounds: int) -> list[Row]:
+    count = count_for(size)
+    sources = [faulted(size) for _ in range(count)]
+    outs = [faulted(size, fill=0) for _ in range(count)]
+    keys = _keys(count)
+    with Pool.embedded(dram_bytes=count * _rounded(size)) as pool:
+
+        def remove_all() -> None:
+            for key in keys:
+                pool.remove(key)
+
+        put = time_ops(size, lambda i: pool.put(keys[i], sources[i]), count, rounds, remove_all)
+        get = time_ops(size, lambda i: pool.get_into(keys[i], outs[i]), count, rounds)
+    copy = time_ops(size, lambda i: np.copyto(outs[i], sources[i]), count, rounds)
+    return [
+        make_row("put", "dram", put, copy, "numpy copy"),
+        make_row("get_into", "dram", get, copy, "numpy copy"),
+    ]
+
+
+def _ssd_rows(size: int, rounds: int, ssd_dir: str | None) -> list[Row]:
+    count = count_for(size, working_set=256 << 20, lo=8, hi=256)
+    rounded = _rounded(size)
+    aligned = _aligned_buffer(count * rounded)  # page-aligned, like arena slots
+    sources = [aligned[i * rounded : (i + 1) * rounded] for i in range(count)]
+    keys = _keys(count)
+    root = tempfile.mkdtemp(prefix="kvpool-bench-ssd-", dir=ssd_dir)
+    try:
+        tier = SsdTier(os.path.join(root, "tier"), count * rounded, make_policy("lru"))
+        records: list[SsdRecord | None] = [None] * count
+        try:
+
+            def store(i: int) -> None:
+                records[i] = tier.store(keys[i], sources[i], size, None)
+
+            def drop_all() -> None:
+                for i, record in enumerate(records):
+                    if record is not None:
+                        tier.delete(keys[i])
+                        tier.free(record.offset)
+                        records[i] = None
+
+            put = time_ops(size, store, count, rounds, drop_all)
+
+            def load(i: int) -> None:
+                record = records[i]
+                assert record is not None and tier.read_into(record, sources[i])
+
+            get = time_ops(size, load, count, rounds)
+        finally:
+            tier.close()
+        raw_put, raw_get = _raw_direct(os.path.join(root, "raw.bin"), sources, size, rounds)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return [
+        make_row("put", "ssd", put, raw_put, "O_DIRECT pwrite"),
+        make_row("get_into", "ssd", get, raw_get, "O_DIRECT pread"),
+    ]
+
+
+def _raw_direct(path: str, buffers: list[np.ndarray], size: int, rounds: int) -> tuple:
+    """dd-style baseline: O_DIRECT pwrite then preadv of each buffer, preallocated file."""
+    rounded = buffers[0].nbytes
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, rounded * len(buffers))
+        write = time_ops(
+            size, lambda i: os.pwrite(fd, buffers[i].data, i * rounded), len(buffers), rounds
+        )
+        read = time_ops(
+            size, lambda i: os.preadv(fd, [buffers[i].data], i * rounded), len(buffers), rounds
+        )
+    finally:
+        os.close(fd)
+    return write, read
+
+
+def _aligned_buffer(nbytes: int) -> np.ndarray:
+    """Anonymous page-aligned memory, pre-faulted."""
+    region = mmap.mmap(-1, nbytes)
+    array = np.frombuffer(region, dtype=np.uint8)
+    array[:] = np.arange(nbytes, dtype=np.uint64).astype(np.uint8)
+    return array
