@@ -1,0 +1,107 @@
+"""Length-prefixed msgpack frames: the control plane's unit on the wire.
+
+Layout of one frame (network byte order)::
+
+    magic  2 bytes  b"KV"
+    ver    u8       FRAME_VERSION (framing format, not the RPC protocol version)
+    flags  u8       reserved, must be 0
+    length u32      bytes of msgpack body that follow
+    body   length bytes: one msgpack map with str keys (bin type for bytes)
+
+Invariants:
+- a receiver never allocates more than ``max_frame`` bytes for a body: the
+  declared length is checked against it before any body byte is read;
+- a body is decoded with msgpack only (no ext hooks, no pickle); anything that
+  is not a single map is a ``ProtocolError``;
+- ``read_frame`` returns ``None`` only on a clean EOF between frames; an EOF
+  inside a frame is a ``ConnectionLostError`` (a truncated frame).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from typing import Any
+
+import msgpack
+
+from kvpool.errors import ConnectionLostError, FrameTooLargeError, ProtocolError
+
+MAGIC = b"KV"
+FRAME_VERSION = 1
+HEADER = struct.Struct("!2sBBI")
+HEADER_SIZE = HEADER.size
+DEFAULT_MAX_FRAME = 16 * 1024 * 1024
+
+
+def encode_frame(body: dict[str, Any], *, max_frame: int = DEFAULT_MAX_FRAME) -> bytes:
+    """One frame (header + msgpack body) as bytes; FrameTooLargeError past ``max_frame``."""
+    payload = msgpack.packb(body, use_bin_type=True)
+    if len(payload) > max_frame:
+        raise FrameTooLargeError(f"frame body of {len(payload)} B exceeds max {max_frame} B")
+    return HEADER.pack(MAGIC, FRAME_VERSION, 0, len(payload)) + payload
+
+
+def parse_header(header: bytes, *, max_frame: int = DEFAULT_MAX_FRAME) -> int:
+    """Validate a frame header and return the body length."""
+    magic, version, flags, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad frame magic {magic!r} (expected {MAGIC!r})")
+    if version != FRAME_VERSION:
+        raise ProtocolError(f"unsupported frame version {version} (expected {FRAME_VERSION})")
+    if flags != 0:
+        raise ProtocolError(f"unknown frame flags 0x{flags:02x}")
+    if length > max_frame:
+        raise FrameTooLargeError(f"frame body of {length} B exceeds max {max_frame} B")
+    return int(length)
+
+
+def decode_body(payload: bytes | bytearray | memoryview) -> dict[str, Any]:
+    """Decode a frame body; ProtocolError unless it is exactly one str-keyed map."""
+    try:
+        body = msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types
+        raise ProtocolError(f"undecodable frame body: {type(exc).__name__}: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError(f"frame body must be a map, got {type(body).__name__}")
+    return body
+
+
+def recv_exact(sock: socket.socket, view: memoryview, *, idle_ok: bool = False) -> bool:
+    """Fill ``view`` from ``sock``; False on clean EOF before the first byte.
+
+    Socket timeouts are retried (the socket's timeout only paces the loop so a
+    closing owner can interrupt it); EOF after the first byte raises
+    ConnectionLostError. With ``idle_ok`` a timeout before the first byte is
+    retried forever, otherwise it propagates as ``TimeoutError``.
+    """
+    got, n = 0, len(view)
+    while got < n:
+        try:
+            k = sock.recv_into(view[got:], n - got)
+        except TimeoutError:
+            if got == 0 and not idle_ok:
+                raise
+            continue
+        except OSError as exc:
+            raise ConnectionLostError(f"connection lost while receiving: {exc}") from exc
+        if k == 0:
+            if got == 0:
+                return False
+            raise ConnectionLostError(f"connection closed mid-frame ({got} of {n} B received)")
+        got += k
+    return True
+
+
+def read_frame(
+    sock: socket.socket, *, max_frame: int = DEFAULT_MAX_FRAME, idle_ok: bool = True
+) -> dict[str, Any] | None:
+    """Read one frame and decode it; None on clean EOF between frames."""
+    header = bytearray(HEADER_SIZE)
+    if not recv_exact(sock, memoryview(header), idle_ok=idle_ok):
+        return None
+    length = parse_header(bytes(header), max_frame=max_frame)
+    payload = bytearray(length)
+    if length and not recv_exact(sock, memoryview(payload), idle_ok=True):
+        raise ConnectionLostError("connection closed after a frame header (truncated frame)")
+    return decode_body(payload)

@@ -1,0 +1,87 @@
+"""Pick the fastest transport that can reach a peer's region from this process.
+
+Order (automatic): ``shm`` when the node runs on this host (same
+``host_identity``) and its arena file maps; ``ucx`` when UCXX is installed and
+the node reports RDMA/GPU-capable UCX transports (UCX over plain TCP is slower
+here than our socket path, so it is not chosen for that); else ``tcp``.
+
+``override`` (default ``$KVPOOL_TRANSPORT``) is a comma-separated preference
+list, e.g. ``"tcp"`` or ``"ucx,tcp"``: the first that can reach the peer wins,
+and ``TransportUnavailableError`` names why none could.
+"""
+
+from __future__ import annotations
+
+import os
+
+from kvpool.transport.base import RegionInfo, Transport
+
+from kvpool.errors import TransportUnavailableError
+
+TRANSPORT_ENV = "KVPOOL_TRANSPORT"
+NAMES = ("shm", "ucx", "tcp")
+
+
+def _why_not(name: str, peer: RegionInfo) -> str | None:
+    """None when ``name`` can reach ``peer``, else the reason it cannot."""
+    if name == "shm":
+        from kvpool.transport.shm import shm_reachable
+
+        return (
+            None if shm_reachable(peer) else "node is not on this host or its arena is not mapped"
+        )
+    if name == "tcp":
+        return None if peer.tcp_port else "node serves no TCP data port"
+    if name == "ucx":
+        from kvpool.transport.ucx import ucx_available
+
+        if not ucx_available():
+            return "ucxx is not installed (pip install 'kvpool[ucx]')"
+        return None if peer.ucx is not None else "node has no UCX listener"
+    return f"unknown transport {name!r} (choose from {', '.join(NAMES)})"
+
+
+def candidates(peer: RegionInfo, override: str | None = None) -> list[str]:
+    """Transport names to try, best first."""
+    if override:
+        return [n.strip().lower() for n in override.split(",") if n.strip()]
+    names = ["shm"]
+    if peer.ucx is not None and peer.ucx.rdma:
+        names.append("ucx")
+    return [*names, "tcp"]
+
+
+def select_transport(
+    peer: RegionInfo,
+    override: str | None = None,
+    *,
+    token: str | None = None,
+    timeout: float = 10.0,
+) -> Transport:
+    """A connected-on-demand Transport to ``peer``; see the module docstring."""
+    if override is None:
+        override = os.environ.get(TRANSPORT_ENV) or None
+    reasons = []
+    for name in candidates(peer, override):
+        why = _why_not(name, peer)
+        if why is not None:
+            reasons.append(f"{name}: {why}")
+            continue
+        if name == "shm":
+            from kvpool.transport.shm import ShmTransport
+
+            try:
+                return ShmTransport(peer)
+            except TransportUnavailableError as exc:
+                reasons.append(f"shm: {exc}")
+                continue
+        if name == "ucx":
+            from kvpool.transport.ucx import UcxTransport
+
+            return UcxTransport(peer, token=token, timeout=timeout)
+        from kvpool.transport.tcp import TcpTransport
+
+        return TcpTransport(peer, token=token, timeout=timeout)
+    raise TransportUnavailableError(
+        f"no transport reaches node {peer.node_id}: {'; '.join(reasons)}"
+    )

@@ -1,0 +1,94 @@
+"""Same-host data path: map the node's shared-memory arena and copy once.
+
+The node's DRAM arena is a file under /dev/shm (``RegionInfo.shm_name``).
+A client on the same host (``host_identity()`` equal) maps it read-write with
+``mmap`` and moves bytes with one ``copy_region`` (numpy copy for host
+buffers, torch ``copy_`` for CUDA buffers): no socket, no server thread.
+
+Invariants: the mapping is exactly ``RegionInfo.size`` bytes (a file of
+another size is refused, so a stale or foreign file is never used); every
+range is checked against it before copying; ``close`` drops our views before
+unmapping.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import threading
+from typing import Any
+
+import numpy as np
+from kvpool.bindings.buffers import as_region, copy_region, region_nbytes
+from kvpool.transport.base import RegionInfo, Transport, check_range, host_identity
+
+from kvpool.errors import PoolClosedError, TransportUnavailableError
+
+SHM_DIR = "/dev/shm"
+
+
+def shm_path(name: str) -> str:
+    if not name or "/" in name or name in (".", ".."):
+        raise TransportUnavailableError(f"bad shared-memory name {name!r}")
+    return os.path.join(SHM_DIR, name)
+
+
+def shm_reachable(info: RegionInfo) -> bool:
+    """True when ``info``'s arena can be mapped from this process."""
+    if not info.shm_name or info.host_id != host_identity():
+        return False
+    try:
+        return os.stat(shm_path(info.shm_name)).st_size == info.size
+    except (OSError, TransportUnavailableError):
+        return False
+
+
+class ShmTransport(Transport):
+    name = "shm"
+
+    def __init__(self, info: RegionInfo) -> None:
+        super().__init__(info)
+        path = shm_path(info.shm_name)
+        try:
+            fd = os.open(path, os.O_RDWR)
+        except OSError as exc:
+            raise TransportUnavailableError(f"cannot open {path}: {exc}") from exc
+        try:
+            size = os.fstat(fd).st_size
+            if size != info.size:
+                raise TransportUnavailableError(
+                    f"{path} is {size} B, node {info.node_id} advertises {info.size} B"
+                )
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size) if size else None
+        finally:
+            os.close(fd)
+        self._arena: np.ndarray | None = (
+            np.frombuffer(self._mmap, dtype=np.uint8)
+            if self._mmap is not None
+            else np.empty(0, np.uint8)
+        )
+        self._lock = threading.Lock()
+
+    def _span(self, offset: int, length: int) -> np.ndarray:
+        if self._arena is None:
+            raise PoolClosedError("shared-memory transport is closed")
+        check_range(offset, length, self.info.size)
+        return self._arena[offset : offset + length]
+
+    def read_into(self, offset: int, out: Any) -> None:
+        dst = as_region(out, writable=True, what="output buffer")
+        copy_region(dst, self._span(offset, region_nbytes(dst)))
+
+    def write(self, offset: int, data: Any) -> None:
+        src = as_region(data, what="data")
+        copy_region(self._span(offset, region_nbytes(src)), src)
+
+    def close(self) -> None:
+        with self._lock:
+            self._arena = None
+            if self._mmap is not None:
+                # BufferError: a view is still alive somewhere; the GC unmaps it later.
+                with contextlib.suppress(BufferError):
+                    self._mmap.close()
+                self._mmap = None

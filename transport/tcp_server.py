@@ -1,0 +1,164 @@
+"""Node side of the TCP data path: serves (offset, length) ranges of one region.
+
+One thread per client connection. READ sends the range straight from the
+region (``sendmsg`` of a memoryview, no copy into Python objects); WRITE
+receives straight into the region with ``recv_into``. The server knows
+nothing about blocks: the master decides which ranges are valid to read or
+write; this server only refuses ranges outside the region.
+
+The token rule of ``kvpool.rpc_auth`` applies (a non-loopback bind needs a
+token; a wrong token is refused and logged).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import socket
+import threading
+from typing import Any
+
+from kvpool.bindings.buffers import host_view
+from kvpool.transport import tcp_wire as w
+
+from kvpool.errors import ConnectionLostError
+from kvpool.rpc_auth import check_bind, resolve_token, token_matches
+
+log = logging.getLogger("kvpool.transport.tcp")
+
+
+class TcpDataServer:
+    """Serve ``region`` (any writable contiguous host buffer) on host:port."""
+
+    def __init__(
+        self,
+        region: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        token: str | None = None,
+        handshake_timeout: float = 10.0,
+    ) -> None:
+        self.token = resolve_token(token)
+        check_bind(host, self.token)
+        self.region = host_view(region, writable=True, what="region")
+        self._mv = memoryview(self.region)  # type: ignore[arg-type]
+        self.size = self.region.nbytes
+        self.handshake_timeout = handshake_timeout
+        self._listener = socket.create_server((host, port), backlog=128)
+        self._conns: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self.bytes_read = 0
+        self.bytes_written = 0
+
+    @property
+    def address(self) -> tuple[str, int]:
+        host, port = self._listener.getsockname()[:2]
+        return str(host), int(port)
+
+    def start(self) -> tuple[str, int]:
+        self._thread = threading.Thread(target=self.serve_forever, daemon=True)
+        self._thread.start()
+        return self.address
+
+    def serve_forever(self) -> None:
+        while not self._closed:
+            try:
+                sock, peer = self._listener.accept()
+            except OSError:
+                break
+            with self._lock:
+                self._conns.add(sock)
+            threading.Thread(target=self._serve, args=(sock, peer), daemon=True).start()
+
+    def close(self) -> None:
+        self._closed = True
+        with contextlib.suppress(OSError):
+            self._listener.shutdown(socket.SHUT_RDWR)
+        self._listener.close()
+        with self._lock:
+            conns = list(self._conns)
+        for sock in conns:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def __enter__(self) -> TcpDataServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _serve(self, sock: socket.socket, peer: Any) -> None:
+        try:
+            w.tune(sock)
+            sock.settimeout(self.handshake_timeout)
+            if self._handshake(sock, peer):
+                sock.settimeout(None)
+                self._loop(sock)
+        except (OSError, ConnectionLostError):
+            pass
+        finally:
+            with self._lock:
+                self._conns.discard(sock)
+            sock.close()
+
+    def _handshake(self, sock: socket.socket, peer: Any) -> bool:
+        head = bytearray(w.HELLO.size)
+        w.recv_into_exact(sock, memoryview(head))
+        magic, version, tlen = w.HELLO.unpack(head)
+        token = bytearray(tlen)
+        if magic == w.MAGIC and tlen:
+            w.recv_into_exact(sock, memoryview(token))
+        status, reason = w.ST_OK, ""
+        if magic != w.MAGIC:
+            status, reason = w.ST_BAD_VERSION, "not a kvpool data connection"
+        elif version != w.VERSION:
+            status, reason = w.ST_BAD_VERSION, f"data protocol {version} unsupported"
+        elif not token_matches(self.token, token.decode(errors="replace")):
+            status, reason = w.ST_BAD_TOKEN, "wrong token" if tlen else "missing token"
+        if status != w.ST_OK:
+            log.warning("refused data connection from %s: %s", peer, reason)
+        msg = reason.encode()
+        sock.sendall(w.HELLO_REPLY.pack(w.MAGIC, status, len(msg)) + msg)
+        return status == w.ST_OK
+
+    def _error(self, sock: socket.socket, status: int, rid: int, message: str) -> None:
+        msg = message.encode()
+        sock.sendall(w.RESP.pack(status, rid, len(msg)) + msg)
+
+    def _loop(self, sock: socket.socket) -> None:
+        head = bytearray(w.REQ.size)
+        hview = memoryview(head)
+        while True:
+            try:
+                w.recv_into_exact(sock, hview)
+            except ConnectionLostError:
+                return
+            op, rid, offset, length = w.REQ.unpack(head)
+            if op == w.OP_PING:
+                sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
+                continue
+            if op not in (w.OP_READ, w.OP_WRITE):
+                return self._error(sock, w.ST_BAD_OP, rid, f"unknown op {op}")
+            if offset + length > self.size:
+                self._error(
+                    sock,
+                    w.ST_RANGE,
+                    rid,
+                    f"range [{offset}, {offset + length}) outside region of {self.size} B",
+                )
+                if op == w.OP_WRITE:
+                    return  # its payload is not drained: the stream is unusable
+                continue
+            span = self._mv[offset : offset + length]
+            if op == w.OP_READ:
+                w.send_parts(sock, w.RESP.pack(w.ST_OK, rid, length), span)
+                self.bytes_read += length
+            else:
+                w.recv_into_exact(sock, span)
+                sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
+                self.bytes_written += length

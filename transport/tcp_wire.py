@@ -1,0 +1,77 @@
+"""Binary wire format of the TCP data path (payloads are raw bytes, not msgpack).
+
+Connection start: the client sends ``HELLO`` (magic, version, token length)
+followed by the token's UTF-8 bytes; the server answers ``HELLO_REPLY``
+(magic, status, reason length) + reason. Status 0 is ok; otherwise the
+server closes the connection.
+
+Then any number of requests, answered strictly in order:
+
+- ``REQ`` (op, request id, offset, length); a WRITE is followed by exactly
+  ``length`` payload bytes;
+- ``RESP`` (status, request id, length); for an ok READ ``length`` payload
+  bytes follow; for an error, ``length`` bytes of UTF-8 message follow.
+
+A WRITE with a bad range is answered with an error and the connection is
+closed (its payload is never drained); a READ with a bad range gets an error
+and the connection stays usable.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import struct
+
+from kvpool.errors import ConnectionLostError
+
+MAGIC = b"KVDT"
+VERSION = 1
+HELLO = struct.Struct("!4sHH")
+HELLO_REPLY = struct.Struct("!4sBxH")
+REQ = struct.Struct("!BxxxIQQ")
+RESP = struct.Struct("!BxxxIQ")
+
+OP_READ, OP_WRITE, OP_PING = 1, 2, 3
+ST_OK, ST_BAD_VERSION, ST_BAD_TOKEN, ST_RANGE, ST_BAD_OP = 0, 1, 2, 3, 4
+
+SOCK_BUF = 8 * 1024 * 1024
+MAX_CHUNK = 1 << 30  # per recv_into/send call; keeps counts well inside int limits
+
+
+def tune(sock: socket.socket) -> None:
+    """TCP_NODELAY and large kernel buffers (best effort: limits are the kernel's)."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        with contextlib.suppress(OSError):
+            sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
+
+
+def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
+    """Fill ``view`` entirely (zero-copy into its memory); EOF -> ConnectionLostError."""
+    got, n = 0, view.nbytes
+    while got < n:
+        k = sock.recv_into(view[got:], min(n - got, MAX_CHUNK))
+        if k == 0:
+            raise ConnectionLostError(f"peer closed the data connection ({got} of {n} B received)")
+        got += k
+
+
+def send_parts(sock: socket.socket, header: bytes, payload: memoryview | None) -> None:
+    """Send header + payload with one gather ``sendmsg`` (then ``sendall`` of the rest)."""
+    if payload is None or payload.nbytes == 0:
+        sock.sendall(header)
+        return
+    sent = sock.sendmsg([header, payload[:MAX_CHUNK]])
+    if sent < len(header):
+        sock.sendall(header[sent:])
+        sent = len(header)
+    done = sent - len(header)
+    if done < payload.nbytes:
+        sock.sendall(payload[done:])
+
+
+def byte_view(arr: object) -> memoryview:
+    """A flat unsigned-byte memoryview of a (host) buffer."""
+    mv = memoryview(arr)  # type: ignore[arg-type]
+    return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
