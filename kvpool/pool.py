@@ -31,6 +31,7 @@ from kvpool.errors import (
     BlockTooLargeError,
     BufferSpecError,
     InvalidKeyError,
+    KVPoolError,
     PoolClosedError,
     PoolFullError,
     StorageError,
@@ -72,6 +73,47 @@ class _Tiers:
         return self.chain[i + 1] if i + 1 < len(self.chain) else None
 
 
+class BlockWriter:
+    """A reserved block, invisible until ``commit``: fill its bytes in any order.
+
+    Used by ``Pool.reserve`` callers that produce a block piecewise (the
+    layer writer writes one layer's range at a time). Leaving the ``with``
+    block commits; an exception inside it aborts, so a failed producer never
+    leaves a half-written block visible.
+    """
+
+    def __init__(
+        self, pool: Pool, key: bytes, tier: MemoryTier, offset: int, size: int, parent: bytes | None
+    ) -> None:
+        self._pool = pool
+        self.key, self.tier, self.offset, self.size, self.parent = key, tier, offset, size, parent
+        self.copies = 0  # copies in flight (under the pool's lock)
+        self.done = False
+
+    def write(self, offset: int, data: Any) -> None:
+        """Copy ``data`` into bytes [offset, offset + len(data)) of the block."""
+        src = as_region(data, what="data")
+        end = offset + region_nbytes(src)
+        if offset < 0 or end > self.size:
+            raise BufferSpecError(f"write of [{offset}, {end}) is outside the block of {self.size}")
+        self._pool._write_reserved(self, offset, src)
+
+    def commit(self) -> None:
+        self._pool._finish(self, commit=True)
+
+    def abort(self) -> None:
+        self._pool._finish(self, commit=False)
+
+    def __enter__(self) -> BlockWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
 class Pool:
     """A KV block store with put/get/get_into/exists/prefix_match/remove; thread-safe."""
 
@@ -99,7 +141,7 @@ class Pool:
         self.config = config
         self._lock = threading.Condition()
         self._entries: dict[bytes, _Entry] = {}
-        self._writing: set[bytes] = set()
+        self._writing: dict[bytes, BlockWriter] = {}  # reserved, not yet committed
         self._active = 0  # operations copying outside the lock
         self._closed = False
         self._stats = PoolStats()
@@ -133,6 +175,20 @@ class Pool:
         regions = [_data_region(d) for d in datas]
         return [self._put_region(k, r, p) for k, r, p in zip(keys, regions, parents, strict=True)]
 
+    def reserve(
+        self, key: bytes, size: int, *, parent: bytes | None = None, device: bool = False
+    ) -> BlockWriter | None:
+        """Reserve ``size`` bytes for ``key`` to be filled piecewise; None if already stored.
+
+        ``device=True`` places the block in the GPU tier when there is one.
+        """
+        _check_key(key)
+        if parent is not None:
+            _check_key(parent, what="parent")
+        if not isinstance(size, int) or size <= 0:
+            raise BufferSpecError(f"size must be a positive int, got {size!r}")
+        return self._reserve(key, size, parent, device)
+
     def get(self, key: bytes) -> bytes | None:
         """A copy of the block's bytes, or None on a miss."""
         _check_key(key)
@@ -143,10 +199,19 @@ class Pool:
         got = self._get_into_region(key, out)
         return None if got is None else out[:got].tobytes()
 
-    def get_into(self, key: bytes, out: Any) -> int | None:
-        """Copy the block into ``out`` (at least as large); its size, or None on a miss."""
+    def get_into(
+        self, key: bytes, out: Any, *, offset: int = 0, length: int | None = None
+    ) -> int | None:
+        """Copy the block (or its bytes [offset, offset+length)) into the start of ``out``.
+
+        Returns the number of bytes copied, or None on a miss. ``out`` must be
+        at least that large. Byte ranges let a reader take one layer of a
+        block (see ``KVLayout``) without touching the rest.
+        """
         _check_key(key)
-        return self._get_into_region(key, as_region(out, writable=True, what="out"))
+        if offset < 0 or (length is not None and length <= 0):
+            raise BufferSpecError(f"bad range: offset={offset}, length={length}")
+        return self._get_into_region(key, as_region(out, writable=True, what="out"), offset, length)
 
     def get_into_batch(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
         """``get_into`` for each pair; all keys and buffers are checked first."""
@@ -218,34 +283,64 @@ class Pool:
     # -- put path ---------------------------------------------------------
 
     def _put_region(self, key: bytes, src: Region, parent: bytes | None) -> bool:
-        size = region_nbytes(src)
+        writer = self._reserve(key, region_nbytes(src), parent, region_is_device(src))
+        if writer is None:
+            return False
+        with writer:
+            writer.write(0, src)
+        return True
+
+    def _reserve(
+        self, key: bytes, size: int, parent: bytes | None, device: bool
+    ) -> BlockWriter | None:
         with self._lock:
             self._check_open()
-            tier = self._landing_tier(src)
+            tier = self._tiers.gpu if device and self._tiers.gpu is not None else self._tiers.dram
             if key in self._entries or key in self._writing:
-                return False
+                return None
             if not tier.policy.admit(key):
                 self._stats.not_admitted += 1
-                return False
+                return None
             offset = self._make_room(tier, size)
-            self._writing.add(key)
+            writer = BlockWriter(self, key, tier, offset, size, parent)
+            self._writing[key] = writer
+            return writer
+
+    def _write_reserved(self, writer: BlockWriter, offset: int, src: Region) -> None:
+        with self._lock:
+            self._check_open()
+            if writer.done:
+                raise KVPoolError("this block writer is already committed or aborted")
+            writer.copies += 1
             self._active += 1
-        committed = False
         try:
-            copy_region(tier.region(offset, size), src)
-            committed = True
+            copy_region(writer.tier.region(writer.offset + offset, region_nbytes(src)), src)
         finally:
             with self._lock:
-                self._writing.discard(key)
+                writer.copies -= 1
                 self._active -= 1
-                if committed:
-                    self._entries[key] = _Entry(tier, offset, size, parent)
-                    tier.policy.on_insert(key, parent)
-                    self._stats.count_put(tier.name, size)
-                else:
-                    tier.free(offset)
                 self._lock.notify_all()
-        return True
+
+    def _finish(self, writer: BlockWriter, commit: bool) -> None:
+        """Make a reserved block visible (commit) or give its space back (abort)."""
+        with self._lock:
+            self._lock.wait_for(lambda: writer.copies == 0)
+            if writer.done:
+                if commit:
+                    raise KVPoolError("this block writer is already committed or aborted")
+                return
+            writer.done = True
+            if self._closed:
+                raise PoolClosedError("the pool was closed before this block was committed")
+            del self._writing[writer.key]
+            if not commit:
+                writer.tier.free(writer.offset)
+                return
+            self._entries[writer.key] = _Entry(
+                writer.tier, writer.offset, writer.size, writer.parent
+            )
+            writer.tier.policy.on_insert(writer.key, writer.parent)
+            self._stats.count_put(writer.tier.name, writer.size)
 
     def _landing_tier(self, src: Region) -> MemoryTier:
         if region_is_device(src) and self._tiers.gpu is not None:
@@ -346,28 +441,34 @@ class Pool:
                 return None
             return entry.size
 
-    def _get_into_region(self, key: bytes, dst: Region) -> int | None:
+    def _get_into_region(
+        self, key: bytes, dst: Region, start: int = 0, length: int | None = None
+    ) -> int | None:
         with self._lock:
             self._check_open()
             entry = self._entries.get(key)
             if entry is None:
                 self._stats.misses += 1
                 return None
-            if region_nbytes(dst) < entry.size:
+            want = entry.size - start if length is None else length
+            if start + want > entry.size or want <= 0:
                 raise BufferSpecError(
-                    f"out has {region_nbytes(dst)} bytes but the block has {entry.size}"
+                    f"range [{start}, {start + want}) is outside the block of {entry.size} bytes"
                 )
+            if region_nbytes(dst) < want:
+                raise BufferSpecError(f"out has {region_nbytes(dst)} bytes but {want} are asked")
             entry.pins += 1
             self._active += 1
             entry.tier.policy.on_access(key)
-            tier, offset, size, record = entry.tier, entry.offset, entry.size, entry.record
-            self._stats.count_hit(tier.name, size)
+            tier, offset, record = entry.tier, entry.offset, entry.record
+            self._stats.count_hit(tier.name, want)
         try:
             if isinstance(tier, SsdTier):
                 assert record is not None
-                return self._read_from_ssd(key, entry, tier, record, dst)
-            copy_region(dst, tier.region(offset, size))
-            return size
+                valid = self._read_from_ssd(key, entry, tier, record, dst, start, want)
+                return want if valid else None
+            copy_region(dst, tier.region(offset + start, want))
+            return want
         finally:
             with self._lock:
                 self._unpin(entry)
@@ -375,9 +476,17 @@ class Pool:
                 self._lock.notify_all()
 
     def _read_from_ssd(
-        self, key: bytes, entry: _Entry, ssd: SsdTier, record: SsdRecord, dst: Region
-    ) -> int | None:
-        """Read a pinned SSD block into ``dst`` through a DRAM slot, promoting it there."""
+        self,
+        key: bytes,
+        entry: _Entry,
+        ssd: SsdTier,
+        record: SsdRecord,
+        dst: Region,
+        start: int,
+        length: int,
+    ) -> bool:
+        """Read bytes of a pinned SSD block into ``dst`` through a DRAM slot, promoting
+        the whole block there; False (and the block dropped) if its checksum fails."""
         dram = self._tiers.dram
         with self._lock:
             try:
@@ -386,11 +495,13 @@ class Pool:
                 slot_offset = None
         if slot_offset is not None:
             staging = dram.region(slot_offset, dram.allocator.size_of(slot_offset))
+        elif region_is_device(dst) or length != record.size:
+            staging = np.empty(record.size, np.uint8)
         else:
-            staging = np.empty(record.size, np.uint8) if region_is_device(dst) else dst
+            staging = dst
         valid = ssd.read_into(record, staging)
         if valid and staging is not dst:
-            copy_region(dst, staging[: record.size])
+            copy_region(dst, staging[start : start + length])
         with self._lock:
             current = self._entries.get(key) is entry
             if not valid:
@@ -404,7 +515,7 @@ class Pool:
                     self._promote(key, entry, ssd, slot_offset)
                 else:
                     dram.free(slot_offset)
-        return record.size if valid else None
+        return valid
 
     def _promote(self, key: bytes, entry: _Entry, ssd: SsdTier, dram_offset: int) -> None:
         """Point an SSD block (pinned only by the caller) at its fresh DRAM copy."""
