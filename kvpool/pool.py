@@ -38,6 +38,7 @@ from kvpool.errors import (
 )
 from kvpool.eviction import make_policy
 from kvpool.index.keys import KEY_BYTES
+from kvpool.pool_handles import BlockWriter, Lease
 from kvpool.pool_stats import PoolStats
 from kvpool.tiers.memory import DramTier, GpuTier, MemoryTier
 from kvpool.tiers.ssd import SsdRecord, SsdTier
@@ -71,47 +72,6 @@ class _Tiers:
     def below(self, tier: Tier) -> Tier | None:
         i = self.chain.index(tier)
         return self.chain[i + 1] if i + 1 < len(self.chain) else None
-
-
-class BlockWriter:
-    """A reserved block, invisible until ``commit``: fill its bytes in any order.
-
-    Used by ``Pool.reserve`` callers that produce a block piecewise (the
-    layer writer writes one layer's range at a time). Leaving the ``with``
-    block commits; an exception inside it aborts, so a failed producer never
-    leaves a half-written block visible.
-    """
-
-    def __init__(
-        self, pool: Pool, key: bytes, tier: MemoryTier, offset: int, size: int, parent: bytes | None
-    ) -> None:
-        self._pool = pool
-        self.key, self.tier, self.offset, self.size, self.parent = key, tier, offset, size, parent
-        self.copies = 0  # copies in flight (under the pool's lock)
-        self.done = False
-
-    def write(self, offset: int, data: Any) -> None:
-        """Copy ``data`` into bytes [offset, offset + len(data)) of the block."""
-        src = as_region(data, what="data")
-        end = offset + region_nbytes(src)
-        if offset < 0 or end > self.size:
-            raise BufferSpecError(f"write of [{offset}, {end}) is outside the block of {self.size}")
-        self._pool._write_reserved(self, offset, src)
-
-    def commit(self) -> None:
-        self._pool._finish(self, commit=True)
-
-    def abort(self) -> None:
-        self._pool._finish(self, commit=False)
-
-    def __enter__(self) -> BlockWriter:
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
 
 
 class Pool:
@@ -188,6 +148,24 @@ class Pool:
         if not isinstance(size, int) or size <= 0:
             raise BufferSpecError(f"size must be a positive int, got {size!r}")
         return self._reserve(key, size, parent, device)
+
+    def lease(self, keys: Sequence[bytes]) -> Lease:
+        """Pin the longest stored prefix of ``keys`` until the lease is released.
+
+        Leased blocks cannot be evicted, moved or freed, so a reader can take
+        them piecewise (layer by layer) and never see one vanish half-way.
+        Blocks found on SSD are promoted to DRAM first, so the pieces are
+        memory copies. ``len(lease)`` is the number of blocks leased.
+        """
+        for key in keys:
+            _check_key(key)
+        pinned: list[tuple[bytes, _Entry]] = []
+        for key in keys:
+            entry = self._pin_for_lease(key)
+            if entry is None:
+                break
+            pinned.append((key, entry))
+        return Lease(self, pinned)
 
     def get(self, key: bytes) -> bytes | None:
         """A copy of the block's bytes, or None on a miss."""
@@ -431,6 +409,35 @@ class Pool:
 
     # -- read path --------------------------------------------------------
 
+    def _pin_for_lease(self, key: bytes) -> _Entry | None:
+        with self._lock:
+            self._check_open()
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            entry.pins += 1
+            entry.tier.policy.on_access(key)
+            if not isinstance(entry.tier, SsdTier):
+                return entry
+            ssd, record = entry.tier, entry.record
+            self._active += 1
+        assert record is not None
+        valid = False
+        try:
+            valid = self._read_from_ssd(key, entry, ssd, record, None, 0, record.size)
+        finally:
+            with self._lock:
+                self._active -= 1
+                if not valid:
+                    self._unpin(entry)
+                self._lock.notify_all()
+        return entry if valid else None
+
+    def _release(self, entries: Sequence[_Entry]) -> None:
+        with self._lock:
+            for entry in entries:
+                self._unpin(entry)
+
     def _size_or_miss(self, key: bytes) -> int | None:
         """The block's size, or None (counted as a miss) if it is not stored."""
         with self._lock:
@@ -481,12 +488,15 @@ class Pool:
         entry: _Entry,
         ssd: SsdTier,
         record: SsdRecord,
-        dst: Region,
+        dst: Region | None,
         start: int,
         length: int,
     ) -> bool:
         """Read bytes of a pinned SSD block into ``dst`` through a DRAM slot, promoting
-        the whole block there; False (and the block dropped) if its checksum fails."""
+        the whole block there; False (and the block dropped) if its checksum fails.
+
+        With ``dst=None`` the block is only verified and promoted.
+        """
         dram = self._tiers.dram
         with self._lock:
             try:
@@ -495,12 +505,12 @@ class Pool:
                 slot_offset = None
         if slot_offset is not None:
             staging = dram.region(slot_offset, dram.allocator.size_of(slot_offset))
-        elif region_is_device(dst) or length != record.size:
+        elif dst is None or region_is_device(dst) or length != record.size:
             staging = np.empty(record.size, np.uint8)
         else:
             staging = dst
         valid = ssd.read_into(record, staging)
-        if valid and staging is not dst:
+        if valid and dst is not None and staging is not dst:
             copy_region(dst, staging[start : start + length])
         with self._lock:
             current = self._entries.get(key) is entry
