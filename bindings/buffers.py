@@ -41,14 +41,14 @@ def is_device(obj: Any) -> bool:
 
 def host_view(obj: Any, *, writable: bool = False, what: str = "buffer") -> np.ndarray:
     """Flat uint8 view of a contiguous CPU buffer; BufferSpecError otherwise."""
-    if is_torch_tensor(obj):
-        return _torch_host_view(obj, writable=writable, what=what)
     if isinstance(obj, np.ndarray):
         if not obj.flags.c_contiguous:
             raise BufferSpecError(f"{what} must be C-contiguous (numpy array with strides)")
         if writable and not obj.flags.writeable:
             raise BufferSpecError(f"{what} is read-only; an output buffer must be writable")
         return obj.reshape(-1).view(np.uint8)
+    if is_torch_tensor(obj):
+        return _torch_host_view(obj, writable=writable, what=what)
     try:
         mv = memoryview(obj)
     except TypeError:
@@ -65,7 +65,7 @@ def host_view(obj: Any, *, writable: bool = False, what: str = "buffer") -> np.n
 
 def as_region(obj: Any, *, writable: bool = False, what: str = "buffer") -> Region:
     """Host buffers as ``host_view``; device buffers as flat uint8 CUDA tensors."""
-    if not is_device(obj):
+    if isinstance(obj, np.ndarray) or not is_device(obj):
         return host_view(obj, writable=writable, what=what)
     if is_cupy_array(obj):
         import torch
