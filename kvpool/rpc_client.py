@@ -23,6 +23,7 @@ import contextlib
 import itertools
 import socket
 import threading
+import time
 from collections.abc import Iterable
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -226,9 +227,14 @@ class RpcClient:
     def call_many(
         self, calls: Iterable[tuple[str, Any]], *, timeout: float | None = None
     ) -> list[Any]:
-        """Pipeline several calls on the connection; results in call order."""
+        """Pipeline several calls on the connection; results in call order.
+
+        ``timeout`` bounds the whole batch, not each call.
+        """
+        t = self.timeout if timeout is None else timeout
+        deadline = time.monotonic() + t
         futs = [self.submit(m, p) for m, p in calls]
-        return [self.wait(f, timeout) for f in futs]
+        return [self.wait(f, max(0.0, deadline - time.monotonic())) for f in futs]
 
     def close(self) -> None:
         with self._lock:

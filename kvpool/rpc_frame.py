@@ -70,19 +70,22 @@ def decode_body(payload: bytes | bytearray | memoryview) -> dict[str, Any]:
 def recv_exact(sock: socket.socket, view: memoryview, *, idle_ok: bool = False) -> bool:
     """Fill ``view`` from ``sock``; False on clean EOF before the first byte.
 
-    Socket timeouts are retried (the socket's timeout only paces the loop so a
-    closing owner can interrupt it); EOF after the first byte raises
-    ConnectionLostError. With ``idle_ok`` a timeout before the first byte is
-    retried forever, otherwise it propagates as ``TimeoutError``.
+    Before the first byte, a socket timeout is retried forever with
+    ``idle_ok`` (an idle connection between frames) and propagates as
+    ``TimeoutError`` otherwise. After the first byte, a whole socket timeout
+    without progress means the peer stalled mid-frame: ConnectionLostError,
+    as is EOF mid-frame.
     """
     got, n = 0, len(view)
     while got < n:
         try:
             k = sock.recv_into(view[got:], n - got)
         except TimeoutError:
-            if got == 0 and not idle_ok:
+            if got == 0 and idle_ok:
+                continue
+            if got == 0:
                 raise
-            continue
+            raise ConnectionLostError(f"peer stalled mid-frame ({got} of {n} B received)") from None
         except OSError as exc:
             raise ConnectionLostError(f"connection lost while receiving: {exc}") from exc
         if k == 0:
@@ -102,6 +105,10 @@ def read_frame(
         return None
     length = parse_header(bytes(header), max_frame=max_frame)
     payload = bytearray(length)
-    if length and not recv_exact(sock, memoryview(payload), idle_ok=True):
+    try:
+        complete = not length or recv_exact(sock, memoryview(payload), idle_ok=False)
+    except TimeoutError:
+        raise ConnectionLostError("peer stalled after a frame header") from None
+    if not complete:
         raise ConnectionLostError("connection closed after a frame header (truncated frame)")
     return decode_body(payload)

@@ -273,6 +273,7 @@ class RpcServer:
         try:
             conn.send(reply)
         except (TypeError, ValueError, KVPoolError) as exc:  # result not encodable
-            conn.send(ErrorReply(reply.id, "internal", f"unencodable result: {exc}"))  # type: ignore[union-attr]
+            with contextlib.suppress(OSError):
+                conn.send(ErrorReply(reply.id, "internal", f"unencodable result: {exc}"))  # type: ignore[union-attr]
         except OSError:
             conn.close()

@@ -235,3 +235,25 @@ def test_bad_frames_answered_and_closed(server: int) -> None:
             assert s.recv(1) == b""
     with RpcClient(("127.0.0.1", server)) as c:
         assert c.call("echo", "still up") == "still up"
+
+
+def test_stalled_half_frame_is_dropped() -> None:
+    srv = RpcServer(ServerConfig(io_timeout=0.3, handshake_timeout=0.3))
+    srv.register("echo", lambda p: p)
+    host, port = srv.start()
+    try:
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(encode_frame(encode_envelope(Hello(version=1)))[:5])  # half a header
+            t0 = time.monotonic()
+            assert s.recv(1) == b""  # the server gave up on us
+            assert time.monotonic() - t0 < 3
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.sendall(encode_frame(encode_envelope(Hello(version=1))))
+            assert read_frame(s, idle_ok=False) is not None
+            s.sendall(encode_frame(encode_envelope(Request(1, "echo", 1)))[:-1])  # stalls
+            assert s.recv(1) == b""
+        with RpcClient((host, port)) as c:  # an idle connection is never dropped
+            time.sleep(0.6)
+            assert c.call("echo", 3) == 3
+    finally:
+        srv.close()

@@ -12,11 +12,6 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 import torch
-from kvpool.transport.base import RegionInfo, host_identity
-from kvpool.transport.select import candidates, select_transport
-from kvpool.transport.shm import ShmTransport
-from kvpool.transport.tcp import TcpTransport
-from kvpool.transport.tcp_server import TcpDataServer
 
 from kvpool.errors import (
     BufferSpecError,
@@ -24,6 +19,11 @@ from kvpool.errors import (
     HandshakeRefusedError,
     TransportUnavailableError,
 )
+from kvpool.transport.base import RegionInfo, host_identity
+from kvpool.transport.select import candidates, select_transport
+from kvpool.transport.shm import ShmTransport
+from kvpool.transport.tcp import TcpTransport
+from kvpool.transport.tcp_server import TcpDataServer
 
 REGION = 40 << 20
 SIZES = [1, 7, 4096, 65_537, (1 << 20) + 3, 16 << 20]
@@ -201,3 +201,11 @@ def test_select_respects_env(node: RegionInfo, monkeypatch: pytest.MonkeyPatch) 
     except ImportError:
         with pytest.raises(TransportUnavailableError, match="ucxx is not installed"):
             select_transport(node)
+
+
+def test_byte_counters(node: RegionInfo) -> None:
+    with TcpTransport(node) as tcp, ShmTransport(node) as shm:
+        for t in (tcp, shm):
+            t.read_into(0, np.empty(10, np.uint8))
+            t.read_many([(0, bytearray(5)), (5, bytearray(5))])
+            assert (t.bytes_read, t.bytes_written) == (20, 0)

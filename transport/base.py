@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
+from kvpool.errors import BufferSpecError
 from kvpool.rpc_messages import WireMessage
 
 
@@ -80,6 +81,8 @@ class Transport(ABC):
 
     def __init__(self, info: RegionInfo) -> None:
         self.info = info
+        self.bytes_read = 0  # payload bytes moved by successful calls (for stats())
+        self.bytes_written = 0
 
     @abstractmethod
     def read_into(self, offset: int, out: Any) -> None:
@@ -109,8 +112,6 @@ class Transport(ABC):
 
 
 def check_range(offset: int, length: int, size: int) -> None:
-    from kvpool.errors import BufferSpecError
-
     if offset < 0 or length < 0 or offset + length > size:
         raise BufferSpecError(
             f"range [{offset}, {offset + length}) lies outside the region of {size} B"

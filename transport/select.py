@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import os
 
-from kvpool.transport.base import RegionInfo, Transport
-
 from kvpool.errors import TransportUnavailableError
+from kvpool.transport.base import RegionInfo, Transport
 
 TRANSPORT_ENV = "KVPOOL_TRANSPORT"
 NAMES = ("shm", "ucx", "tcp")

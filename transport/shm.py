@@ -20,10 +20,10 @@ import threading
 from typing import Any
 
 import numpy as np
-from kvpool.bindings.buffers import as_region, copy_region, region_nbytes
-from kvpool.transport.base import RegionInfo, Transport, check_range, host_identity
 
+from kvpool.bindings.buffers import as_region, copy_region, region_nbytes
 from kvpool.errors import PoolClosedError, TransportUnavailableError
+from kvpool.transport.base import RegionInfo, Transport, check_range, host_identity
 
 SHM_DIR = "/dev/shm"
 
@@ -77,12 +77,22 @@ class ShmTransport(Transport):
         return self._arena[offset : offset + length]
 
     def read_into(self, offset: int, out: Any) -> None:
+        if _plain(out) and out.flags.writeable:  # fast path: one np.copyto, nothing else
+            np.copyto(out, self._span(offset, out.nbytes))
+            self.bytes_read += out.nbytes
+            return
         dst = as_region(out, writable=True, what="output buffer")
         copy_region(dst, self._span(offset, region_nbytes(dst)))
+        self.bytes_read += region_nbytes(dst)
 
     def write(self, offset: int, data: Any) -> None:
+        if _plain(data):
+            np.copyto(self._span(offset, data.nbytes), data)
+            self.bytes_written += data.nbytes
+            return
         src = as_region(data, what="data")
         copy_region(self._span(offset, region_nbytes(src)), src)
+        self.bytes_written += region_nbytes(src)
 
     def close(self) -> None:
         with self._lock:
@@ -92,3 +102,13 @@ class ShmTransport(Transport):
                 with contextlib.suppress(BufferError):
                     self._mmap.close()
                 self._mmap = None
+
+
+def _plain(buf: Any) -> bool:
+    """A flat contiguous uint8 numpy array (what tiers and engines mostly pass)."""
+    return (
+        type(buf) is np.ndarray
+        and buf.dtype == np.uint8
+        and buf.ndim == 1
+        and bool(buf.flags.c_contiguous)
+    )

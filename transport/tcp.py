@@ -20,10 +20,8 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-from kvpool.bindings.buffers import as_region, copy_region, region_is_device, region_nbytes
-from kvpool.transport import tcp_wire as w
-from kvpool.transport.base import RegionInfo, Transport, check_range
 
+from kvpool.bindings.buffers import as_region, copy_region, region_is_device, region_nbytes
 from kvpool.errors import (
     BufferSpecError,
     CallTimeoutError,
@@ -33,6 +31,8 @@ from kvpool.errors import (
     RemoteError,
 )
 from kvpool.rpc_auth import resolve_token
+from kvpool.transport import tcp_wire as w
+from kvpool.transport.base import RegionInfo, Transport, check_range
 
 
 class TcpTransport(Transport):
@@ -48,6 +48,7 @@ class TcpTransport(Transport):
         self._lock = threading.Lock()
         self._rid = 0
         self._resp = bytearray(w.RESP.size)
+        self._resp_mv = memoryview(self._resp)
 
     # --- connection -----------------------------------------------------------
 
@@ -116,13 +117,59 @@ class TcpTransport(Transport):
             raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")
         return int(length)
 
+    def _recv_read(self, sock: socket.socket, rid: int, payload: memoryview) -> None:
+        """Receive one READ reply: header and payload with one scatter ``recvmsg_into``.
+
+        The payload buffer is exactly the expected length, so an ok reply never
+        over-reads into the next one; on any error the caller drops the stream.
+        """
+        hdr, n, h = self._resp_mv, payload.nbytes, w.RESP.size
+        got = sock.recvmsg_into([hdr, payload] if n else [hdr])[0]
+        if got == 0:
+            raise ConnectionLostError("peer closed the data connection")
+        if got < h:
+            w.recv_into_exact(sock, hdr[got:])
+            got = h
+        status, got_rid, length = w.RESP.unpack(self._resp)
+        body = got - h
+        if status != w.ST_OK:
+            msg = bytearray(length)
+            msg[: min(body, length)] = payload[: min(body, length)]
+            if body < length:
+                w.recv_into_exact(sock, memoryview(msg)[body:])
+            raise RemoteError("data", msg.decode(errors="replace"))
+        if got_rid != rid or length != n:
+            raise ConnectionLostError(f"data stream out of sync (reply {got_rid}/{length} B)")
+        if body < n:
+            w.recv_into_exact(sock, payload[body:])
+
     # --- transfers --------------------------------------------------------------
 
     def read_into(self, offset: int, out: Any) -> None:
-        self.read_many([(offset, out)])
+        if type(out) is np.ndarray and out.dtype == np.uint8 and out.ndim == 1:
+            region = out if out.flags.writeable else as_region(out, writable=True)
+        else:
+            region = as_region(out, writable=True, what="output buffer")
+        if region_is_device(region):
+            self.read_many([(offset, out)])
+            return
+        check_range(offset, region.nbytes, self.info.size)
+        self._io(self._read_one, offset, region)
+        self.bytes_read += region.nbytes
+
+    def _read_one(self, sock: socket.socket, offset: int, region: np.ndarray) -> None:
+        rid = self._next_rid()
+        sock.sendall(w.REQ.pack(w.OP_READ, rid, offset, region.nbytes))
+        self._recv_read(sock, rid, w.byte_view(region))
 
     def write(self, offset: int, data: Any) -> None:
-        self.write_many([(offset, data)])
+        region = as_region(data, what="data")
+        if region_is_device(region):
+            self.write_many([(offset, data)])
+            return
+        check_range(offset, region.nbytes, self.info.size)
+        self._io(self._write_many, [(offset, region)])
+        self.bytes_written += region.nbytes
 
     def read_many(self, items: Sequence[tuple[int, Any]]) -> None:
         plan = []  # (offset, host region to fill, device region or None)
@@ -135,6 +182,7 @@ class TcpTransport(Transport):
         for _, host, device in plan:
             if device is not None:
                 copy_region(device, host)
+            self.bytes_read += host.nbytes
 
     def _read_many(self, sock: socket.socket, plan: list[tuple[int, Any, Any]]) -> None:
         rids = [self._next_rid() for _ in plan]
@@ -144,10 +192,7 @@ class TcpTransport(Transport):
         )
         sock.sendall(reqs)
         for rid, (_, host, _) in zip(rids, plan, strict=True):
-            length = self._read_resp(sock, rid)
-            if length != host.nbytes:
-                raise ConnectionLostError(f"node sent {length} B for a {host.nbytes} B read")
-            w.recv_into_exact(sock, w.byte_view(host))
+            self._recv_read(sock, rid, w.byte_view(host))
 
     def write_many(self, items: Sequence[tuple[int, Any]]) -> None:
         plan = []
@@ -160,6 +205,7 @@ class TcpTransport(Transport):
                 region = host
             plan.append((offset, region))
         self._io(self._write_many, plan)
+        self.bytes_written += sum(r.nbytes for _, r in plan)
 
     def _write_many(self, sock: socket.socket, plan: list[tuple[int, np.ndarray]]) -> None:
         rids = [self._next_rid() for _ in plan]

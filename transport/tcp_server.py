@@ -19,10 +19,9 @@ import threading
 from typing import Any
 
 from kvpool.bindings.buffers import host_view
-from kvpool.transport import tcp_wire as w
-
 from kvpool.errors import ConnectionLostError
 from kvpool.rpc_auth import check_bind, resolve_token, token_matches
+from kvpool.transport import tcp_wire as w
 
 log = logging.getLogger("kvpool.transport.tcp")
 

@@ -37,11 +37,11 @@ from functools import cache
 from typing import Any
 
 import numpy as np
-from kvpool.bindings.buffers import as_region, region_nbytes
-from kvpool.transport.base import RegionInfo, Transport, UcxInfo, check_range, host_identity
 
+from kvpool.bindings.buffers import as_region, region_nbytes
 from kvpool.errors import CallTimeoutError, ConnectionLostError, HandshakeRefusedError
 from kvpool.rpc_auth import check_bind, resolve_token, token_matches
+from kvpool.transport.base import RegionInfo, Transport, UcxInfo, check_range, host_identity
 
 HELLO_TAG = 0x6B76706F6F6C  # "kvpool"
 HELLO_SIZE = 8192
@@ -285,6 +285,11 @@ class UcxTransport(Transport):
         with self._lock:
             try:
                 self._loop.run(self._transfer(op, plan), self.timeout)
+                moved = sum(region_nbytes(r) for _, r in plan)
+                if op == OP_READ:
+                    self.bytes_read += moved
+                else:
+                    self.bytes_written += moved
             except (CallTimeoutError, HandshakeRefusedError, ConnectionLostError):
                 self._chan = None
                 raise

@@ -1,0 +1,262 @@
+"""Data-path microbenchmark: transports against raw sockets and memcpy, same run.
+
+A node process (``python -m kvpool.bench.remote_transport --node BYTES``)
+creates a pre-faulted shared-memory arena and serves it twice: through the
+TCP data server, and through a minimal raw-socket server (request = op,
+offset, length; reply = the bytes by ``sendall``; puts = ``recv_into`` then a
+1-byte ack) -- the least a Python program can do per operation. The client
+(this process) measures, per size:
+
+- tcp get_into / put vs the raw socket doing the same request/response ops;
+- tcp get_batch (``read_many`` of 8 ranges) vs a raw back-to-back stream
+  (the socket's bandwidth ceiling);
+- shm get_into / put vs ``np.copyto`` between buffers of the same kind.
+
+Baseline and ours alternate op by op and GB/s comes from median latencies,
+so bursts from other processes on this shared machine hit both sides. Every
+buffer is pre-faulted before timing. Not wired into the CLI yet:
+call ``run_remote_transport`` or run the module.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from kvpool.bench.common import (
+    Row,
+    Timing,
+    count_for,
+    faulted,
+    make_row,
+    parse_sizes,
+    print_table,
+    write_json,
+)
+from kvpool.transport import tcp_wire as w
+from kvpool.transport.base import RegionInfo
+from kvpool.transport.shm import ShmTransport
+from kvpool.transport.tcp import TcpTransport
+
+RAW_REQ = struct.Struct("!BxxxxxxxQQQ")  # op, offset, length, repeat
+RAW_GET, RAW_PUT, RAW_STREAM = 1, 2, 3
+WORKING_SET = 64 << 20
+BATCH = 8
+
+
+# --- node process ---------------------------------------------------------------
+
+
+def _raw_serve(sock: socket.socket, region: memoryview) -> None:
+    head = bytearray(RAW_REQ.size)
+    try:
+        while True:
+            w.recv_into_exact(sock, memoryview(head))
+            op, offset, length, repeat = RAW_REQ.unpack(head)
+            span = region[offset : offset + length]
+            if op == RAW_PUT:
+                w.recv_into_exact(sock, span)
+                sock.sendall(b"\x01")
+            else:
+                for _ in range(repeat if op == RAW_STREAM else 1):
+                    sock.sendall(span)
+    except Exception:
+        sock.close()
+
+
+def _node(size: int) -> None:
+    from kvpool.arena import SharedArena
+    from kvpool.transport.base import host_identity
+    from kvpool.transport.tcp_server import TcpDataServer
+
+    arena = SharedArena(size)
+    arena.view[:] = np.resize(np.arange(251, dtype=np.uint8), size)
+    tcp = TcpDataServer(arena.view, host="127.0.0.1", port=0)
+    raw = socket.create_server(("127.0.0.1", 0))
+    region = memoryview(arena.view)  # type: ignore[arg-type]
+
+    def accept() -> None:
+        while True:
+            sock, _ = raw.accept()
+            w.tune(sock)
+            threading.Thread(target=_raw_serve, args=(sock, region), daemon=True).start()
+
+    threading.Thread(target=accept, daemon=True).start()
+    print(tcp.start()[1], raw.getsockname()[1], arena.name, host_identity(), flush=True)
+    sys.stdin.read()
+    tcp.close()
+    arena.close()
+
+
+# --- client ------------------------------------------------------------------------
+
+
+class _RawClient:
+    def __init__(self, port: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        w.tune(self.sock)
+        self.ack = bytearray(1)
+
+    def get(self, offset: int, out: np.ndarray) -> None:
+        self.sock.sendall(RAW_REQ.pack(RAW_GET, offset, out.nbytes, 1))
+        w.recv_into_exact(self.sock, memoryview(out))  # type: ignore[arg-type]
+
+    def put(self, offset: int, data: np.ndarray) -> None:
+        w.send_parts(self.sock, RAW_REQ.pack(RAW_PUT, offset, data.nbytes, 1), memoryview(data))  # type: ignore[arg-type]
+        w.recv_into_exact(self.sock, memoryview(self.ack))
+
+    def stream(self, offset: int, outs: Sequence[np.ndarray]) -> None:
+        self.sock.sendall(RAW_REQ.pack(RAW_STREAM, offset, outs[0].nbytes, len(outs)))
+        for out in outs:
+            w.recv_into_exact(self.sock, memoryview(out))  # type: ignore[arg-type]
+
+
+class MedianTiming(Timing):
+    """GB/s from the median op latency: robust to bursts from other tenants."""
+
+    @property
+    def gbps(self) -> float:
+        return self.size / float(np.median(self.latencies)) / 1e9
+
+
+def _paired(
+    size: int, base: Callable[[int], object], ours: Callable[[int], object], n: int, rounds: int
+) -> tuple[Timing, Timing]:
+    """Alternate baseline and ours op by op (after a warm-up round) so noise hits both.
+
+    Op i of ours touches buffer (i + n/2) mod n, never the one the baseline just
+    touched, so neither side reads the other's cache-warm data.
+    """
+    b, o = MedianTiming(size, []), MedianTiming(size, [])
+    clock = time.perf_counter
+    half = n // 2
+    for r in range(rounds + 1):
+        for i in range(n):
+            t0 = clock()
+            base(i)
+            t1 = clock()
+            ours((i + half) % n)
+            t2 = clock()
+            if r:
+                b.latencies.append(t1 - t0)
+                o.latencies.append(t2 - t1)
+    return b, o
+
+
+def _sizes_rows(
+    size: int, info: RegionInfo, raw: _RawClient, transports: Sequence[str], rounds: int
+) -> list[Row]:
+    count = count_for(size, WORKING_SET)
+    outs = [faulted(size, fill=0) for _ in range(count)]
+    srcs = [faulted(size) for _ in range(count)]
+    offs = [i * size for i in range(count)]
+    rows: list[Row] = []
+
+    def row(op: str, kind: str, base: Callable[[int], object], ours: Callable[[int], object],
+            what: str, n: int = count, nbytes: int = size) -> None:  # fmt: skip
+        b, o = _paired(nbytes, base, ours, n, rounds)
+        r = make_row(op, kind, o, b, what)
+        r.size = size
+        rows.append(r)
+
+    if "tcp" in transports:
+        tcp = TcpTransport(info, timeout=30)
+        row("get_into", "tcp", lambda i: raw.get(offs[i], outs[i]),
+            lambda i: tcp.read_into(offs[i], outs[i]), "raw socket req/resp")  # fmt: skip
+        row("put", "tcp", lambda i: raw.put(offs[i], srcs[i]),
+            lambda i: tcp.write(offs[i], srcs[i]), "raw socket req/resp")  # fmt: skip
+        groups = [list(range(g, min(count, g + BATCH))) for g in range(0, count, BATCH)]
+        row("get_batch", "tcp", lambda g: raw.stream(0, [outs[i] for i in groups[g]]),
+            lambda g: tcp.read_many([(offs[i], outs[i]) for i in groups[g]]),
+            f"raw socket stream (x{BATCH})", len(groups), size * len(groups[0]))  # fmt: skip
+        tcp.close()
+    if "shm" in transports:
+        shm = ShmTransport(info)
+        peer = [faulted(size) for _ in range(count)]
+        row("get_into", "shm", lambda i: np.copyto(outs[i], peer[i]),
+            lambda i: shm.read_into(offs[i], outs[i]), "numpy copy")  # fmt: skip
+        row("put", "shm", lambda i: np.copyto(peer[i], srcs[i]),
+            lambda i: shm.write(offs[i], srcs[i]), "numpy copy")  # fmt: skip
+        shm.close()
+    return rows
+
+
+def _cpus() -> tuple[set[int], set[int]] | None:
+    """(client CPUs, node CPUs): disjoint halves, or None with fewer than 2 CPUs."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return None
+    half = len(cpus) // 2
+    return set(cpus[:half]), set(cpus[half:])
+
+
+def run_remote_transport(
+    sizes: Sequence[int],
+    transports: Sequence[str] = ("tcp", "shm"),
+    rounds: int = 5,
+    json_path: str | None = None,
+    pin: bool = True,
+) -> list[Row]:
+    """Start a node process, measure every (size, transport), return the rows.
+
+    With ``pin`` (and >= 2 CPUs) client and node run on disjoint CPU sets:
+    otherwise the scheduler's placement of each server thread (same CPU as
+    the client or not) swings small-op results 2x from run to run.
+    """
+    region = max(count_for(s, WORKING_SET) * s for s in sizes)
+    split = _cpus() if pin else None
+    saved = os.sched_getaffinity(0)
+    node = subprocess.Popen(
+        [sys.executable, "-m", "kvpool.bench.remote_transport", "--node", str(region)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=(lambda: os.sched_setaffinity(0, split[1])) if split else None,
+    )
+    assert node.stdout is not None and node.stdin is not None
+    try:
+        if split:
+            os.sched_setaffinity(0, split[0])
+        tcp_port, raw_port, shm_name, host_id = node.stdout.readline().split()
+        info = RegionInfo("bench", region, host_id, "127.0.0.1", int(tcp_port), shm_name)
+        raw = _RawClient(int(raw_port))
+        rows = [r for s in sizes for r in _sizes_rows(s, info, raw, transports, rounds)]
+        raw.sock.close()
+    finally:
+        os.sched_setaffinity(0, saved)
+        node.stdin.close()
+        node.wait(timeout=30)
+    write_json(json_path, rows)
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--sizes", default="64KiB,1MiB,4MiB,16MiB")
+    p.add_argument("--transport", default="tcp,shm")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--json")
+    p.add_argument("--no-pin", action="store_true", help="do not split CPUs between processes")
+    p.add_argument("--node", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.node:
+        _node(args.node)
+        return 0
+    rows = run_remote_transport(
+        parse_sizes(args.sizes), args.transport.split(","), args.rounds, args.json, not args.no_pin
+    )
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
