@@ -1,0 +1,367 @@
+"""The cluster's block catalog: which node holds which block, where, and who may free it.
+
+Pure bookkeeping, no I/O: the master wraps it with RPC and timers, tests
+drive it directly with a fake clock. Each node contributes one memory region
+whose space is carved here by an ExtentAllocator (so puts are allocated on
+the master) and ordered for eviction by one policy per node.
+
+Invariants:
+- a key is visible (``exists``/``prefix_match``/``lease``) only once at
+  least one of its replicas committed; allocations are invisible and expire
+  after ``alloc_ttl`` (a client that died mid-put loses nothing but time);
+- every committed replica's extent is allocated in its node's allocator and
+  tracked by that node's policy; a block with no replicas leaves the catalog;
+- a leased block (a reader is copying it) is never evicted; ``remove`` of a
+  leased block hides it at once and frees its extents when the last lease
+  ends or expires (``lease_ttl``), so a slow reader never reads reused bytes
+  while its lease holds;
+- a node that leaves (death, restart) takes all its replicas and pending
+  allocations with it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.allocator import ExtentAllocator
+from kvpool.eviction import EvictionPolicy, make_policy
+
+
+@dataclass
+class Replica:
+    node_id: str
+    offset: int
+    size: int
+
+
+@dataclass(eq=False)
+class BlockMeta:
+    key: bytes
+    size: int
+    parent: bytes | None
+    replicas: list[Replica] = field(default_factory=list)
+    checksum: int | None = None  # reported by the node that holds the bytes
+    leases: int = 0
+    removed: bool = False  # hidden; extents freed when the last lease ends
+
+
+@dataclass
+class Allocation:
+    alloc_id: int
+    key: bytes
+    node_id: str
+    offset: int
+    size: int
+    parent: bytes | None
+    deadline: float
+
+
+@dataclass
+class NodeSpace:
+    node_id: str
+    info: dict[str, Any]  # the node's advertised region (transport details)
+    allocator: ExtentAllocator
+    policy: EvictionPolicy
+    host_id: str = ""
+    last_seen: float = 0.0
+    # What the node must learn about its own region, in order: ("commit", key,
+    # offset, size, parent) and ("free", offset). The master drains it into
+    # heartbeat replies so a node can re-register its blocks after a master
+    # restart.
+    outbox: list[tuple[Any, ...]] = field(default_factory=list)
+
+
+@dataclass
+class LeaseRecord:
+    blocks: list[BlockMeta]
+    deadline: float
+
+
+class CatalogFullError(Exception):
+    """No node can make room for a block (everything evictable is leased or pending)."""
+
+
+class BlockCatalog:
+    """Blocks, replicas, per-node space and leases of the whole cluster."""
+
+    def __init__(
+        self,
+        policy: str = "lru",
+        alignment: int = 4096,
+        alloc_ttl: float = 30.0,
+        lease_ttl: float = 30.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        make_policy(policy)
+        self.policy_name, self.alignment = policy, alignment
+        self.alloc_ttl, self.lease_ttl, self.clock = alloc_ttl, lease_ttl, clock
+        self.nodes: dict[str, NodeSpace] = {}
+        self.blocks: dict[bytes, BlockMeta] = {}
+        self.pending: dict[int, Allocation] = {}
+        self.leases: dict[int, LeaseRecord] = {}
+        self._pending_keys: dict[bytes, int] = {}  # key -> allocations in flight
+        self._ids = itertools.count(1)
+        self.evictions = 0
+
+    # -- nodes ----------------------------------------------------------------
+
+    def add_node(
+        self, node_id: str, capacity: int, info: dict[str, Any], host_id: str = ""
+    ) -> None:
+        """Register (or re-register) a node; a re-registering node starts empty here."""
+        if node_id in self.nodes:
+            self.remove_node(node_id)
+        self.nodes[node_id] = NodeSpace(
+            node_id,
+            info,
+            ExtentAllocator(capacity, self.alignment),
+            make_policy(self.policy_name),
+            host_id,
+            self.clock(),
+        )
+
+    def restore_blocks(
+        self, node_id: str, blocks: Sequence[tuple[bytes, int, int, int | None, bytes | None]]
+    ) -> int:
+        """Re-admit blocks a node still holds (after a master restart); returns how many.
+
+        Each item is (key, offset, size, checksum, parent); overlapping or
+        out-of-range extents are skipped.
+        """
+        node = self.nodes[node_id]
+        accepted = 0
+        for key, offset, size, checksum, parent in blocks:
+            try:
+                node.allocator.reserve(offset, size)
+            except ValueError:
+                continue
+            replica = Replica(node_id, offset, size)
+            self._add_replica(key, size, parent, replica, checksum, tell_node=False)
+            accepted += 1
+        return accepted
+
+    def remove_node(self, node_id: str) -> list[bytes]:
+        """Forget a node: its replicas and pending allocations. Returns keys now gone."""
+        node = self.nodes.pop(node_id, None)
+        if node is None:
+            return []
+        for alloc_id in [a for a, alloc in self.pending.items() if alloc.node_id == node_id]:
+            self._forget_pending(alloc_id)
+        gone = []
+        for key, block in list(self.blocks.items()):
+            block.replicas = [r for r in block.replicas if r.node_id != node_id]
+            if not block.replicas:
+                del self.blocks[key]
+                block.removed = True
+                gone.append(key)
+        return gone
+
+    def touch_node(self, node_id: str) -> bool:
+        node = self.nodes.get(node_id)
+        if node is not None:
+            node.last_seen = self.clock()
+        return node is not None
+
+    def dead_nodes(self, ttl: float) -> list[str]:
+        now = self.clock()
+        return [n.node_id for n in self.nodes.values() if now - n.last_seen > ttl]
+
+    # -- puts -------------------------------------------------------------------
+
+    def allocate(
+        self, key: bytes, size: int, parent: bytes | None, replicas: int = 1
+    ) -> list[Allocation] | None:
+        """Room for ``key`` on up to ``replicas`` distinct nodes; None if already stored.
+
+        Nodes are tried in order of free space, evicting unleased blocks as
+        needed. CatalogFullError if not even one replica fits.
+        """
+        if key in self.blocks or key in self._pending_keys:
+            return None
+        placed: list[Allocation] = []
+        for node in sorted(self.nodes.values(), key=lambda n: -n.allocator.free_bytes):
+            if len(placed) == replicas:
+                break
+            offset = self._make_room(node, size)
+            if offset is None:
+                continue
+            alloc = Allocation(
+                next(self._ids),
+                key,
+                node.node_id,
+                offset,
+                size,
+                parent,
+                self.clock() + self.alloc_ttl,
+            )
+            self.pending[alloc.alloc_id] = alloc
+            self._pending_keys[key] = self._pending_keys.get(key, 0) + 1
+            placed.append(alloc)
+        if not placed:
+            raise CatalogFullError(
+                f"no node can hold a block of {size} bytes "
+                f"({len(self.nodes)} node(s); everything evictable is leased or in flight)"
+            )
+        return placed
+
+    def commit(self, alloc_id: int) -> Allocation | None:
+        """Make an allocation's replica visible; None if it expired or its node left."""
+        alloc = self._forget_pending(alloc_id, free=False)
+        if alloc is None:
+            return None
+        self._add_replica(
+            alloc.key, alloc.size, alloc.parent, Replica(alloc.node_id, alloc.offset, alloc.size)
+        )
+        return alloc
+
+    def revoke(self, alloc_id: int) -> None:
+        """Give an allocation's space back (a failed or abandoned write)."""
+        self._forget_pending(alloc_id)
+
+    def set_checksum(self, key: bytes, checksum: int) -> None:
+        block = self.blocks.get(key)
+        if block is not None:
+            block.checksum = checksum
+
+    # -- reads ------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        return [key in self.blocks for key in keys]
+
+    def prefix_match(self, keys: Sequence[bytes]) -> int:
+        for i, key in enumerate(keys):
+            if key not in self.blocks:
+                return i
+        return len(keys)
+
+    def lease(
+        self, keys: Sequence[bytes], prefix: bool = True
+    ) -> tuple[int, list[BlockMeta | None]]:
+        """Pin blocks for reading: the stored prefix (``prefix``) or each stored key.
+
+        Returns (lease id, one BlockMeta or None per key; with ``prefix`` the
+        list stops at the first miss). Counts a hit on each replica's node.
+        """
+        found: list[BlockMeta | None] = []
+        for key in keys:
+            block = self.blocks.get(key)
+            if block is None and prefix:
+                break
+            found.append(block)
+            if block is not None:
+                block.leases += 1
+                for replica in block.replicas:
+                    self.nodes[replica.node_id].policy.on_access(key)
+        held = [b for b in found if b is not None]
+        lease_id = next(self._ids) if held else 0
+        if held:
+            self.leases[lease_id] = LeaseRecord(held, self.clock() + self.lease_ttl)
+        return lease_id, found
+
+    def release(self, lease_id: int) -> None:
+        record = self.leases.pop(lease_id, None)
+        if record is None:
+            return
+        for block in record.blocks:
+            block.leases -= 1
+            if block.removed and block.leases == 0:
+                self._free_extents(block)
+
+    def remove(self, key: bytes) -> bool:
+        block = self.blocks.pop(key, None)
+        if block is None:
+            return False
+        block.removed = True
+        for replica in block.replicas:
+            self.nodes[replica.node_id].policy.on_remove(key)
+        if block.leases == 0:
+            self._free_extents(block)
+        return True
+
+    def expire(self) -> tuple[int, int]:
+        """Revoke allocations and release leases past their deadline; (allocs, leases)."""
+        now = self.clock()
+        allocs = [a for a, alloc in self.pending.items() if alloc.deadline < now]
+        for alloc_id in allocs:
+            self._forget_pending(alloc_id)
+        leases = [lid for lid, rec in self.leases.items() if rec.deadline < now]
+        for lease_id in leases:
+            self.release(lease_id)
+        return len(allocs), len(leases)
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _make_room(self, node: NodeSpace, size: int) -> int | None:
+        if node.allocator.round_up(size) > node.allocator.capacity:
+            return None
+        while True:
+            offset = node.allocator.allocate(size)
+            if offset is not None:
+                return offset
+            victim = node.policy.victim(self._evictable)
+            if victim is None:
+                return None
+            self._evict_replica(node, victim)
+
+    def _evictable(self, key: bytes) -> bool:
+        block = self.blocks.get(key)
+        return block is not None and block.leases == 0
+
+    def _evict_replica(self, node: NodeSpace, key: bytes) -> None:
+        """Drop ``key``'s replica on ``node`` (already untracked by its policy)."""
+        block = self.blocks[key]
+        mine = [r for r in block.replicas if r.node_id == node.node_id]
+        block.replicas = [r for r in block.replicas if r.node_id != node.node_id]
+        for replica in mine:
+            self._free_replica(node, replica)
+        if not block.replicas:
+            del self.blocks[key]
+            block.removed = True
+        self.evictions += 1
+
+    def _add_replica(
+        self,
+        key: bytes,
+        size: int,
+        parent: bytes | None,
+        replica: Replica,
+        checksum: int | None = None,
+        tell_node: bool = True,
+    ) -> None:
+        block = self.blocks.get(key)
+        if block is None:
+            block = self.blocks[key] = BlockMeta(key, size, parent, checksum=checksum)
+        block.replicas.append(replica)
+        node = self.nodes[replica.node_id]
+        node.policy.on_insert(key, parent)
+        if tell_node:
+            node.outbox.append(("commit", key, replica.offset, size, parent))
+
+    def _free_replica(self, node: NodeSpace, replica: Replica) -> None:
+        node.allocator.free(replica.offset)
+        node.outbox.append(("free", replica.offset))
+
+    def _forget_pending(self, alloc_id: int, free: bool = True) -> Allocation | None:
+        alloc = self.pending.pop(alloc_id, None)
+        if alloc is None:
+            return None
+        count = self._pending_keys[alloc.key] - 1
+        if count:
+            self._pending_keys[alloc.key] = count
+        else:
+            del self._pending_keys[alloc.key]
+        node = self.nodes.get(alloc.node_id)
+        if free and node is not None:
+            node.allocator.free(alloc.offset)
+        return None if node is None else alloc
+
+    def _free_extents(self, block: BlockMeta) -> None:
+        for replica in block.replicas:
+            node = self.nodes.get(replica.node_id)
+            if node is not None:
+                self._free_replica(node, replica)
+        block.replicas = []

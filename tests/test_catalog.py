@@ -1,0 +1,223 @@
+"""BlockCatalog: placement, two-phase commit, leases, eviction, node loss (fake clock)."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from poolhelpers import make_keys
+
+from kvpool.index.catalog import BlockCatalog, CatalogFullError
+
+PAGE = 4096
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def catalog(nodes: dict[str, int], **kw: float) -> tuple[BlockCatalog, Clock]:
+    clock = Clock()
+    cat = BlockCatalog(clock=clock, **kw)  # type: ignore[arg-type]
+    for node_id, pages in nodes.items():
+        cat.add_node(node_id, pages * PAGE, {"node_id": node_id})
+    return cat, clock
+
+
+def put(cat: BlockCatalog, key: bytes, size: int = PAGE, replicas: int = 1) -> list[str]:
+    allocs = cat.allocate(key, size, None, replicas)
+    assert allocs is not None
+    for alloc in allocs:
+        assert cat.commit(alloc.alloc_id) is not None
+    return [a.node_id for a in allocs]
+
+
+def test_placement_spreads_by_free_space() -> None:
+    cat, _ = catalog({"a": 4, "b": 8})
+    keys = make_keys(6)
+    placed = [put(cat, k)[0] for k in keys]
+    assert placed == ["b", "b", "b", "b", "a", "b"]  # ties go to the first registered
+
+
+def test_allocation_is_invisible_until_commit_and_expires() -> None:
+    cat, clock = catalog({"a": 2}, alloc_ttl=5)
+    key = make_keys(1)[0]
+    allocs = cat.allocate(key, PAGE, None)
+    assert allocs is not None and cat.exists([key]) == [False]
+    assert cat.allocate(key, PAGE, None) is None  # in flight: a second put is a no-op
+    clock.now = 6
+    assert cat.expire() == (1, 0)
+    assert cat.commit(allocs[0].alloc_id) is None  # too late
+    assert cat.nodes["a"].allocator.used_bytes == 0
+    assert put(cat, key) == ["a"]
+
+
+def test_revoke_frees_the_space() -> None:
+    cat, _ = catalog({"a": 1})
+    keys = make_keys(2)
+    allocs = cat.allocate(keys[0], PAGE, None)
+    assert allocs is not None
+    cat.revoke(allocs[0].alloc_id)
+    assert cat.exists(keys[:1]) == [False]
+    put(cat, keys[1])
+
+
+def test_eviction_is_lru_per_node_and_skips_leased_blocks() -> None:
+    cat, _ = catalog({"a": 3})
+    keys = make_keys(5)
+    for key in keys[:3]:
+        put(cat, key)
+    lease_id, found = cat.lease([keys[0]])
+    assert found[0] is not None
+    put(cat, keys[3])  # 0 is leased -> evicts 1
+    assert cat.exists(keys) == [True, False, True, True, False]
+    cat.release(lease_id)
+    put(cat, keys[4])  # 0 was touched by the lease after 2 -> evicts 2
+    assert cat.exists(keys) == [True, False, False, True, True]
+    assert cat.evictions == 2
+
+
+def test_full_when_everything_is_leased() -> None:
+    cat, _ = catalog({"a": 1})
+    keys = make_keys(2)
+    put(cat, keys[0])
+    cat.lease([keys[0]])
+    with pytest.raises(CatalogFullError):
+        cat.allocate(keys[1], PAGE, None)
+    assert cat.exists(keys) == [True, False]
+    with pytest.raises(CatalogFullError):  # larger than any node
+        cat.allocate(keys[1], 2 * PAGE, None)
+
+
+def test_remove_of_a_leased_block_frees_after_release_or_expiry() -> None:
+    cat, clock = catalog({"a": 2}, lease_ttl=10)
+    keys = make_keys(2)
+    put(cat, keys[0])
+    lease_id, _ = cat.lease(keys[:1])
+    assert cat.remove(keys[0])
+    assert cat.exists(keys[:1]) == [False]
+    assert cat.nodes["a"].allocator.used_bytes == PAGE  # still being read
+    clock.now = 11
+    cat.expire()
+    assert cat.nodes["a"].allocator.used_bytes == 0
+    cat.release(lease_id)  # late release is harmless
+    assert cat.nodes["a"].allocator.used_bytes == 0
+
+
+def test_lease_prefix_and_per_key() -> None:
+    cat, _ = catalog({"a": 8})
+    keys = make_keys(4)
+    for key in (keys[0], keys[1], keys[3]):
+        put(cat, key)
+    _, found = cat.lease(keys)
+    assert [b.key if b else None for b in found] == keys[:2]
+    _, found = cat.lease(keys, prefix=False)
+    assert [b is not None for b in found] == [True, True, False, True]
+    assert cat.prefix_match(keys) == 2
+
+
+def test_replicas_on_distinct_nodes_and_node_loss() -> None:
+    cat, _ = catalog({"a": 4, "b": 4, "c": 4})
+    keys = make_keys(2)
+    assert sorted(put(cat, keys[0], replicas=2)) == ["a", "b"]
+    put(cat, keys[1])  # lands on c (most free)
+    assert cat.remove_node("a") == []
+    assert cat.exists(keys) == [True, True]
+    assert [r.node_id for r in cat.blocks[keys[0]].replicas] == ["b"]
+    assert cat.remove_node("c") == [keys[1]]
+    assert cat.exists(keys) == [True, False]
+
+
+def test_node_outbox_and_restore_after_master_restart() -> None:
+    cat, _ = catalog({"a": 4})
+    keys = make_keys(3)
+    for key in keys:
+        put(cat, key)
+    cat.remove(keys[1])
+    outbox = cat.nodes["a"].outbox
+    assert [e[0] for e in outbox] == ["commit", "commit", "commit", "free"]
+    held = {e[2]: e for e in outbox if e[0] == "commit"}
+    for event in outbox:
+        if event[0] == "free":
+            del held[event[1]]
+    # A fresh master learns the node's blocks back from the node.
+    fresh, _ = catalog({"a": 4})
+    restored = [(e[1], e[2], e[3], 123, e[4]) for e in held.values()]
+    restored.append((make_keys(9, seed=5)[0], held[next(iter(held))][2], PAGE, None, None))
+    assert fresh.restore_blocks("a", restored) == 2  # the overlapping one is refused
+    assert fresh.exists(keys) == [True, False, True]
+    assert fresh.blocks[keys[0]].checksum == 123
+    assert fresh.nodes["a"].outbox == []
+
+
+class CatalogMachine(RuleBasedStateMachine):
+    """Random puts, leases, releases, removes and node loss keep space accounting exact."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cat, self.clock = catalog({"a": 6, "b": 4})
+        self.keys = make_keys(12)
+        self.leases: list[int] = []
+
+    @rule(i=st.integers(0, 11), pages=st.integers(1, 3), replicas=st.integers(1, 2))
+    def put(self, i: int, pages: int, replicas: int) -> None:
+        try:
+            allocs = self.cat.allocate(self.keys[i], pages * PAGE, None, replicas)
+        except CatalogFullError:
+            return
+        for alloc in allocs or []:
+            self.cat.commit(alloc.alloc_id)
+
+    @rule(i=st.integers(0, 11))
+    def lease(self, i: int) -> None:
+        lease_id, _ = self.cat.lease(self.keys[i : i + 2])
+        if lease_id:
+            self.leases.append(lease_id)
+
+    @precondition(lambda self: self.leases)
+    @rule()
+    def release(self) -> None:
+        self.cat.release(self.leases.pop(0))
+
+    @rule(i=st.integers(0, 11))
+    def remove(self, i: int) -> None:
+        self.cat.remove(self.keys[i])
+
+    @rule()
+    def time_passes(self) -> None:
+        self.clock.now += 40
+        self.cat.expire()
+
+    @invariant()
+    def accounting(self) -> None:
+        for node in self.cat.nodes.values():
+            node.allocator.check()
+            live = sum(
+                r.size if r.size % PAGE == 0 else -(-r.size // PAGE) * PAGE
+                for b in self.cat.blocks.values()
+                for r in b.replicas
+                if r.node_id == node.node_id
+            )
+            hidden = sum(
+                -(-r.size // PAGE) * PAGE
+                for rec in self.cat.leases.values()
+                for b in set(rec.blocks)
+                if b.removed
+                for r in b.replicas
+                if r.node_id == node.node_id
+            )
+            assert node.allocator.used_bytes == live + hidden
+            assert len(node.policy) == sum(
+                1 for b in self.cat.blocks.values() for r in b.replicas if r.node_id == node.node_id
+            )
+        for block in self.cat.blocks.values():
+            assert len({r.node_id for r in block.replicas}) == len(block.replicas)
+
+
+TestCatalogMachine = CatalogMachine.TestCase
+TestCatalogMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
