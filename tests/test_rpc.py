@@ -30,8 +30,8 @@ SERVER = r"""
 import sys, threading, time
 from kvpool.errors import PoolFullError
 from kvpool.rpc import RpcServer, ServerConfig
-token = sys.argv[1] or None
-s = RpcServer(ServerConfig(host="127.0.0.1", port=0, token=token, max_frame=1 << 20, workers=8))
+token, port = sys.argv[1] or None, int(sys.argv[2])
+s = RpcServer(ServerConfig(host="127.0.0.1", port=port, token=token, max_frame=1 << 20, workers=8))
 never = threading.Event()
 s.register("echo", lambda p: p, inline=True)
 s.register("sleep", lambda p: (time.sleep(p), p)[1])
@@ -48,9 +48,9 @@ s.close()
 """
 
 
-def _spawn(token: str = "") -> tuple[subprocess.Popen[str], int]:
+def _spawn(token: str = "", port: int = 0) -> tuple[subprocess.Popen[str], int]:
     proc = subprocess.Popen(
-        [sys.executable, "-c", SERVER, token],
+        [sys.executable, "-c", SERVER, token, str(port)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -257,3 +257,19 @@ def test_stalled_half_frame_is_dropped() -> None:
             assert c.call("echo", 3) == 3
     finally:
         srv.close()
+
+
+def test_reconnects_after_server_restart() -> None:
+    proc, port = _spawn()
+    c = RpcClient(("127.0.0.1", port), timeout=5)
+    assert c.call("echo", 1) == 1
+    proc.kill()
+    proc.wait()
+    with pytest.raises(ConnectionLostError):
+        c.call("echo", 2)
+    proc, _ = _spawn(port=port)  # e.g. a restarted master on its fixed port
+    try:
+        assert c.call("echo", 3) == 3  # the next call reconnects (and re-handshakes)
+    finally:
+        c.close()
+        _stop(proc)

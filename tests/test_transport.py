@@ -209,3 +209,25 @@ def test_byte_counters(node: RegionInfo) -> None:
             t.read_into(0, np.empty(10, np.uint8))
             t.read_many([(0, bytearray(5)), (5, bytearray(5))])
             assert (t.bytes_read, t.bytes_written) == (20, 0)
+
+
+def test_region_info_roundtrip() -> None:
+    from kvpool.transport.base import UcxInfo
+
+    info = RegionInfo("n", 10, "h", "127.0.0.1", 5, "arena", UcxInfo("h", 1, b"\x00addr", True))
+    assert RegionInfo.from_dict(info.to_dict()) == info
+    assert RegionInfo.from_dict(RegionInfo("n", 1).to_dict()).ucx is None
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_buffers(node: RegionInfo) -> None:
+    with TcpTransport(node) as tcp, ShmTransport(node) as shm:
+        for t in (tcp, shm):
+            out = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+            t.read_into(3, out)
+            assert np.array_equal(out.cpu().numpy(), _pattern(3, 1 << 20))
+            src = torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda")
+            t.write(30 << 20, src)
+            back = np.empty(1 << 20, np.uint8)
+            t.read_into(30 << 20, back)
+            assert np.array_equal(back, src.cpu().numpy())

@@ -1,0 +1,165 @@
+"""Glue for the two ends: a node exposes its region, a client keeps one transport per node.
+
+Node side::
+
+    exposed = expose_region(arena.view, node_id="n1", shm_name=arena.name,
+                            host=args.host, token=token)
+    master.call("register", {"region": exposed.info.to_dict(), ...})
+    ...
+    exposed.close()
+
+Client side::
+
+    peers = PeerTransports(token=token)
+    peers.get(RegionInfo.from_dict(placement["region"])).read_into(offset, out)
+    peers.drop(node_id)          # after a ConnectionLostError: the next get reconnects
+    peers.stats()                # {"shm": {"bytes_read": ..., ...}, "tcp": {...}}
+
+Invariants: ``PeerTransports`` holds at most one transport per node id and
+replaces it when the node re-registers with different ``RegionInfo`` (a
+restarted node has a new arena and port); byte counters of dropped
+transports are kept in ``stats()``.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.transport.base import RegionInfo, Transport, host_identity
+from kvpool.transport.select import select_transport
+from kvpool.transport.tcp_server import TcpDataServer
+
+WILDCARDS = ("", "0.0.0.0", "::")
+
+
+def advertised_host(bind_host: str) -> str:
+    """The address clients should dial for a server bound to ``bind_host``."""
+    if bind_host not in WILDCARDS:
+        return bind_host
+    probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    try:
+        probe.connect(("10.255.255.255", 1))  # UDP connect sends nothing; picks the route
+        return str(probe.getsockname()[0])
+    except OSError:
+        return socket.gethostname()
+    finally:
+        probe.close()
+
+
+@dataclass
+class ExposedRegion:
+    """A node's region being served; ``info`` is what the node advertises."""
+
+    info: RegionInfo
+    tcp: TcpDataServer
+    ucx: Any = None  # UcxDataServer when UCX serves too
+
+    def close(self) -> None:
+        self.tcp.close()
+        if self.ucx is not None:
+            self.ucx.close()
+
+
+def expose_region(
+    region: Any,
+    *,
+    node_id: str,
+    shm_name: str = "",
+    host: str = "127.0.0.1",
+    port: int = 0,
+    token: str | None = None,
+    ucx: bool | None = None,
+    ucx_port: int = 0,
+) -> ExposedRegion:
+    """Serve ``region`` over TCP (and UCX: ``ucx=None`` means when RDMA/GPU is present).
+
+    ``shm_name`` is the /dev/shm file backing ``region`` ("" if it is not
+    shared); same-host clients then map it instead of using a socket.
+    """
+    tcp = TcpDataServer(region, host=host, port=port, token=token)
+    _, tcp_port = tcp.start()
+    info = RegionInfo(
+        node_id=node_id,
+        size=tcp.size,
+        host_id=host_identity(),
+        tcp_host=advertised_host(host),
+        tcp_port=tcp_port,
+        shm_name=shm_name,
+    )
+    ucx_server = None
+    if ucx is None:
+        from kvpool.transport.ucx import ucx_available, ucx_has_rdma
+
+        ucx = ucx_available() and ucx_has_rdma()
+    if ucx:
+        from kvpool.transport.ucx import UcxDataServer
+
+        try:
+            ucx_server = UcxDataServer(region, host=host, port=ucx_port, token=token)
+        except BaseException:
+            tcp.close()
+            raise
+        info.ucx = ucx_server.info()
+        info.ucx.host = info.tcp_host
+    return ExposedRegion(info, tcp, ucx_server)
+
+
+class PeerTransports:
+    """One lazily chosen transport per node; thread-safe."""
+
+    def __init__(
+        self, *, token: str | None = None, timeout: float = 10.0, override: str | None = None
+    ) -> None:
+        self.token, self.timeout, self.override = token, timeout, override
+        self._by_node: dict[str, Transport] = {}
+        self._retired: dict[str, list[int]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, info: RegionInfo) -> Transport:
+        with self._lock:
+            t = self._by_node.get(info.node_id)
+            if t is not None and t.info == info:
+                return t
+        fresh = select_transport(info, self.override, token=self.token, timeout=self.timeout)
+        with self._lock:
+            old = self._by_node.get(info.node_id)
+            if old is not None and old.info == info:  # another thread won the race
+                fresh.close()
+                return old
+            self._by_node[info.node_id] = fresh
+        if old is not None:
+            self._retire(old)
+        return fresh
+
+    def drop(self, node_id: str) -> None:
+        with self._lock:
+            t = self._by_node.pop(node_id, None)
+        if t is not None:
+            self._retire(t)
+
+    def _retire(self, t: Transport) -> None:
+        t.close()
+        with self._lock:
+            acc = self._retired.setdefault(t.name, [0, 0])
+            acc[0] += t.bytes_read
+            acc[1] += t.bytes_written
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        """Bytes moved per transport name, live and retired transports together."""
+        with self._lock:
+            out = {k: {"bytes_read": v[0], "bytes_written": v[1]} for k, v in self._retired.items()}
+            for t in self._by_node.values():
+                acc = out.setdefault(t.name, {"bytes_read": 0, "bytes_written": 0})
+                acc["bytes_read"] += t.bytes_read
+                acc["bytes_written"] += t.bytes_written
+                acc["peers"] = acc.get("peers", 0) + 1
+            return out
+
+    def close(self) -> None:
+        with self._lock:
+            nodes = list(self._by_node)
+        for node_id in nodes:
+            self.drop(node_id)
