@@ -10,7 +10,9 @@ offset, length; reply = the bytes by ``sendall``; puts = ``recv_into`` then a
 - tcp get_into / put vs the raw socket doing the same request/response ops;
 - tcp get_batch (``read_many`` of 8 ranges) vs a raw back-to-back stream
   (the socket's bandwidth ceiling);
-- shm get_into / put vs ``np.copyto`` between buffers of the same kind.
+- shm get_into / put vs ``np.copyto`` between buffers of the same kind;
+- ucx get_into / put (when ucxx is installed; worker-address endpoints, so
+  UCX may use shared memory) vs the raw socket.
 
 Baseline and ours alternate op by op and GB/s comes from median latencies,
 so bursts from other processes on this shared machine hit both sides. Every
@@ -43,7 +45,7 @@ from kvpool.bench.common import (
     write_json,
 )
 from kvpool.transport import tcp_wire as w
-from kvpool.transport.base import RegionInfo
+from kvpool.transport.base import RegionInfo, UcxInfo
 from kvpool.transport.shm import ShmTransport
 from kvpool.transport.tcp import TcpTransport
 
@@ -73,7 +75,7 @@ def _raw_serve(sock: socket.socket, region: memoryview) -> None:
         sock.close()
 
 
-def _node(size: int) -> None:
+def _node(size: int, with_ucx: bool) -> None:
     from kvpool.arena import SharedArena
     from kvpool.transport.base import host_identity
     from kvpool.transport.tcp_server import TcpDataServer
@@ -91,8 +93,17 @@ def _node(size: int) -> None:
             threading.Thread(target=_raw_serve, args=(sock, region), daemon=True).start()
 
     threading.Thread(target=accept, daemon=True).start()
-    print(tcp.start()[1], raw.getsockname()[1], arena.name, host_identity(), flush=True)
+    ucx_port, ucx_addr, ucx = 0, "-", None
+    if with_ucx:
+        from kvpool.transport.ucx import UcxDataServer
+
+        ucx = UcxDataServer(arena.view, host="127.0.0.1")
+        ucx_port, ucx_addr = ucx.port, ucx.worker_address.hex()
+    tcp_port, raw_port = tcp.start()[1], raw.getsockname()[1]
+    print(tcp_port, raw_port, arena.name, host_identity(), ucx_port, ucx_addr, flush=True)
     sys.stdin.read()
+    if ucx is not None:
+        ucx.close()
     tcp.close()
     arena.close()
 
@@ -179,6 +190,16 @@ def _sizes_rows(
             lambda g: tcp.read_many([(offs[i], outs[i]) for i in groups[g]]),
             f"raw socket stream (x{BATCH})", len(groups), size * len(groups[0]))  # fmt: skip
         tcp.close()
+    if "ucx" in transports and info.ucx is not None:
+        from kvpool.transport.ucx import UcxTransport
+
+        # Worker-address endpoints (same host): UCX picks its shared-memory transports.
+        ucx = UcxTransport(info, timeout=30)
+        row("get_into", "ucx", lambda i: raw.get(offs[i], outs[i]),
+            lambda i: ucx.read_into(offs[i], outs[i]), "raw socket req/resp")  # fmt: skip
+        row("put", "ucx", lambda i: raw.put(offs[i], srcs[i]),
+            lambda i: ucx.write(offs[i], srcs[i]), "raw socket req/resp")  # fmt: skip
+        ucx.close()
     if "shm" in transports:
         shm = ShmTransport(info)
         peer = [faulted(size) for _ in range(count)]
@@ -215,8 +236,16 @@ def run_remote_transport(
     region = max(count_for(s, WORKING_SET) * s for s in sizes)
     split = _cpus() if pin else None
     saved = os.sched_getaffinity(0)
+    cmd = [sys.executable, "-m", "kvpool.bench.remote_transport", "--node", str(region)]
+    if "ucx" in transports:
+        from kvpool.transport.ucx import ucx_available
+
+        if ucx_available():
+            cmd.append("--ucx")
+        else:
+            print("ucx: skipped (ucxx is not installed: pip install 'kvpool[ucx]')")
     node = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.bench.remote_transport", "--node", str(region)],
+        cmd,
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -226,8 +255,10 @@ def run_remote_transport(
     try:
         if split:
             os.sched_setaffinity(0, split[0])
-        tcp_port, raw_port, shm_name, host_id = node.stdout.readline().split()
+        tcp_port, raw_port, shm_name, host_id, ucx_port, ucx_addr = node.stdout.readline().split()
         info = RegionInfo("bench", region, host_id, "127.0.0.1", int(tcp_port), shm_name)
+        if ucx_addr != "-":
+            info.ucx = UcxInfo("127.0.0.1", int(ucx_port), bytes.fromhex(ucx_addr))
         raw = _RawClient(int(raw_port))
         rows = [r for s in sizes for r in _sizes_rows(s, info, raw, transports, rounds)]
         raw.sock.close()
@@ -247,9 +278,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--json")
     p.add_argument("--no-pin", action="store_true", help="do not split CPUs between processes")
     p.add_argument("--node", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--ucx", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.node:
-        _node(args.node)
+        _node(args.node, args.ucx)
         return 0
     rows = run_remote_transport(
         parse_sizes(args.sizes), args.transport.split(","), args.rounds, args.json, not args.no_pin

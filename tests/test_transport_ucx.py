@@ -18,7 +18,7 @@ import sys
 import numpy as np
 from kvpool.transport.base import host_identity
 from kvpool.transport.ucx import UcxDataServer
-region = np.resize(np.arange(251, dtype=np.uint8), 8 << 20)
+region = np.resize(np.arange(251, dtype=np.uint8), 16 << 20)
 srv = UcxDataServer(region, host="127.0.0.1", port=0)
 print(srv.port, srv.worker_address.hex(), host_identity(), flush=True)
 sys.stdin.read()
@@ -35,7 +35,7 @@ def test_ucx_exact_bytes(same_host: bool) -> None:
     try:
         port, addr, host_id = proc.stdout.readline().split()
         ucx = UcxInfo("127.0.0.1", int(port), bytes.fromhex(addr))
-        info = RegionInfo("n1", 8 << 20, host_id if same_host else "elsewhere", ucx=ucx)
+        info = RegionInfo("n1", 16 << 20, host_id if same_host else "elsewhere", ucx=ucx)
         with UcxTransport(info, timeout=30) as t:
             for n in (1, 4096, 1 << 20, 4 << 20):
                 out = np.empty(n, np.uint8)
@@ -44,8 +44,8 @@ def test_ucx_exact_bytes(same_host: bool) -> None:
                     out, np.resize(np.roll(np.arange(251, dtype=np.uint8), -7), n)
                 )
                 data = np.random.default_rng(n).integers(0, 256, n, dtype=np.uint8)
-                t.write(1 << 20, data)
-                t.read_into(1 << 20, out)
+                t.write(8 << 20, data)
+                t.read_into(8 << 20, out)
                 assert np.array_equal(out, data)
     finally:
         proc.stdin.close()
