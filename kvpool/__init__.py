@@ -6,9 +6,13 @@ errors in ``kvpool.errors``.
 
 __version__ = "0.1.0"
 
+from kvpool.client import RemotePool, connect
 from kvpool.errors import (
     BlockTooLargeError,
     BufferSpecError,
+    CallTimeoutError,
+    ConnectionLostError,
+    HandshakeRefusedError,
     InvalidKeyError,
     KVPoolError,
     PoolClosedError,
@@ -23,6 +27,9 @@ from kvpool.pool import Pool
 __all__ = [
     "BlockTooLargeError",
     "BufferSpecError",
+    "CallTimeoutError",
+    "ConnectionLostError",
+    "HandshakeRefusedError",
     "InvalidKeyError",
     "KVLayout",
     "KVPoolError",
@@ -30,8 +37,10 @@ __all__ = [
     "Pool",
     "PoolClosedError",
     "PoolFullError",
+    "RemotePool",
     "StorageError",
     "TierUnavailableError",
     "__version__",
     "block_keys",
+    "connect",
 ]

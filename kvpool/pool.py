@@ -26,18 +26,17 @@ from typing import Any
 import numpy as np
 
 from kvpool.bindings.buffers import Region, as_region, copy_region, region_is_device, region_nbytes
+from kvpool.checks import check_key, data_region
 from kvpool.config import PoolConfig
 from kvpool.errors import (
     BlockTooLargeError,
     BufferSpecError,
-    InvalidKeyError,
     KVPoolError,
     PoolClosedError,
     PoolFullError,
     StorageError,
 )
 from kvpool.eviction import make_policy
-from kvpool.index.keys import KEY_BYTES
 from kvpool.pool_handles import BlockWriter, Lease
 from kvpool.pool_stats import PoolStats
 from kvpool.tiers.memory import DramTier, GpuTier, MemoryTier
@@ -112,10 +111,10 @@ class Pool:
 
     def put(self, key: bytes, data: Any, *, parent: bytes | None = None) -> bool:
         """Store ``data`` under ``key``; False if the key is already stored (or not admitted)."""
-        _check_key(key)
+        check_key(key)
         if parent is not None:
-            _check_key(parent, what="parent")
-        src = _data_region(data)
+            check_key(parent, what="parent")
+        src = data_region(data)
         return self._put_region(key, src, parent)
 
     def put_batch(
@@ -129,10 +128,10 @@ class Pool:
         if not len(keys) == len(datas) == len(parents):
             raise ValueError("keys, datas and parents must have the same length")
         for key, parent in zip(keys, parents, strict=True):
-            _check_key(key)
+            check_key(key)
             if parent is not None:
-                _check_key(parent, what="parent")
-        regions = [_data_region(d) for d in datas]
+                check_key(parent, what="parent")
+        regions = [data_region(d) for d in datas]
         return [self._put_region(k, r, p) for k, r, p in zip(keys, regions, parents, strict=True)]
 
     def reserve(
@@ -142,9 +141,9 @@ class Pool:
 
         ``device=True`` places the block in the GPU tier when there is one.
         """
-        _check_key(key)
+        check_key(key)
         if parent is not None:
-            _check_key(parent, what="parent")
+            check_key(parent, what="parent")
         if not isinstance(size, int) or size <= 0:
             raise BufferSpecError(f"size must be a positive int, got {size!r}")
         return self._reserve(key, size, parent, device)
@@ -158,7 +157,7 @@ class Pool:
         memory copies. ``len(lease)`` is the number of blocks leased.
         """
         for key in keys:
-            _check_key(key)
+            check_key(key)
         pinned: list[tuple[bytes, _Entry]] = []
         for key in keys:
             entry = self._pin_for_lease(key)
@@ -169,7 +168,7 @@ class Pool:
 
     def get(self, key: bytes) -> bytes | None:
         """A copy of the block's bytes, or None on a miss."""
-        _check_key(key)
+        check_key(key)
         size = self._size_or_miss(key)
         if size is None:
             return None
@@ -186,7 +185,7 @@ class Pool:
         at least that large. Byte ranges let a reader take one layer of a
         block (see ``KVLayout``) without touching the rest.
         """
-        _check_key(key)
+        check_key(key)
         if offset < 0 or (length is not None and length <= 0):
             raise BufferSpecError(f"bad range: offset={offset}, length={length}")
         return self._get_into_region(key, as_region(out, writable=True, what="out"), offset, length)
@@ -196,14 +195,14 @@ class Pool:
         if len(keys) != len(outs):
             raise ValueError("keys and outs must have the same length")
         for key in keys:
-            _check_key(key)
+            check_key(key)
         regions = [as_region(o, writable=True, what="out") for o in outs]
         return [self._get_into_region(k, r) for k, r in zip(keys, regions, strict=True)]
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """For each key, whether a committed block is stored under it."""
         for key in keys:
-            _check_key(key)
+            check_key(key)
         with self._lock:
             self._check_open()
             return [key in self._entries for key in keys]
@@ -211,7 +210,7 @@ class Pool:
     def prefix_match(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` that are stored (the reusable prefix, in blocks)."""
         for key in keys:
-            _check_key(key)
+            check_key(key)
         with self._lock:
             self._check_open()
             entries = self._entries
@@ -222,7 +221,7 @@ class Pool:
 
     def remove(self, key: bytes) -> bool:
         """Forget the block; False if it was not stored."""
-        _check_key(key)
+        check_key(key)
         with self._lock:
             self._check_open()
             entry = self._entries.pop(key, None)
@@ -257,6 +256,20 @@ class Pool:
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
+
+    def layer_writer(
+        self, keys: Sequence[bytes], layout: Any, parents: Any = None, **kw: Any
+    ) -> Any:
+        """Store ``keys``' KV layer by layer in the background (``kvpool.layerwise``)."""
+        from kvpool.layerwise import LayerWriter
+
+        return LayerWriter(self, keys, layout, parents, **kw)
+
+    def layer_reader(self, keys: Sequence[bytes], layout: Any, **kw: Any) -> Any:
+        """Load the stored prefix of ``keys`` layer by layer, prefetching (``kvpool.layerwise``)."""
+        from kvpool.layerwise import LayerReader
+
+        return LayerReader(self, keys, layout, **kw)
 
     # -- put path ---------------------------------------------------------
 
@@ -572,20 +585,3 @@ class Pool:
     def _check_open(self) -> None:
         if self._closed:
             raise PoolClosedError("the pool is closed")
-
-
-def _check_key(key: object, what: str = "key") -> None:
-    if not isinstance(key, bytes):
-        raise InvalidKeyError(
-            f"{what} must be bytes of length {KEY_BYTES} (from kvpool.block_keys), "
-            f"got {type(key).__name__}"
-        )
-    if len(key) != KEY_BYTES:
-        raise InvalidKeyError(f"{what} must be exactly {KEY_BYTES} bytes, got {len(key)}")
-
-
-def _data_region(data: Any) -> Region:
-    src = as_region(data, what="data")
-    if region_nbytes(src) == 0:
-        raise BufferSpecError("data is empty; a block must have at least one byte")
-    return src

@@ -1,0 +1,7 @@
+"""``python -m kvpool`` runs the ``kvpool`` command."""
+
+import sys
+
+from kvpool.cli import main
+
+sys.exit(main())

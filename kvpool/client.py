@@ -1,0 +1,346 @@
+"""``kvpool.connect(url)``: the cluster-wide pool, with exactly the embedded API.
+
+Metadata goes to the master (one round trip per batch and phase); bytes go
+straight between this process and the nodes over the fastest transport per
+node (shared memory on the same host, else UCX or TCP; see
+kvpool.transport.select). Reads run under a lease, so the master cannot
+free or reuse a block's range while it is copied; a read that outlives its
+lease, or whose node fails, is answered from another replica or as a miss,
+never with wrong bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import urlparse
+
+import numpy as np
+
+from kvpool.bindings.buffers import Region, as_region, copy_region, region_is_device, region_nbytes
+from kvpool.checks import check_key, check_keys, data_region
+from kvpool.errors import BufferSpecError, KVPoolError, PoolClosedError, PoolFullError
+from kvpool.master import DEFAULT_PORT
+from kvpool.protocol import (
+    ALLOCATE,
+    COMMIT,
+    EXISTS,
+    LEASE,
+    PREFIX,
+    RELEASE,
+    REMOVE,
+    REVOKE,
+    STATS,
+    AllocateReply,
+    AllocateRequest,
+    IdsRequest,
+    KeysRequest,
+    LeaseReply,
+    LeaseRequest,
+)
+from kvpool.remote_handles import Placement, RemoteBlockWriter, RemoteLease
+from kvpool.rpc_client import RpcClient
+from kvpool.transport.base import RegionInfo, Transport, host_identity
+from kvpool.transport.select import select_transport
+
+_READ_ERRORS = (ConnectionError, TimeoutError, OSError)
+
+
+def connect(url: str, *, token: str | None = None, timeout: float = 10.0, **kw: Any) -> RemotePool:
+    """A pool backed by the cluster whose master is at ``kvpool://HOST:PORT``."""
+    parsed = urlparse(url if "://" in url else f"kvpool://{url}")
+    if parsed.scheme != "kvpool" or not parsed.hostname:
+        raise ValueError(f"expected kvpool://HOST:PORT, got {url!r}")
+    return RemotePool(
+        f"{parsed.hostname}:{parsed.port or DEFAULT_PORT}", token=token, timeout=timeout, **kw
+    )
+
+
+class RemotePool:
+    """put/get/get_into/exists/prefix_match/remove/stats, batch forms, reserve, lease."""
+
+    def __init__(
+        self,
+        master: str,
+        *,
+        token: str | None = None,
+        timeout: float = 10.0,
+        transport: str | None = None,
+        contribute_dram: int = 0,
+    ) -> None:
+        self.token, self.timeout, self.transport_override = token, timeout, transport
+        self._rpc = RpcClient(master, token=token, timeout=timeout, name="kvpool-client")
+        self._regions: dict[str, RegionInfo] = {}
+        self._transports: dict[str, Transport] = {}
+        self._leased: dict[bytes, tuple[list[Placement], float]] = {}
+        self._counts: Counter[str] = Counter()
+        self._closed = False
+        self._node = self._contribute(master, contribute_dram) if contribute_dram else None
+
+    # -- writes -------------------------------------------------------------------
+
+    def put(self, key: bytes, data: Any, *, parent: bytes | None = None) -> bool:
+        """Store ``data`` under ``key``; False if it is already stored."""
+        return self.put_batch([key], [data], [parent])[0]
+
+    def put_batch(
+        self,
+        keys: Sequence[bytes],
+        datas: Sequence[Any],
+        parents: Sequence[bytes | None] | None = None,
+        *,
+        replicas: int = 1,
+    ) -> list[bool]:
+        """Store each block; one allocation and one commit round trip for the whole batch.
+
+        ``replicas`` > 1 places copies on distinct nodes (best effort).
+        """
+        parents = list(parents) if parents is not None else [None] * len(keys)
+        if not len(keys) == len(datas) == len(parents):
+            raise ValueError("keys, datas and parents must have the same length")
+        check_keys(keys, parents)
+        regions = [data_region(d) for d in datas]
+        self._check_open()
+        request = AllocateRequest(
+            list(keys), [region_nbytes(r) for r in regions], parents, replicas
+        )
+        reply = self._rpc.call(ALLOCATE, request, response_type=AllocateReply)
+        self._learn(reply.nodes)
+        written, failed = [], []
+        stored = [False] * len(keys)
+        for i, placements in enumerate(reply.placements):
+            for alloc_id, node_id, offset in placements or ():
+                try:
+                    self._write(node_id, offset, regions[i])
+                    written.append((i, alloc_id))
+                except _READ_ERRORS:
+                    failed.append(alloc_id)
+        if failed:
+            self._rpc.submit(REVOKE, IdsRequest(failed))
+        if written:
+            done = self._rpc.call(COMMIT, IdsRequest([a for _, a in written]))
+            for (i, _), ok in zip(written, done, strict=True):
+                stored[i] = stored[i] or ok
+        self._counts["puts"] += sum(stored)
+        if reply.error:
+            raise PoolFullError(reply.error)
+        return stored
+
+    def reserve(
+        self, key: bytes, size: int, *, parent: bytes | None = None, device: bool = False
+    ) -> RemoteBlockWriter | None:
+        """Reserve a block to fill piecewise (see ``Pool.reserve``); None if already stored."""
+        check_key(key)
+        if parent is not None:
+            check_key(parent, what="parent")
+        if not isinstance(size, int) or size <= 0:
+            raise BufferSpecError(f"size must be a positive int, got {size!r}")
+        self._check_open()
+        reply = self._rpc.call(
+            ALLOCATE, AllocateRequest([key], [size], [parent]), response_type=AllocateReply
+        )
+        self._learn(reply.nodes)
+        if reply.error:
+            raise PoolFullError(reply.error)
+        placements = reply.placements[0]
+        if placements is None:
+            return None
+        return RemoteBlockWriter(
+            self,
+            key,
+            size,
+            [Placement(n, o) for _, n, o in placements],
+            [a for a, _, _ in placements],
+        )
+
+    # -- reads --------------------------------------------------------------------
+
+    def get(self, key: bytes) -> bytes | None:
+        """A copy of the block's bytes, or None on a miss."""
+        check_key(key)
+        with self.lease([key]) as lease:
+            if not lease.keys:
+                return None
+            out = np.empty(lease.sizes[0], np.uint8)
+            got = self._read_leased(key, out, 0, lease.sizes[0])
+            return None if got is None else out.tobytes()
+
+    def get_into(
+        self, key: bytes, out: Any, *, offset: int = 0, length: int | None = None
+    ) -> int | None:
+        """Copy the block (or bytes [offset, offset+length)) into ``out``; None on a miss."""
+        check_key(key)
+        dst = as_region(out, writable=True, what="out")
+        if offset < 0 or (length is not None and length <= 0):
+            raise BufferSpecError(f"bad range: offset={offset}, length={length}")
+        if key in self._leased:
+            return self._read_range(key, dst, offset, length)
+        with self.lease([key]) as lease:
+            if not lease.keys:
+                return None
+            return self._read_range(key, dst, offset, length)
+
+    def get_into_batch(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
+        """``get_into`` for each pair under a single lease round trip."""
+        if len(keys) != len(outs):
+            raise ValueError("keys and outs must have the same length")
+        check_keys(keys)
+        regions = [as_region(o, writable=True, what="out") for o in outs]
+        with self.lease(keys, prefix=False) as lease:
+            present = set(lease.keys)
+            return [
+                self._read_range(k, r, 0, None) if k in present else None
+                for k, r in zip(keys, regions, strict=True)
+            ]
+
+    def lease(self, keys: Sequence[bytes], *, prefix: bool = True) -> RemoteLease:
+        """Pin the stored prefix of ``keys`` (or every stored key) until released."""
+        check_keys(keys)
+        self._check_open()
+        reply = self._rpc.call(LEASE, LeaseRequest(list(keys), prefix), response_type=LeaseReply)
+        self._learn(reply.nodes)
+        deadline = time.monotonic() + reply.ttl * 0.9
+        held, sizes = [], []
+        for key, block in zip(keys, reply.blocks, strict=False):
+            if block is None:
+                self._counts["misses"] += 1
+                continue
+            size, replicas = block
+            self._leased[key] = ([Placement(n, o, size) for n, o in replicas], deadline)
+            held.append(key)
+            sizes.append(size)
+        self._counts["misses"] += len(keys) - len(reply.blocks)
+        return RemoteLease(self, reply.lease_id, held, sizes)
+
+    # -- keys -----------------------------------------------------------------------
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        check_keys(keys)
+        self._check_open()
+        return list(self._rpc.call(EXISTS, KeysRequest(list(keys))))
+
+    def prefix_match(self, keys: Sequence[bytes]) -> int:
+        check_keys(keys)
+        self._check_open()
+        return int(self._rpc.call(PREFIX, KeysRequest(list(keys))))
+
+    def remove(self, key: bytes) -> bool:
+        check_key(key)
+        self._check_open()
+        return bool(self._rpc.call(REMOVE, KeysRequest([key]))[0])
+
+    def stats(self) -> dict[str, Any]:
+        self._check_open()
+        stats = dict(self._rpc.call(STATS))
+        stats["client"] = dict(self._counts)
+        stats["transports"] = {n: t.name for n, t in self._transports.items()}
+        stats["transport"] = ",".join(sorted({t.name for t in self._transports.values()})) or "-"
+        return stats
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for transport in self._transports.values():
+            transport.close()
+        self._rpc.close()
+        if self._node is not None:
+            self._node.close()
+
+    def __enter__(self) -> RemotePool:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- helpers (used by the handles too) -----------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolClosedError("the pool is closed")
+
+    def _learn(self, nodes: dict[str, RegionInfo]) -> None:
+        for node_id, region in nodes.items():
+            known = self._regions.get(node_id)
+            if known != region:
+                self._regions[node_id] = region
+                old = self._transports.pop(node_id, None)
+                if old is not None:
+                    old.close()
+
+    def _transport(self, node_id: str) -> Transport:
+        transport = self._transports.get(node_id)
+        if transport is None:
+            transport = select_transport(
+                self._regions[node_id],
+                self.transport_override,
+                token=self.token,
+                timeout=self.timeout,
+            )
+            self._transports[node_id] = transport
+        return transport
+
+    def _write(self, node_id: str, offset: int, src: Region) -> None:
+        transport = self._transport(node_id)
+        if region_is_device(src) and transport.name != "shm":
+            src = src.cpu().numpy()  # bounce through host memory
+        transport.write(offset, src)
+        self._counts[f"bytes_out_{transport.name}"] += region_nbytes(src)
+
+    def _read_range(self, key: bytes, dst: Region, start: int, length: int | None) -> int | None:
+        placements, _ = self._leased[key]
+        size = placements[0].size
+        want = size - start if length is None else length
+        if start + want > size or want <= 0:
+            raise BufferSpecError(f"range [{start}, {start + want}) is outside the block of {size}")
+        if region_nbytes(dst) < want:
+            raise BufferSpecError(f"out has {region_nbytes(dst)} bytes but {want} are asked")
+        return self._read_leased(key, dst[:want], start, want)
+
+    def _read_leased(self, key: bytes, dst: Region, start: int, want: int) -> int | None:
+        """Read from the best replica, falling back to the others; None if none serves."""
+        placements, deadline = self._leased[key]
+        here = host_identity()
+        ordered = sorted(placements, key=lambda p: self._regions[p.node_id].host_id != here)
+        for placement in ordered:
+            try:
+                self._read_from(placement, dst, start, want)
+            except _READ_ERRORS:
+                continue
+            if time.monotonic() > deadline:  # the lease may have lapsed mid-copy
+                break
+            self._counts["hits"] += 1
+            return want
+        self._counts["misses"] += 1
+        return None
+
+    def _read_from(self, placement: Placement, dst: Region, start: int, want: int) -> None:
+        transport = self._transport(placement.node_id)
+        target = dst
+        if region_is_device(dst) and transport.name != "shm":
+            target = np.empty(want, np.uint8)  # bounce through host memory
+        transport.read_into(placement.offset + start, target)
+        if target is not dst:
+            copy_region(dst, target)
+        self._counts[f"bytes_in_{transport.name}"] += want
+
+    def _release(self, lease_id: int, keys: Sequence[bytes]) -> None:
+        for key in keys:
+            self._leased.pop(key, None)
+        if lease_id and not self._closed:
+            # No need to wait; if the master is unreachable the lease expires there.
+            with contextlib.suppress(KVPoolError):
+                self._rpc.submit(RELEASE, IdsRequest([lease_id]))
+
+    def _contribute(self, master: str, dram_bytes: int) -> Any:
+        from kvpool.node import NodeConfig, StorageNode
+
+        node = StorageNode(NodeConfig(master=master, dram_bytes=dram_bytes, token=self.token))
+        node.start()
+        if not node.registered.wait(self.timeout):
+            node.close()
+            raise KVPoolError(f"could not register this process's capacity with {master}")
+        return node

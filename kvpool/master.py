@@ -1,0 +1,259 @@
+"""``kvpool master``: the cluster's metadata service.
+
+Holds the block catalog (kvpool.index.catalog) behind msgpack RPC: node
+registration and heartbeats, two-phase put allocation, read leases, key
+queries and stats. It never touches block bytes: clients move them to and
+from nodes directly. A reaper thread expires stale allocations and leases
+and drops nodes whose heartbeats stopped for ``node_ttl`` seconds.
+
+The master keeps no state on disk. After a restart, nodes find they are
+unknown (heartbeat reply ``known=False``) and register again with the
+blocks they hold, which rebuilds the catalog.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.index.catalog import BlockCatalog, CatalogFullError
+from kvpool.metrics import Metrics
+from kvpool.protocol import (
+    ALLOCATE,
+    COMMIT,
+    EXISTS,
+    HEARTBEAT,
+    LEASE,
+    PREFIX,
+    REGISTER,
+    RELEASE,
+    REMOVE,
+    REVOKE,
+    STATS,
+    AllocateReply,
+    AllocateRequest,
+    Heartbeat,
+    HeartbeatReply,
+    IdsRequest,
+    KeysRequest,
+    LeaseReply,
+    LeaseRequest,
+    RegisterNode,
+)
+from kvpool.rpc_server import RpcServer, ServerConfig
+from kvpool.transport.base import RegionInfo
+
+log = logging.getLogger("kvpool.master")
+DEFAULT_PORT = 7480
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    token: str | None = None
+    policy: str = "lru"
+    node_ttl: float = 5.0  # a node silent this long is dead
+    lease_ttl: float = 30.0
+    alloc_ttl: float = 30.0
+    reap_interval: float = 0.5
+    metrics_port: int | None = None  # None: no /metrics server; 0: any free port
+
+
+class Master:
+    """The catalog behind RPC; ``start()`` serves in background threads."""
+
+    def __init__(self, config: MasterConfig) -> None:
+        self.config = config
+        self.catalog = BlockCatalog(
+            policy=config.policy, lease_ttl=config.lease_ttl, alloc_ttl=config.alloc_ttl
+        )
+        self.regions: dict[str, RegionInfo] = {}
+        self.metrics = Metrics("master")
+        self.metrics_port: int | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._server = RpcServer(
+            ServerConfig(
+                host=config.host, port=config.port, token=config.token, name="kvpool-master"
+            )
+        )
+        self._register_handlers()
+        self._reaper = threading.Thread(target=self._reap_loop, name="kvpool-reaper", daemon=True)
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._server.address
+
+    def start(self) -> tuple[str, int]:
+        if self.config.metrics_port is not None:
+            self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
+        self._reaper.start()
+        return self._server.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._server.close()
+        self.metrics.close()
+
+    # -- handlers -------------------------------------------------------------
+
+    def _register_handlers(self) -> None:
+        routes: list[tuple[str, Any, Any]] = [
+            (REGISTER, self._register, RegisterNode),
+            (HEARTBEAT, self._heartbeat, Heartbeat),
+            (ALLOCATE, self._allocate, AllocateRequest),
+            (COMMIT, self._commit, IdsRequest),
+            (REVOKE, self._revoke, IdsRequest),
+            (LEASE, self._lease, LeaseRequest),
+            (RELEASE, self._release, IdsRequest),
+            (EXISTS, self._exists, KeysRequest),
+            (PREFIX, self._prefix_match, KeysRequest),
+            (REMOVE, self._remove, KeysRequest),
+            (STATS, self._stats, None),
+        ]
+        for method, fn, request_type in routes:
+            self._server.register(method, self.metrics.wrap(method, fn), request_type=request_type)
+
+    def _register(self, msg: RegisterNode) -> dict[str, Any]:
+        region = msg.region
+        blocks = [(b[0], b[1], b[2], b[3], b[4]) for b in msg.blocks]
+        with self._lock:
+            self.catalog.add_node(region.node_id, region.size, region.to_dict(), region.host_id)
+            self.regions[region.node_id] = region
+            restored = self.catalog.restore_blocks(region.node_id, blocks)
+            self._refresh_gauges()
+        log.info(
+            "node %s registered: %d bytes, %d blocks restored",
+            region.node_id,
+            region.size,
+            restored,
+        )
+        return {"restored": restored}
+
+    def _heartbeat(self, msg: Heartbeat) -> HeartbeatReply:
+        with self._lock:
+            if not self.catalog.touch_node(msg.node_id):
+                return HeartbeatReply(known=False)
+            for key, checksum in msg.checksums:
+                self.catalog.set_checksum(key, checksum)
+            node = self.catalog.nodes[msg.node_id]
+            events, node.outbox = node.outbox, []
+        return HeartbeatReply(known=True, events=[list(e) for e in events])
+
+    def _allocate(self, msg: AllocateRequest) -> AllocateReply:
+        if not len(msg.keys) == len(msg.sizes) == len(msg.parents):
+            raise ValueError("keys, sizes and parents must have the same length")
+        placements: list[list[list[Any]] | None] = []
+        error = ""
+        with self._lock:
+            evictions = self.catalog.evictions
+            for key, size, parent in zip(msg.keys, msg.sizes, msg.parents, strict=True):
+                try:
+                    allocs = self.catalog.allocate(key, size, parent, max(1, msg.replicas))
+                except CatalogFullError as exc:
+                    placements.append(None)
+                    error = str(exc)
+                    continue
+                placements.append(
+                    None if allocs is None else [[a.alloc_id, a.node_id, a.offset] for a in allocs]
+                )
+            self.metrics.evictions.inc(self.catalog.evictions - evictions)
+            nodes = self._regions_of(p[1] for ps in placements if ps for p in ps)
+            self._refresh_gauges()
+        return AllocateReply(placements=placements, nodes=nodes, error=error)
+
+    def _commit(self, msg: IdsRequest) -> list[bool]:
+        with self._lock:
+            done = [self.catalog.commit(alloc_id) is not None for alloc_id in msg.ids]
+            self.metrics.blocks.set(len(self.catalog.blocks))
+        return done
+
+    def _revoke(self, msg: IdsRequest) -> None:
+        with self._lock:
+            for alloc_id in msg.ids:
+                self.catalog.revoke(alloc_id)
+
+    def _lease(self, msg: LeaseRequest) -> LeaseReply:
+        with self._lock:
+            lease_id, found = self.catalog.lease(msg.keys, prefix=msg.prefix)
+            blocks: list[list[Any] | None] = [
+                None if b is None else [b.size, [[r.node_id, r.offset] for r in b.replicas]]
+                for b in found
+            ]
+            nodes = self._regions_of(r[0] for b in blocks if b for r in b[1])
+        hits = sum(b is not None for b in blocks)
+        self.metrics.hits.inc(hits)
+        self.metrics.misses.inc(len(msg.keys) - hits)
+        return LeaseReply(lease_id, blocks, nodes, self.config.lease_ttl)
+
+    def _release(self, msg: IdsRequest) -> None:
+        with self._lock:
+            for lease_id in msg.ids:
+                self.catalog.release(lease_id)
+
+    def _exists(self, msg: KeysRequest) -> list[bool]:
+        with self._lock:
+            return self.catalog.exists(msg.keys)
+
+    def _prefix_match(self, msg: KeysRequest) -> int:
+        with self._lock:
+            return self.catalog.prefix_match(msg.keys)
+
+    def _remove(self, msg: KeysRequest) -> list[bool]:
+        with self._lock:
+            removed = [self.catalog.remove(key) for key in msg.keys]
+            self._refresh_gauges()
+            return removed
+
+    def _stats(self, _params: Any) -> dict[str, Any]:
+        with self._lock:
+            cat = self.catalog
+            return {
+                "mode": "distributed",
+                "policy": cat.policy_name,
+                "blocks": len(cat.blocks),
+                "pending_allocations": len(cat.pending),
+                "leases": len(cat.leases),
+                "evictions": cat.evictions,
+                "nodes": {
+                    node_id: {
+                        "capacity_bytes": node.allocator.capacity,
+                        "used_bytes": node.allocator.used_bytes,
+                        "blocks": len(node.policy),
+                        "host_id": node.host_id,
+                    }
+                    for node_id, node in cat.nodes.items()
+                },
+            }
+
+    # -- helpers ----------------------------------------------------------------
+
+    def _regions_of(self, node_ids: Any) -> dict[str, RegionInfo]:
+        return {n: self.regions[n] for n in set(node_ids) if n in self.regions}
+
+    def _refresh_gauges(self) -> None:
+        self.metrics.blocks.set(len(self.catalog.blocks))
+        self.metrics.nodes.set(len(self.catalog.nodes))
+        for node_id, node in self.catalog.nodes.items():
+            self.metrics.capacity.labels(node_id).set(node.allocator.capacity)
+            self.metrics.used.labels(node_id).set(node.allocator.used_bytes)
+
+    def _reap_loop(self) -> None:
+        while not self._stop.wait(self.config.reap_interval):
+            with self._lock:
+                self.catalog.expire()
+                for node_id in self.catalog.dead_nodes(self.config.node_ttl):
+                    lost = self.catalog.remove_node(node_id)
+                    self.regions.pop(node_id, None)
+                    self.metrics.capacity.remove(node_id)
+                    self.metrics.used.remove(node_id)
+                    log.warning(
+                        "node %s missed heartbeats for %.1f s: dropped (%d blocks lost)",
+                        node_id,
+                        self.config.node_ttl,
+                        len(lost),
+                    )
+                self._refresh_gauges()

@@ -1,0 +1,89 @@
+"""Payloads the master, storage nodes and clients exchange (inside RPC requests).
+
+Keys and parents travel as 16-byte ``bytes``; block placements as small
+lists so a batch of thousands stays compact. Every message is a
+``WireMessage`` dataclass: msgpack-native fields only, no pickle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvpool.rpc_messages import WireMessage
+from kvpool.transport.base import RegionInfo
+
+# Master RPC method names.
+REGISTER = "node.register"
+HEARTBEAT = "node.heartbeat"
+ALLOCATE = "put.allocate"
+COMMIT = "put.commit"
+REVOKE = "put.revoke"
+LEASE = "get.lease"
+RELEASE = "get.release"
+EXISTS = "keys.exists"
+PREFIX = "keys.prefix_match"
+REMOVE = "keys.remove"
+STATS = "stats"
+
+
+@dataclass
+class RegisterNode(WireMessage):
+    """A node joining (or re-joining after a master restart) with the blocks it holds."""
+
+    region: RegionInfo
+    # [key, offset, size, checksum, parent] for every block the node verified
+    blocks: list[list[Any]] = field(default_factory=list)
+
+
+@dataclass
+class Heartbeat(WireMessage):
+    node_id: str
+    checksums: list[list[Any]] = field(default_factory=list)  # [key, xxh3_64] computed since
+
+
+@dataclass
+class HeartbeatReply(WireMessage):
+    known: bool  # False: the master does not know this node (it restarted): register again
+    events: list[list[Any]] = field(default_factory=list)  # ["commit", key, off, size, parent]
+
+
+@dataclass
+class AllocateRequest(WireMessage):
+    keys: list[bytes]
+    sizes: list[int]
+    parents: list[bytes | None]
+    replicas: int = 1
+
+
+@dataclass
+class AllocateReply(WireMessage):
+    # per key: None (already stored or in flight) or [[alloc_id, node_id, offset], ...]
+    placements: list[list[list[Any]] | None]
+    nodes: dict[str, RegionInfo]
+    error: str = ""  # set when some key could not be placed anywhere (cluster full)
+
+
+@dataclass
+class IdsRequest(WireMessage):
+    ids: list[int]
+
+
+@dataclass
+class LeaseRequest(WireMessage):
+    keys: list[bytes]
+    prefix: bool = True  # stop at the first miss (prefix loads) or look up every key
+
+
+@dataclass
+class LeaseReply(WireMessage):
+    lease_id: int
+    # per key (up to the first miss when prefix): None or [size, [[node_id, offset], ...]]
+    blocks: list[list[Any] | None]
+    nodes: dict[str, RegionInfo]
+    ttl: float
+
+
+@dataclass
+class KeysRequest(WireMessage):
+    keys: list[bytes]

@@ -1,0 +1,90 @@
+"""Handles the remote client gives out: a reserved block being written, a lease."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpool.bindings.buffers import as_region, region_nbytes
+from kvpool.errors import BufferSpecError, KVPoolError
+from kvpool.protocol import COMMIT, REVOKE, IdsRequest
+
+if TYPE_CHECKING:
+    from kvpool.client import RemotePool
+
+
+@dataclass(frozen=True)
+class Placement:
+    node_id: str
+    offset: int
+    size: int = 0
+
+
+class RemoteBlockWriter:
+    """A block allocated on the master, filled on its node(s), visible after ``commit``.
+
+    Every write goes to every replica; a failed write aborts the block.
+    """
+
+    def __init__(
+        self, pool: RemotePool, key: bytes, size: int, placements: list[Placement], ids: list[int]
+    ) -> None:
+        self._pool, self.key, self.size = pool, key, size
+        self._placements, self._ids = placements, ids
+        self.done = False
+
+    def write(self, offset: int, data: Any) -> None:
+        if self.done:
+            raise KVPoolError("this block writer is already committed or aborted")
+        src = as_region(data, what="data")
+        end = offset + region_nbytes(src)
+        if offset < 0 or end > self.size:
+            raise BufferSpecError(f"write of [{offset}, {end}) is outside the block of {self.size}")
+        for placement in self._placements:
+            self._pool._write(placement.node_id, placement.offset + offset, src)
+
+    def commit(self) -> None:
+        if self.done:
+            raise KVPoolError("this block writer is already committed or aborted")
+        self.done = True
+        self._pool._rpc.call(COMMIT, IdsRequest(self._ids))
+
+    def abort(self) -> None:
+        if not self.done:
+            self.done = True
+            self._pool._rpc.submit(REVOKE, IdsRequest(self._ids))
+
+    def __enter__(self) -> RemoteBlockWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class RemoteLease:
+    """Blocks pinned on the master; reads of them need no further round trip."""
+
+    def __init__(
+        self, pool: RemotePool, lease_id: int, keys: Sequence[bytes], sizes: Sequence[int]
+    ) -> None:
+        self._pool, self._lease_id = pool, lease_id
+        self.keys, self.sizes = list(keys), list(sizes)
+        self._released = False
+
+    def release(self) -> None:
+        if not self._released:
+            self._released = True
+            self._pool._release(self._lease_id, self.keys)
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __enter__(self) -> RemoteLease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,0 +1,106 @@
+"""``kvpool master`` and ``kvpool node``: run the cluster's servers in the foreground.
+
+Both stop cleanly on SIGINT/SIGTERM (the node unlinks its shared memory).
+Binding to anything but loopback requires a shared token (``--token`` or
+``KVPOOL_TOKEN``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from typing import Any
+
+from kvpool.config import parse_size
+
+
+def register(subparsers: Any) -> None:
+    master = subparsers.add_parser("master", help="run the metadata server")
+    master.add_argument("--host", default="127.0.0.1")
+    master.add_argument("--port", type=int, default=7480)
+    master.add_argument("--token", default=None, help="shared token (default $KVPOOL_TOKEN)")
+    master.add_argument("--policy", default="lru", help="eviction policy for every node")
+    master.add_argument("--node-ttl", type=float, default=5.0, help="seconds without heartbeat")
+    master.add_argument("--lease-ttl", type=float, default=30.0)
+    master.add_argument("--metrics-port", type=int, default=None, help="serve /metrics here")
+    master.add_argument("--log-level", default="INFO")
+    master.set_defaults(func=_run_master)
+
+    node = subparsers.add_parser("node", help="contribute DRAM to a pool and serve it")
+    node.add_argument("--master", required=True, help="HOST:PORT of the master")
+    node.add_argument("--dram", default="1GiB", help="arena size, e.g. 4GiB")
+    node.add_argument("--host", default="127.0.0.1", help="address of the TCP data server")
+    node.add_argument("--data-port", type=int, default=0)
+    node.add_argument("--token", default=None, help="shared token (default $KVPOOL_TOKEN)")
+    node.add_argument("--node-id", default=None)
+    node.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    node.add_argument("--metrics-port", type=int, default=None, help="serve /metrics here")
+    node.add_argument("--log-level", default="INFO")
+    node.set_defaults(func=_run_node)
+
+
+def _run_master(args: argparse.Namespace) -> int:
+    from kvpool.master import Master, MasterConfig
+
+    _logging(args.log_level)
+    config = MasterConfig(
+        host=args.host,
+        port=args.port,
+        token=args.token,
+        policy=args.policy,
+        node_ttl=args.node_ttl,
+        lease_ttl=args.lease_ttl,
+        metrics_port=args.metrics_port,
+    )
+    master = Master(config)
+    host, port = master.start()
+    logging.getLogger("kvpool.master").info(
+        "master listening on %s:%d (metrics port %s)", host, port, master.metrics_port
+    )
+    print(f"kvpool master ready on {host}:{port}", flush=True)
+    _wait_for_signal()
+    master.close()
+    return 0
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    from kvpool.node import NodeConfig, StorageNode
+
+    _logging(args.log_level)
+    config = NodeConfig(
+        master=args.master,
+        dram_bytes=parse_size(args.dram),
+        host=args.host,
+        data_port=args.data_port,
+        token=args.token,
+        node_id=args.node_id,
+        heartbeat_interval=args.heartbeat,
+        metrics_port=args.metrics_port,
+    )
+    node = StorageNode(config)
+    node.start()
+    host, port = node.data.address
+    print(
+        f"kvpool node {node.node_id} serving {node.arena.size} bytes on {host}:{port} "
+        f"(shm {node.arena.name}, metrics port {node.metrics_port})",
+        flush=True,
+    )
+    _wait_for_signal()
+    node.close()
+    return 0
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )
