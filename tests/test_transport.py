@@ -231,3 +231,72 @@ def test_cuda_buffers(node: RegionInfo) -> None:
             back = np.empty(1 << 20, np.uint8)
             t.read_into(30 << 20, back)
             assert np.array_equal(back, src.cpu().numpy())
+
+
+def test_data_server_survives_garbage() -> None:
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    from kvpool.transport import tcp_wire as w
+
+    proc, info = _spawn()
+    hello = w.HELLO.pack(w.MAGIC, w.VERSION, 0)
+    reqs = st.builds(
+        w.REQ.pack,
+        st.integers(0, 255),
+        st.integers(0, 2**32 - 1),
+        st.sampled_from([0, 1, REGION - 1, REGION, 2**63]),
+        st.sampled_from([0, 1, 100, REGION, 2**63]),
+    )
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(handshake=st.booleans(), junk=st.lists(reqs | st.binary(max_size=40), max_size=4))
+    def poke(handshake: bool, junk: list[bytes]) -> None:
+        with socket.create_connection(("127.0.0.1", info.tcp_port), timeout=10) as s:
+            try:
+                s.sendall((hello if handshake else b"") + b"".join(junk))
+                s.shutdown(socket.SHUT_WR)
+                while s.recv(1 << 20):  # the server must finish and close, never hang
+                    pass
+            except TimeoutError:
+                raise
+            except OSError:  # reset / not connected: the server already closed on us
+                pass
+
+    try:
+        poke()
+        with TcpTransport(info) as t:
+            out = np.empty(4096, np.uint8)
+            t.read_into(REGION - 4096, out)
+            assert out.nbytes == 4096  # still serving (contents may have been overwritten)
+    finally:
+        _stop(proc)
+
+
+def test_tcp_concurrent_threads_share_a_pool(node: RegionInfo) -> None:
+    import threading
+
+    from kvpool.errors import PoolClosedError
+
+    t = TcpTransport(node, max_connections=2)
+    errors: list[BaseException] = []
+
+    def reader(k: int) -> None:
+        try:
+            for i in range(20):
+                off = (k * 7919 + i * 104_729) % (1 << 20)
+                out = np.empty(65_536 + i, np.uint8)
+                t.read_into(off, out)
+                assert np.array_equal(out, _pattern(off, out.nbytes))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=reader, args=(k,)) for k in range(4)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    assert not errors and t._open <= 2
+    t.close()
+    with pytest.raises(PoolClosedError):
+        t.read_into(0, bytearray(1))

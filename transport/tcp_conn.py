@@ -1,0 +1,117 @@
+"""One client connection of the TCP data path: handshake, requests, replies.
+
+A ``DataConn`` is used by one thread at a time (``TcpTransport`` lends it
+out of its pool). Reads land in the caller's buffer through a scatter
+``recvmsg_into`` (reply header + payload in one call, no copy); writes leave
+through a gather ``sendmsg`` (request header + payload). Any exception leaves
+the stream position unknown: the owner must close the connection.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import numpy as np
+
+from kvpool.errors import CallTimeoutError, ConnectionLostError, HandshakeRefusedError, RemoteError
+from kvpool.transport import tcp_wire as w
+
+
+class DataConn:
+    def __init__(self, host: str, port: int, token: str | None, timeout: float) -> None:
+        addr = (host, port)
+        try:
+            sock = socket.create_connection(addr, timeout=timeout)
+        except TimeoutError as exc:
+            raise CallTimeoutError(f"data connect to {addr} timed out") from exc
+        except OSError as exc:
+            raise ConnectionLostError(f"cannot open data connection to {addr}: {exc}") from exc
+        try:
+            w.tune(sock)
+            tok = (token or "").encode()
+            sock.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, len(tok)) + tok)
+            head = bytearray(w.HELLO_REPLY.size)
+            w.recv_into_exact(sock, memoryview(head))
+            magic, status, rlen = w.HELLO_REPLY.unpack(head)
+            reason = bytearray(rlen)
+            w.recv_into_exact(sock, memoryview(reason))
+        except TimeoutError as exc:
+            sock.close()
+            raise CallTimeoutError(f"data handshake with {addr} timed out") from exc
+        except (OSError, ConnectionLostError) as exc:
+            sock.close()
+            raise ConnectionLostError(f"data handshake with {addr} failed: {exc}") from exc
+        if magic != w.MAGIC or status != w.ST_OK:
+            sock.close()
+            raise HandshakeRefusedError(reason.decode(errors="replace") or f"status {status}")
+        self.sock = sock
+        self._rid = 0
+        self._resp = bytearray(w.RESP.size)
+        self._resp_mv = memoryview(self._resp)
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _next_rid(self) -> int:
+        self._rid = (self._rid + 1) & 0xFFFFFFFF
+        return self._rid
+
+    def _read_resp(self, rid: int) -> int:
+        w.recv_into_exact(self.sock, self._resp_mv)
+        status, got_rid, length = w.RESP.unpack(self._resp)
+        if status != w.ST_OK:
+            msg = bytearray(length)
+            w.recv_into_exact(self.sock, memoryview(msg))
+            raise RemoteError("data", msg.decode(errors="replace"))
+        if got_rid != rid:
+            raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")
+        return int(length)
+
+    def _recv_read(self, rid: int, payload: memoryview) -> None:
+        """One READ reply; the payload buffer is exactly the expected length, so an ok
+        reply never over-reads into the next one."""
+        hdr, n, h = self._resp_mv, payload.nbytes, w.RESP.size
+        got = self.sock.recvmsg_into([hdr, payload] if n else [hdr])[0]
+        if got == 0:
+            raise ConnectionLostError("peer closed the data connection")
+        if got < h:
+            w.recv_into_exact(self.sock, hdr[got:])
+            got = h
+        status, got_rid, length = w.RESP.unpack(self._resp)
+        body = got - h
+        if status != w.ST_OK:
+            msg = bytearray(length)
+            msg[: min(body, length)] = payload[: min(body, length)]
+            if body < length:
+                w.recv_into_exact(self.sock, memoryview(msg)[body:])
+            raise RemoteError("data", msg.decode(errors="replace"))
+        if got_rid != rid or length != n:
+            raise ConnectionLostError(f"data stream out of sync (reply {got_rid}/{length} B)")
+        if body < n:
+            w.recv_into_exact(self.sock, payload[body:])
+
+    def read_one(self, offset: int, region: np.ndarray) -> None:
+        rid = self._next_rid()
+        self.sock.sendall(w.REQ.pack(w.OP_READ, rid, offset, region.nbytes))
+        self._recv_read(rid, w.byte_view(region))
+
+    def read_many(self, plan: list[tuple[int, Any]]) -> None:
+        """Pipelined: every request goes out before the first reply is read."""
+        rids = [self._next_rid() for _ in plan]
+        self.sock.sendall(
+            b"".join(
+                w.REQ.pack(w.OP_READ, rid, off, host.nbytes)
+                for rid, (off, host) in zip(rids, plan, strict=True)
+            )
+        )
+        for rid, (_, host) in zip(rids, plan, strict=True):
+            self._recv_read(rid, w.byte_view(host))
+
+    def write_many(self, plan: list[tuple[int, np.ndarray]]) -> None:
+        rids = [self._next_rid() for _ in plan]
+        for rid, (off, data) in zip(rids, plan, strict=True):
+            head = w.REQ.pack(w.OP_WRITE, rid, off, data.nbytes)
+            w.send_parts(self.sock, head, w.byte_view(data))
+        for rid in rids:
+            self._read_resp(rid)
