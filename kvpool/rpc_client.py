@@ -39,7 +39,7 @@ from kvpool.errors import (
     RemoteError,
 )
 from kvpool.rpc_auth import resolve_token
-from kvpool.rpc_frame import DEFAULT_MAX_FRAME, encode_frame, read_frame
+from kvpool.rpc_frame import DEFAULT_MAX_FRAME, encode_frame, read_frame, tune_socket
 from kvpool.rpc_messages import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -113,7 +113,7 @@ class RpcClient:
         except OSError as exc:
             raise ConnectionLostError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
         try:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune_socket(sock)
             hello = Hello(version=PROTOCOL_VERSION, token=self.token, name=self.name)
             sock.sendall(encode_frame(encode_envelope(hello)))
             body = read_frame(sock, max_frame=self.max_frame, idle_ok=False)

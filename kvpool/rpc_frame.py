@@ -112,3 +112,29 @@ def read_frame(
     if not complete:
         raise ConnectionLostError("connection closed after a frame header (truncated frame)")
     return decode_body(payload)
+
+
+# --- socket helpers shared by every kvpool server and client ---------------------
+
+KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 3
+
+
+def tune_socket(sock: socket.socket) -> None:
+    """TCP_NODELAY, and keepalive probes so a vanished peer (no FIN, no RST) is
+    noticed by the kernel within ~11 s even on an idle connection."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", KEEPALIVE_PROBES),
+    ):
+        opt = getattr(socket, name, None)
+        if opt is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, opt, value)
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port (IPv6 when the host is an IPv6 literal)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, backlog=128)

@@ -34,7 +34,7 @@ from typing import Any
 
 from kvpool.errors import ConnectionLostError, FrameTooLargeError, KVPoolError, ProtocolError
 from kvpool.rpc_auth import check_bind, resolve_token, token_matches
-from kvpool.rpc_frame import DEFAULT_MAX_FRAME, encode_frame, read_frame
+from kvpool.rpc_frame import DEFAULT_MAX_FRAME, encode_frame, listen, read_frame, tune_socket
 from kvpool.rpc_messages import (
     PROTOCOL_VERSION,
     Envelope,
@@ -106,7 +106,7 @@ class RpcServer:
         self._ids = itertools.count(1)
         self._closed = threading.Event()
         self._pool = ThreadPoolExecutor(self.config.workers, thread_name_prefix="kvpool-rpc")
-        self._listener = socket.create_server((self.config.host, self.config.port), backlog=128)
+        self._listener = listen(self.config.host, self.config.port)
         self._thread: threading.Thread | None = None
 
     @property
@@ -174,7 +174,7 @@ class RpcServer:
 
     def _serve_conn(self, conn: Connection) -> None:
         try:
-            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            tune_socket(conn.sock)
             if self._handshake(conn):
                 conn.sock.settimeout(self.config.io_timeout)
                 self._read_loop(conn)

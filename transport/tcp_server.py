@@ -21,6 +21,7 @@ from typing import Any
 from kvpool.bindings.buffers import host_view
 from kvpool.errors import ConnectionLostError
 from kvpool.rpc_auth import check_bind, resolve_token, token_matches
+from kvpool.rpc_frame import listen
 from kvpool.transport import tcp_wire as w
 
 log = logging.getLogger("kvpool.transport.tcp")
@@ -44,7 +45,7 @@ class TcpDataServer:
         self._mv = memoryview(self.region)  # type: ignore[arg-type]
         self.size = self.region.nbytes
         self.handshake_timeout = handshake_timeout
-        self._listener = socket.create_server((host, port), backlog=128)
+        self._listener = listen(host, port)
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False

@@ -24,6 +24,7 @@ import socket
 import struct
 
 from kvpool.errors import ConnectionLostError
+from kvpool.rpc_frame import tune_socket
 
 MAGIC = b"KVDT"
 VERSION = 1
@@ -40,8 +41,8 @@ MAX_CHUNK = 1 << 30  # per recv_into/send call; keeps counts well inside int lim
 
 
 def tune(sock: socket.socket) -> None:
-    """TCP_NODELAY and large kernel buffers (best effort: limits are the kernel's)."""
-    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    """NODELAY + keepalive (``tune_socket``) and large kernel buffers (best effort)."""
+    tune_socket(sock)
     for opt in (socket.SO_SNDBUF, socket.SO_RCVBUF):
         with contextlib.suppress(OSError):
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
