@@ -25,6 +25,7 @@ def register(subparsers: Any) -> None:
     prefix.add_argument("--samples", type=int, default=300)
     prefix.add_argument("--json", default=None, metavar="F")
     prefix.set_defaults(func=_run_prefix)
+    __import__("kvpool.bench.layerwise", fromlist=["x"]).register_layerwise(suites)
 
 
 def _run_local(args: argparse.Namespace) -> int:

@@ -1,0 +1,69 @@
+"""Layer-wise store and load against the distributed pool (real master and node processes)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from clusterhelpers import Cluster, start_cluster, wait_until
+from poolhelpers import make_keys
+from test_layerwise import LAYOUT, block_bytes, layers
+
+import kvpool
+from kvpool.layerwise import LayerReader, LayerTransferError, LayerWriter
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    c = start_cluster(["8MiB", "8MiB"])
+    yield c
+    c.stop()
+
+
+def connect(cluster: Cluster, transport: str | None = None) -> kvpool.RemotePool:
+    pool = kvpool.connect(cluster.url, timeout=3, transport=transport)
+    assert wait_until(lambda: len(pool.stats()["nodes"]) == 2, timeout=15)
+    return pool
+
+
+def test_round_trip_through_the_cluster(cluster: Cluster) -> None:
+    keys, kv = make_keys(4), layers(3)
+    with connect(cluster) as pool:
+        with LayerWriter(pool, keys[:3], LAYOUT) as writer:
+            for layer in [1, 0, 3, 2]:
+                writer.write_layer(layer, *kv[layer])
+        assert pool.prefix_match(keys) == 3
+        for i in range(3):
+            assert pool.get(keys[i]) == block_bytes(kv, i)
+        with LayerReader(pool, keys, LAYOUT) as reader:
+            assert reader.num_blocks == 3
+            for layer in range(LAYOUT.num_layers):
+                k, v = reader.wait_layer(layer)
+                np.testing.assert_array_equal(k, kv[layer][0])
+                np.testing.assert_array_equal(v, kv[layer][1])
+
+
+def test_nodes_lost_mid_stream_fail_writer_and_reader(cluster: Cluster) -> None:
+    keys, kv = make_keys(4), layers(4)
+    with connect(cluster, "tcp") as pool:
+        stored = make_keys(4, seed=7)
+        with LayerWriter(pool, stored, LAYOUT) as writer:
+            for layer in range(LAYOUT.num_layers):
+                writer.write_layer(layer, *kv[layer])
+        reader = LayerReader(pool, stored, LAYOUT)
+        reader.wait_layer(0)
+        writer = LayerWriter(pool, keys, LAYOUT)
+        writer.write_layer(0, *kv[0])
+        assert wait_until(lambda: writer.layer_done(0), timeout=10)
+        for node in cluster.nodes:
+            node.kill()
+        for layer in range(1, LAYOUT.num_layers):
+            writer.write_layer(layer, *kv[layer])
+        with pytest.raises(LayerTransferError):
+            writer.wait()
+        assert pool.prefix_match(keys) == 0
+        with pytest.raises(LayerTransferError):
+            for layer in range(1, LAYOUT.num_layers):
+                reader.wait_layer(layer)
+        reader.close()
