@@ -33,6 +33,8 @@ from kvpool.rpc_auth import resolve_token
 from kvpool.transport.base import RegionInfo, Transport, check_range
 from kvpool.transport.tcp_conn import DataConn
 
+_U8 = np.dtype(np.uint8)
+
 
 class TcpTransport(Transport):
     name = "tcp"
@@ -53,18 +55,27 @@ class TcpTransport(Transport):
         self.max_connections = max(1, max_connections)
         self._idle: list[DataConn] = []
         self._open = 0
+        self._waiting = 0
         self._closed = False
         self._cond = threading.Condition()
 
     # --- connection pool -----------------------------------------------------------
 
     def _acquire(self) -> DataConn:
+        try:
+            return self._idle.pop()  # fast path: list.pop is atomic, no lock taken
+        except IndexError:
+            pass
         with self._cond:
-            while not self._idle and self._open >= self.max_connections:
-                if self._closed:
-                    raise PoolClosedError("TCP transport is closed")
-                if not self._cond.wait(self.timeout):
-                    raise CallTimeoutError(f"no free data connection to {self.info.node_id}")
+            self._waiting += 1  # before the check: a release that misses it left a conn
+            try:
+                while not self._idle and self._open >= self.max_connections:
+                    if self._closed:
+                        raise PoolClosedError("TCP transport is closed")
+                    if not self._cond.wait(self.timeout):
+                        raise CallTimeoutError(f"no free data connection to {self.info.node_id}")
+            finally:
+                self._waiting -= 1
             if self._closed:
                 raise PoolClosedError("TCP transport is closed")
             if self._idle:
@@ -79,29 +90,36 @@ class TcpTransport(Transport):
             raise
 
     def _release(self, conn: DataConn, healthy: bool) -> None:
+        if healthy and not self._closed:
+            self._idle.append(conn)
+            if self._waiting:
+                with self._cond:
+                    self._cond.notify()
+            if self._closed:  # raced with close(): drain again
+                self.close()
+            return
         with self._cond:
-            if healthy and not self._closed:
-                self._idle.append(conn)
-            else:
-                conn.close()
-                self._open -= 1
+            conn.close()
+            self._open -= 1
             self._cond.notify()
 
     def close(self) -> None:
         with self._cond:
             self._closed = True
-            idle, self._idle = self._idle, []
+            idle = []
+            while self._idle:
+                idle.append(self._idle.pop())
             self._open -= len(idle)
             self._cond.notify_all()
         for conn in idle:
             conn.close()
 
-    def _io(self, fn: Callable[[DataConn], None]) -> None:
-        """Run ``fn`` on a borrowed connection, mapping failures to kvpool errors."""
+    def _io(self, fn: Callable[..., None], *args: Any) -> None:
+        """Run ``fn(conn, *args)`` on a borrowed connection, mapping failures to kvpool errors."""
         conn = self._acquire()
         healthy = False
         try:
-            fn(conn)
+            fn(conn, *args)
             healthy = True
         except KVPoolError:
             raise
@@ -115,15 +133,15 @@ class TcpTransport(Transport):
     # --- transfers -----------------------------------------------------------------
 
     def read_into(self, offset: int, out: Any) -> None:
-        if type(out) is np.ndarray and out.dtype == np.uint8 and out.ndim == 1:
-            region = out if out.flags.writeable else as_region(out, writable=True)
+        if type(out) is np.ndarray and out.dtype == _U8 and out.ndim == 1 and out.flags.writeable:
+            region = out
         else:
             region = as_region(out, writable=True, what="output buffer")
         if region_is_device(region):
             self.read_many([(offset, out)])
             return
         check_range(offset, region.nbytes, self.info.size)
-        self._io(lambda c: c.read_one(offset, region))
+        self._io(DataConn.read_one, offset, region)
         self.bytes_read += region.nbytes
 
     def write(self, offset: int, data: Any) -> None:
@@ -132,7 +150,7 @@ class TcpTransport(Transport):
             self.write_many([(offset, data)])
             return
         check_range(offset, region.nbytes, self.info.size)
-        self._io(lambda c: c.write_many([(offset, region)]))
+        self._io(DataConn.write_many, [(offset, region)])
         self.bytes_written += region.nbytes
 
     def read_many(self, items: Sequence[tuple[int, Any]]) -> None:
@@ -146,7 +164,7 @@ class TcpTransport(Transport):
                 devices.append((region, host))
                 region = host
             plan.append((offset, region))
-        self._io(lambda c: c.read_many(plan))
+        self._io(DataConn.read_many, plan)
         for device, host in devices:
             copy_region(device, host)
         self.bytes_read += sum(r.nbytes for _, r in plan)
@@ -161,7 +179,7 @@ class TcpTransport(Transport):
                 copy_region(host, region)
                 region = host
             plan.append((offset, region))
-        self._io(lambda c: c.write_many(plan))
+        self._io(DataConn.write_many, plan)
         self.bytes_written += sum(r.nbytes for _, r in plan)
 
 
