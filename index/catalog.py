@@ -16,7 +16,10 @@ Invariants:
   ends or expires (``lease_ttl``), so a slow reader never reads reused bytes
   while its lease holds;
 - a node that leaves (death, restart) takes all its replicas and pending
-  allocations with it.
+  allocations with it;
+- replicas are primary (placed by a put) or extra (added for read load, see
+  kvpool.index.heat); each node evicts extras before primaries, and a block
+  whose primaries all left keeps an extra as its new primary.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from typing import Any
 
 from kvpool.allocator import ExtentAllocator
 from kvpool.eviction import EvictionPolicy, make_policy
+from kvpool.index.heat import ReplicationConfig, decayed
 
 
 @dataclass
@@ -36,6 +40,7 @@ class Replica:
     node_id: str
     offset: int
     size: int
+    primary: bool = True
 
 
 @dataclass(eq=False)
@@ -47,6 +52,8 @@ class BlockMeta:
     checksum: int | None = None  # reported by the node that holds the bytes
     leases: int = 0
     removed: bool = False  # hidden; extents freed when the last lease ends
+    heat: float = 0.0  # decayed read count (kvpool.index.heat) as of heat_at
+    heat_at: float = 0.0
 
 
 @dataclass
@@ -58,6 +65,7 @@ class Allocation:
     size: int
     parent: bytes | None
     deadline: float
+    extra: bool = False  # an extra replica of an already stored block
 
 
 @dataclass
@@ -65,9 +73,12 @@ class NodeSpace:
     node_id: str
     info: dict[str, Any]  # the node's advertised region (transport details)
     allocator: ExtentAllocator
-    policy: EvictionPolicy
+    policy: EvictionPolicy  # primaries
+    extras: EvictionPolicy  # extra replicas: evicted first
     host_id: str = ""
     last_seen: float = 0.0
+    load: float = 0.0  # decayed count of reads routed here (as of load_at)
+    load_at: float = 0.0
     # What the node must learn about its own region, in order: ("commit", key,
     # offset, size, parent) and ("free", offset). The master drains it into
     # heartbeat replies so a node can re-register its blocks after a master
@@ -95,8 +106,10 @@ class BlockCatalog:
         alloc_ttl: float = 30.0,
         lease_ttl: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
+        replication: ReplicationConfig | None = None,
     ) -> None:
         make_policy(policy)
+        self.replication = replication or ReplicationConfig()
         self.policy_name, self.alignment = policy, alignment
         self.alloc_ttl, self.lease_ttl, self.clock = alloc_ttl, lease_ttl, clock
         self.nodes: dict[str, NodeSpace] = {}
@@ -105,6 +118,7 @@ class BlockCatalog:
         self.leases: dict[int, LeaseRecord] = {}
         self._pending_keys: dict[bytes, int] = {}  # key -> allocations in flight
         self._ids = itertools.count(1)
+        self._with_extras: set[bytes] = set()  # blocks that have extra replicas
         self.evictions = 0
 
     # -- nodes ----------------------------------------------------------------
@@ -119,6 +133,7 @@ class BlockCatalog:
             node_id,
             info,
             ExtentAllocator(capacity, self.alignment),
+            make_policy(self.policy_name),
             make_policy(self.policy_name),
             host_id,
             self.clock(),
@@ -156,8 +171,11 @@ class BlockCatalog:
             block.replicas = [r for r in block.replicas if r.node_id != node_id]
             if not block.replicas:
                 del self.blocks[key]
+                self._with_extras.discard(key)
                 block.removed = True
                 gone.append(key)
+            elif not any(r.primary for r in block.replicas):
+                self._make_primary(block, block.replicas[0])
         return gone
 
     def touch_node(self, node_id: str) -> bool:
@@ -173,17 +191,23 @@ class BlockCatalog:
     # -- puts -------------------------------------------------------------------
 
     def allocate(
-        self, key: bytes, size: int, parent: bytes | None, replicas: int = 1
+        self,
+        key: bytes,
+        size: int,
+        parent: bytes | None,
+        replicas: int = 1,
+        node_id: str | None = None,
     ) -> list[Allocation] | None:
         """Room for ``key`` on up to ``replicas`` distinct nodes; None if already stored.
 
-        Nodes are tried in order of free space, evicting unleased blocks as
-        needed. CatalogFullError if not even one replica fits.
+        Nodes are tried in order of free space (or only ``node_id``),
+        evicting unleased blocks as needed. CatalogFullError if not even one
+        replica fits.
         """
         if key in self.blocks or key in self._pending_keys:
             return None
         placed: list[Allocation] = []
-        for node in sorted(self.nodes.values(), key=lambda n: -n.allocator.free_bytes):
+        for node in self._nodes_by_free_space(only=node_id):
             if len(placed) == replicas:
                 break
             offset = self._make_room(node, size)
@@ -208,14 +232,48 @@ class BlockCatalog:
             )
         return placed
 
+    def allocate_replica(self, key: bytes, node_id: str | None = None) -> Allocation | None:
+        """Room for one extra replica of a stored block, on ``node_id`` or the emptiest
+        node not holding it. None if the block is missing, already on that node, or
+        has a replica in flight; CatalogFullError if the node has no room."""
+        block = self.blocks.get(key)
+        if block is None or key in self._pending_keys:
+            return None
+        holders = {r.node_id for r in block.replicas}
+        candidates = [
+            n for n in self._nodes_by_free_space(only=node_id) if n.node_id not in holders
+        ]
+        for node in candidates:
+            offset = self._make_room(node, block.size)
+            if offset is None:
+                continue
+            alloc = Allocation(
+                next(self._ids),
+                key,
+                node.node_id,
+                offset,
+                block.size,
+                block.parent,
+                self.clock() + self.alloc_ttl,
+                extra=True,
+            )
+            self.pending[alloc.alloc_id] = alloc
+            self._pending_keys[key] = 1
+            return alloc
+        if candidates:
+            raise CatalogFullError(f"no room for a replica of {block.size} bytes")
+        return None
+
     def commit(self, alloc_id: int) -> Allocation | None:
         """Make an allocation's replica visible; None if it expired or its node left."""
         alloc = self._forget_pending(alloc_id, free=False)
         if alloc is None:
             return None
-        self._add_replica(
-            alloc.key, alloc.size, alloc.parent, Replica(alloc.node_id, alloc.offset, alloc.size)
-        )
+        if alloc.extra and alloc.key not in self.blocks:  # removed meanwhile
+            self.nodes[alloc.node_id].allocator.free(alloc.offset)
+            return None
+        replica = Replica(alloc.node_id, alloc.offset, alloc.size, primary=not alloc.extra)
+        self._add_replica(alloc.key, alloc.size, alloc.parent, replica)
         return alloc
 
     def revoke(self, alloc_id: int) -> None:
@@ -238,6 +296,10 @@ class BlockCatalog:
                 return i
         return len(keys)
 
+    def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """Node ids holding each key (no lease, no heat: a pure look-up)."""
+        return [[r.node_id for r in b.replicas] if (b := self.blocks.get(k)) else [] for k in keys]
+
     def lease(
         self, keys: Sequence[bytes], prefix: bool = True
     ) -> tuple[int, list[BlockMeta | None]]:
@@ -254,13 +316,56 @@ class BlockCatalog:
             found.append(block)
             if block is not None:
                 block.leases += 1
-                for replica in block.replicas:
-                    self.nodes[replica.node_id].policy.on_access(key)
+                self._count_read(block)
         held = [b for b in found if b is not None]
         lease_id = next(self._ids) if held else 0
         if held:
             self.leases[lease_id] = LeaseRecord(held, self.clock() + self.lease_ttl)
         return lease_id, found
+
+    def hot_replicas(self, blocks: Sequence[BlockMeta | None]) -> list[Allocation]:
+        """Extra-replica allocations for the hot blocks among ``blocks`` (just read).
+
+        The reader that holds the bytes fills them (or revokes); see ReplicationConfig.
+        """
+        config = self.replication
+        orders = []
+        for block in blocks:
+            if (
+                block is None
+                or not config.enabled
+                or block.heat < config.hot_reads
+                or len(block.replicas) >= min(config.max_replicas, len(self.nodes))
+            ):
+                continue
+            try:
+                alloc = self.allocate_replica(block.key)
+            except CatalogFullError:
+                continue
+            if alloc is not None:
+                orders.append(alloc)
+        return orders
+
+    def cool_down(self) -> int:
+        """Drop the extra replicas of blocks whose heat fell below ``cool_reads``."""
+        now, config, dropped = self.clock(), self.replication, 0
+        for key in list(self._with_extras):
+            block = self.blocks.get(key)
+            if block is None:
+                self._with_extras.discard(key)
+                continue
+            if decayed(block.heat, block.heat_at, now, config.half_life_s) >= config.cool_reads:
+                continue
+            if block.leases:
+                continue
+            for replica in [r for r in block.replicas if not r.primary]:
+                node = self.nodes[replica.node_id]
+                node.extras.on_remove(key)
+                block.replicas.remove(replica)
+                self._free_replica(node, replica)
+                dropped += 1
+            self._with_extras.discard(key)
+        return dropped
 
     def release(self, lease_id: int) -> None:
         record = self.leases.pop(lease_id, None)
@@ -276,8 +381,9 @@ class BlockCatalog:
         if block is None:
             return False
         block.removed = True
+        self._with_extras.discard(key)
         for replica in block.replicas:
-            self.nodes[replica.node_id].policy.on_remove(key)
+            self._policy_of(replica).on_remove(key)
         if block.leases == 0:
             self._free_extents(block)
         return True
@@ -302,7 +408,7 @@ class BlockCatalog:
             offset = node.allocator.allocate(size)
             if offset is not None:
                 return offset
-            victim = node.policy.victim(self._evictable)
+            victim = node.extras.victim(self._evictable) or node.policy.victim(self._evictable)
             if victim is None:
                 return None
             self._evict_replica(node, victim)
@@ -320,7 +426,10 @@ class BlockCatalog:
             self._free_replica(node, replica)
         if not block.replicas:
             del self.blocks[key]
+            self._with_extras.discard(key)
             block.removed = True
+        elif not any(r.primary for r in block.replicas):
+            self._make_primary(block, block.replicas[0])
         self.evictions += 1
 
     def _add_replica(
@@ -337,9 +446,45 @@ class BlockCatalog:
             block = self.blocks[key] = BlockMeta(key, size, parent, checksum=checksum)
         block.replicas.append(replica)
         node = self.nodes[replica.node_id]
-        node.policy.on_insert(key, parent)
+        self._policy_of(replica).on_insert(key, parent)
+        if not replica.primary:
+            self._with_extras.add(key)
         if tell_node:
             node.outbox.append(("commit", key, replica.offset, size, parent))
+
+    def _nodes_by_free_space(self, only: str | None = None) -> list[NodeSpace]:
+        if only is not None:
+            return [self.nodes[only]] if only in self.nodes else []
+        # Most free space first; on ties, the node with most extra replicas,
+        # which it can drop without losing a block.
+        return sorted(self.nodes.values(), key=lambda n: (-n.allocator.free_bytes, -len(n.extras)))
+
+    def _policy_of(self, replica: Replica) -> EvictionPolicy:
+        node = self.nodes[replica.node_id]
+        return node.policy if replica.primary else node.extras
+
+    def _make_primary(self, block: BlockMeta, replica: Replica) -> None:
+        node = self.nodes[replica.node_id]
+        node.extras.on_remove(block.key)
+        replica.primary = True
+        node.policy.on_insert(block.key, block.parent)
+
+    def _count_read(self, block: BlockMeta) -> None:
+        """Heat the block, refresh its replicas' recency, route the read to the least
+        loaded replica (listed first)."""
+        now, half_life = self.clock(), self.replication.half_life_s
+        block.heat = decayed(block.heat, block.heat_at, now, half_life) + 1.0
+        block.heat_at = now
+        for replica in block.replicas:
+            self._policy_of(replica).on_access(block.key)
+        if len(block.replicas) > 1:
+            block.replicas.sort(key=lambda r: self._load(self.nodes[r.node_id], now))
+        node = self.nodes[block.replicas[0].node_id]
+        node.load = self._load(node, now) + 1.0
+        node.load_at = now
+
+    def _load(self, node: NodeSpace, now: float) -> float:
+        return decayed(node.load, node.load_at, now, self.replication.half_life_s)
 
     def _free_replica(self, node: NodeSpace, replica: Replica) -> None:
         node.allocator.free(replica.offset)

@@ -29,9 +29,11 @@ from kvpool.protocol import (
     COMMIT,
     EXISTS,
     LEASE,
+    LOCATE,
     PREFIX,
     RELEASE,
     REMOVE,
+    REPLICATE,
     REVOKE,
     STATS,
     AllocateReply,
@@ -40,6 +42,8 @@ from kvpool.protocol import (
     KeysRequest,
     LeaseReply,
     LeaseRequest,
+    ReplicateReply,
+    ReplicateRequest,
 )
 from kvpool.remote_handles import Placement, RemoteBlockWriter, RemoteLease
 from kvpool.rpc_client import RpcClient
@@ -76,15 +80,16 @@ class RemotePool:
         self._regions: dict[str, RegionInfo] = {}
         self._transports: dict[str, Transport] = {}
         self._leased: dict[bytes, tuple[list[Placement], float]] = {}
+        self._orders: dict[bytes, tuple[int, Placement]] = {}  # hot blocks to replicate
         self._counts: Counter[str] = Counter()
         self._closed = False
         self._node = self._contribute(master, contribute_dram) if contribute_dram else None
 
     # -- writes -------------------------------------------------------------------
 
-    def put(self, key: bytes, data: Any, *, parent: bytes | None = None) -> bool:
+    def put(self, key: bytes, data: Any, *, parent: bytes | None = None, replicas: int = 1) -> bool:
         """Store ``data`` under ``key``; False if it is already stored."""
-        return self.put_batch([key], [data], [parent])[0]
+        return self.put_batch([key], [data], [parent], replicas=replicas)[0]
 
     def put_batch(
         self,
@@ -213,7 +218,44 @@ class RemotePool:
             held.append(key)
             sizes.append(size)
         self._counts["misses"] += len(keys) - len(reply.blocks)
-        return RemoteLease(self, reply.lease_id, held, sizes)
+        for index, alloc_id, node_id, offset in reply.replicate:
+            self._orders[keys[index]] = (alloc_id, Placement(node_id, offset))
+        return RemoteLease(self, reply.lease_id, held, sizes, self._nodes_of(held))
+
+    def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """Node ids holding each key (empty where the key is not stored)."""
+        check_keys(keys)
+        self._check_open()
+        return [list(nodes) for nodes in self._rpc.call(LOCATE, KeysRequest(list(keys)))]
+
+    def replicate(self, keys: Sequence[bytes], node: str | None = None) -> int:
+        """Copy stored blocks to ``node`` (or the emptiest node lacking them) as extra
+        replicas; returns how many were added. The conductor uses this to move a
+        prefix next to the prefill worker it routes a request to."""
+        check_keys(keys)
+        self._check_open()
+        request = ReplicateRequest(list(keys), node or "")
+        reply = self._rpc.call(REPLICATE, request, response_type=ReplicateReply)
+        self._learn(reply.nodes)
+        added, failed = [], []
+        with self.lease(keys, prefix=False) as lease:
+            sizes = dict(zip(lease.keys, lease.sizes, strict=True))
+            for key, alloc in zip(keys, reply.allocations, strict=True):
+                if alloc is None:
+                    continue
+                alloc_id, node_id, offset = alloc
+                staging = np.empty(sizes.get(key, 0), np.uint8)
+                if key not in sizes or self._read_leased(key, staging, 0, staging.size) is None:
+                    failed.append(alloc_id)
+                    continue
+                try:
+                    self._write(node_id, offset, staging)
+                    added.append(alloc_id)
+                except _READ_ERRORS:
+                    failed.append(alloc_id)
+        if failed:
+            self._rpc.submit(REVOKE, IdsRequest(failed))
+        return sum(self._rpc.call(COMMIT, IdsRequest(added))) if added else 0
 
     # -- keys -----------------------------------------------------------------------
 
@@ -298,7 +340,10 @@ class RemotePool:
             raise BufferSpecError(f"range [{start}, {start + want}) is outside the block of {size}")
         if region_nbytes(dst) < want:
             raise BufferSpecError(f"out has {region_nbytes(dst)} bytes but {want} are asked")
-        return self._read_leased(key, dst[:want], start, want)
+        got = self._read_leased(key, dst[:want], start, want)
+        if key in self._orders:
+            self._fulfil_order(key, dst[:want] if got == size else None)
+        return got
 
     def _read_leased(self, key: bytes, dst: Region, start: int, want: int) -> int | None:
         """Read from the best replica, falling back to the others; None if none serves."""
@@ -317,6 +362,22 @@ class RemotePool:
         self._counts["misses"] += 1
         return None
 
+    def _fulfil_order(self, key: bytes, block: Region | None) -> None:
+        """Copy a just-read hot block to the replica the master asked for (or give it back)."""
+        alloc_id, target = self._orders.pop(key)
+        try:
+            if block is None:
+                raise ConnectionError("only part of the block was read")
+            self._write(target.node_id, target.offset, block)
+        except _READ_ERRORS:
+            self._rpc.submit(REVOKE, IdsRequest([alloc_id]))
+            return
+        self._rpc.submit(COMMIT, IdsRequest([alloc_id]))  # no need to wait
+        self._counts["replicas_added"] += 1
+
+    def _nodes_of(self, keys: Sequence[bytes]) -> list[list[str]]:
+        return [[p.node_id for p in self._leased[key][0]] for key in keys]
+
     def _read_from(self, placement: Placement, dst: Region, start: int, want: int) -> None:
         transport = self._transport(placement.node_id)
         target = dst
@@ -330,6 +391,9 @@ class RemotePool:
     def _release(self, lease_id: int, keys: Sequence[bytes]) -> None:
         for key in keys:
             self._leased.pop(key, None)
+            order = self._orders.pop(key, None)
+            if order is not None:  # leased but never read whole: give the replica back
+                self._rpc.submit(REVOKE, IdsRequest([order[0]]))
         if lease_id and not self._closed:
             # No need to wait; if the master is unreachable the lease expires there.
             with contextlib.suppress(KVPoolError):

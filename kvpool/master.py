@@ -15,10 +15,11 @@ from __future__ import annotations
 
 import logging
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.index.catalog import BlockCatalog, CatalogFullError
+from kvpool.index.heat import ReplicationConfig
 from kvpool.metrics import Metrics
 from kvpool.protocol import (
     ALLOCATE,
@@ -26,10 +27,12 @@ from kvpool.protocol import (
     EXISTS,
     HEARTBEAT,
     LEASE,
+    LOCATE,
     PREFIX,
     REGISTER,
     RELEASE,
     REMOVE,
+    REPLICATE,
     REVOKE,
     STATS,
     AllocateReply,
@@ -41,6 +44,8 @@ from kvpool.protocol import (
     LeaseReply,
     LeaseRequest,
     RegisterNode,
+    ReplicateReply,
+    ReplicateRequest,
 )
 from kvpool.rpc_server import RpcServer, ServerConfig
 from kvpool.transport.base import RegionInfo
@@ -60,6 +65,7 @@ class MasterConfig:
     alloc_ttl: float = 30.0
     reap_interval: float = 0.5
     metrics_port: int | None = None  # None: no /metrics server; 0: any free port
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
 
 
 class Master:
@@ -68,7 +74,10 @@ class Master:
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
         self.catalog = BlockCatalog(
-            policy=config.policy, lease_ttl=config.lease_ttl, alloc_ttl=config.alloc_ttl
+            policy=config.policy,
+            lease_ttl=config.lease_ttl,
+            alloc_ttl=config.alloc_ttl,
+            replication=config.replication,
         )
         self.regions: dict[str, RegionInfo] = {}
         self.metrics = Metrics("master")
@@ -112,6 +121,8 @@ class Master:
             (EXISTS, self._exists, KeysRequest),
             (PREFIX, self._prefix_match, KeysRequest),
             (REMOVE, self._remove, KeysRequest),
+            (REPLICATE, self._replicate, ReplicateRequest),
+            (LOCATE, self._locate, KeysRequest),
             (STATS, self._stats, None),
         ]
         for method, fn, request_type in routes:
@@ -152,7 +163,9 @@ class Master:
             evictions = self.catalog.evictions
             for key, size, parent in zip(msg.keys, msg.sizes, msg.parents, strict=True):
                 try:
-                    allocs = self.catalog.allocate(key, size, parent, max(1, msg.replicas))
+                    allocs = self.catalog.allocate(
+                        key, size, parent, max(1, msg.replicas), msg.node_id or None
+                    )
                 except CatalogFullError as exc:
                     placements.append(None)
                     error = str(exc)
@@ -183,11 +196,31 @@ class Master:
                 None if b is None else [b.size, [[r.node_id, r.offset] for r in b.replicas]]
                 for b in found
             ]
-            nodes = self._regions_of(r[0] for b in blocks if b for r in b[1])
+            index = {b.key: i for i, b in enumerate(found) if b is not None}
+            orders = [
+                [index[a.key], a.alloc_id, a.node_id, a.offset]
+                for a in self.catalog.hot_replicas(found)
+            ]
+            node_ids = [r[0] for b in blocks if b for r in b[1]] + [o[2] for o in orders]
+            nodes = self._regions_of(node_ids)
         hits = sum(b is not None for b in blocks)
         self.metrics.hits.inc(hits)
         self.metrics.misses.inc(len(msg.keys) - hits)
-        return LeaseReply(lease_id, blocks, nodes, self.config.lease_ttl)
+        return LeaseReply(lease_id, blocks, nodes, self.config.lease_ttl, orders)
+
+    def _replicate(self, msg: ReplicateRequest) -> ReplicateReply:
+        allocations: list[list[Any] | None] = []
+        with self._lock:
+            for key in msg.keys:
+                try:
+                    alloc = self.catalog.allocate_replica(key, msg.node_id or None)
+                except CatalogFullError:
+                    alloc = None
+                allocations.append(
+                    None if alloc is None else [alloc.alloc_id, alloc.node_id, alloc.offset]
+                )
+            nodes = self._regions_of(a[1] for a in allocations if a)
+        return ReplicateReply(allocations, nodes)
 
     def _release(self, msg: IdsRequest) -> None:
         with self._lock:
@@ -201,6 +234,10 @@ class Master:
     def _prefix_match(self, msg: KeysRequest) -> int:
         with self._lock:
             return self.catalog.prefix_match(msg.keys)
+
+    def _locate(self, msg: KeysRequest) -> list[list[str]]:
+        with self._lock:
+            return self.catalog.locate(msg.keys)
 
     def _remove(self, msg: KeysRequest) -> list[bool]:
         with self._lock:
@@ -245,6 +282,7 @@ class Master:
         while not self._stop.wait(self.config.reap_interval):
             with self._lock:
                 self.catalog.expire()
+                self.catalog.cool_down()
                 for node_id in self.catalog.dead_nodes(self.config.node_ttl):
                     lost = self.catalog.remove_node(node_id)
                     self.regions.pop(node_id, None)

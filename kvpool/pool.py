@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.bindings.buffers import Region, as_region, copy_region, region_is_device, region_nbytes
-from kvpool.checks import check_key, data_region
+from kvpool.checks import check_key, check_keys, data_region
 from kvpool.config import PoolConfig
 from kvpool.errors import (
     BlockTooLargeError,
@@ -43,6 +43,7 @@ from kvpool.tiers.memory import DramTier, GpuTier, MemoryTier
 from kvpool.tiers.ssd import SsdRecord, SsdTier
 
 Tier = MemoryTier | SsdTier
+EMBEDDED_NODE = "embedded"
 
 
 @dataclass(eq=False)
@@ -109,8 +110,12 @@ class Pool:
 
     # -- public API -------------------------------------------------------
 
-    def put(self, key: bytes, data: Any, *, parent: bytes | None = None) -> bool:
-        """Store ``data`` under ``key``; False if the key is already stored (or not admitted)."""
+    def put(self, key: bytes, data: Any, *, parent: bytes | None = None, replicas: int = 1) -> bool:
+        """Store ``data`` under ``key``; False if the key is already stored (or not admitted).
+
+        ``replicas`` exists for parity with the distributed pool: an embedded
+        pool is one node, so it always keeps one copy.
+        """
         check_key(key)
         if parent is not None:
             check_key(parent, what="parent")
@@ -122,6 +127,8 @@ class Pool:
         keys: Sequence[bytes],
         datas: Sequence[Any],
         parents: Sequence[bytes | None] | None = None,
+        *,
+        replicas: int = 1,
     ) -> list[bool]:
         """``put`` for each item; every key and buffer is checked before any is stored."""
         parents = list(parents) if parents is not None else [None] * len(keys)
@@ -165,6 +172,15 @@ class Pool:
                 break
             pinned.append((key, entry))
         return Lease(self, pinned)
+
+    def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """Nodes holding each key: ``["embedded"]`` or ``[]`` (parity with the cluster)."""
+        return [[EMBEDDED_NODE] if ok else [] for ok in self.exists(keys)]
+
+    def replicate(self, keys: Sequence[bytes], node: str | None = None) -> int:
+        """Extra replicas added: always 0, an embedded pool is a single node."""
+        check_keys(keys)
+        return 0
 
     def get(self, key: bytes) -> bytes | None:
         """A copy of the block's bytes, or None on a miss."""

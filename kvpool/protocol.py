@@ -24,6 +24,8 @@ RELEASE = "get.release"
 EXISTS = "keys.exists"
 PREFIX = "keys.prefix_match"
 REMOVE = "keys.remove"
+REPLICATE = "keys.replicate"
+LOCATE = "keys.locate"
 STATS = "stats"
 
 
@@ -54,6 +56,7 @@ class AllocateRequest(WireMessage):
     sizes: list[int]
     parents: list[bytes | None]
     replicas: int = 1
+    node_id: str = ""  # place on this node only ("" = spread by free space)
 
 
 @dataclass
@@ -82,8 +85,24 @@ class LeaseReply(WireMessage):
     blocks: list[list[Any] | None]
     nodes: dict[str, RegionInfo]
     ttl: float
+    # hot blocks the reader should copy to a new replica after reading them:
+    # [index into blocks, alloc_id, node_id, offset]; commit (or revoke) when done
+    replicate: list[list[Any]] = field(default_factory=list)
 
 
 @dataclass
 class KeysRequest(WireMessage):
     keys: list[bytes]
+
+
+@dataclass
+class ReplicateRequest(WireMessage):
+    keys: list[bytes]
+    node_id: str = ""  # "" = the emptiest node not holding the block
+
+
+@dataclass
+class ReplicateReply(WireMessage):
+    # per key: None (missing, already there, in flight, or no room) or [alloc_id, node_id, offset]
+    allocations: list[list[Any] | None]
+    nodes: dict[str, RegionInfo]

@@ -69,10 +69,15 @@ class RemoteLease:
     """Blocks pinned on the master; reads of them need no further round trip."""
 
     def __init__(
-        self, pool: RemotePool, lease_id: int, keys: Sequence[bytes], sizes: Sequence[int]
+        self,
+        pool: RemotePool,
+        lease_id: int,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        nodes: Sequence[list[str]],
     ) -> None:
         self._pool, self._lease_id = pool, lease_id
-        self.keys, self.sizes = list(keys), list(sizes)
+        self.keys, self.sizes, self.nodes = list(keys), list(sizes), list(nodes)
         self._released = False
 
     def release(self) -> None:

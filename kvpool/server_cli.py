@@ -25,6 +25,18 @@ def register(subparsers: Any) -> None:
     master.add_argument("--node-ttl", type=float, default=5.0, help="seconds without heartbeat")
     master.add_argument("--lease-ttl", type=float, default=30.0)
     master.add_argument("--metrics-port", type=int, default=None, help="serve /metrics here")
+    master.add_argument(
+        "--hot-reads",
+        type=float,
+        default=8.0,
+        help="decayed reads that earn a block one more replica",
+    )
+    master.add_argument(
+        "--cool-reads", type=float, default=2.0, help="below this a block loses its extra replicas"
+    )
+    master.add_argument("--half-life", type=float, default=10.0, help="read-heat half-life (s)")
+    master.add_argument("--max-replicas", type=int, default=3)
+    master.add_argument("--no-auto-replicate", action="store_true")
     master.add_argument("--log-level", default="INFO")
     master.set_defaults(func=_run_master)
 
@@ -42,9 +54,17 @@ def register(subparsers: Any) -> None:
 
 
 def _run_master(args: argparse.Namespace) -> int:
+    from kvpool.index.heat import ReplicationConfig
     from kvpool.master import Master, MasterConfig
 
     _logging(args.log_level)
+    replication = ReplicationConfig(
+        hot_reads=args.hot_reads,
+        cool_reads=args.cool_reads,
+        half_life_s=args.half_life,
+        max_replicas=args.max_replicas,
+        enabled=not args.no_auto_replicate,
+    )
     config = MasterConfig(
         host=args.host,
         port=args.port,
@@ -53,6 +73,7 @@ def _run_master(args: argparse.Namespace) -> int:
         node_ttl=args.node_ttl,
         lease_ttl=args.lease_ttl,
         metrics_port=args.metrics_port,
+        replication=replication,
     )
     master = Master(config)
     host, port = master.start()

@@ -184,6 +184,20 @@ class CatalogMachine(RuleBasedStateMachine):
     def release(self) -> None:
         self.cat.release(self.leases.pop(0))
 
+    @rule(i=st.integers(0, 11), reads=st.integers(1, 12))
+    def hot_reads(self, i: int, reads: int) -> None:
+        found: list = []
+        for _ in range(reads):
+            lease_id, found = self.cat.lease(self.keys[i : i + 1])
+            self.cat.release(lease_id)
+        for alloc in self.cat.hot_replicas(found):
+            self.cat.commit(alloc.alloc_id)
+
+    @rule()
+    def cool(self) -> None:
+        self.clock.now += 100
+        self.cat.cool_down()
+
     @rule(i=st.integers(0, 11))
     def remove(self, i: int) -> None:
         self.cat.remove(self.keys[i])
@@ -212,12 +226,95 @@ class CatalogMachine(RuleBasedStateMachine):
                 if r.node_id == node.node_id
             )
             assert node.allocator.used_bytes == live + hidden
-            assert len(node.policy) == sum(
-                1 for b in self.cat.blocks.values() for r in b.replicas if r.node_id == node.node_id
-            )
+            mine = [
+                r for b in self.cat.blocks.values() for r in b.replicas if r.node_id == node.node_id
+            ]
+            assert len(node.policy) == sum(r.primary for r in mine)
+            assert len(node.extras) == sum(not r.primary for r in mine)
         for block in self.cat.blocks.values():
             assert len({r.node_id for r in block.replicas}) == len(block.replicas)
 
 
 TestCatalogMachine = CatalogMachine.TestCase
 TestCatalogMachine.settings = settings(max_examples=40, stateful_step_count=30, deadline=None)
+
+
+def hot(cat: BlockCatalog, key: bytes, reads: int) -> list:
+    orders = []
+    for _ in range(reads):
+        lease_id, found = cat.lease([key])
+        orders += cat.hot_replicas(found)
+        cat.release(lease_id)
+    return orders
+
+
+def test_a_hot_block_gains_replicas_then_cools_down() -> None:
+    cat, clock = catalog({"a": 8, "b": 8, "c": 8})
+    key = make_keys(1)[0]
+    put(cat, key)
+    assert hot(cat, key, 7) == []  # heat 7 < 8
+    orders = hot(cat, key, 1)
+    assert len(orders) == 1 and orders[0].extra
+    assert hot(cat, key, 3) == []  # one replica in flight at a time
+    cat.commit(orders[0].alloc_id)
+    assert len(cat.blocks[key].replicas) == 2
+    for alloc in hot(cat, key, 1):
+        cat.commit(alloc.alloc_id)
+    assert len(cat.blocks[key].replicas) == 3
+    assert hot(cat, key, 5) == []  # capped by max_replicas (3)
+    clock.now += 60  # heat halves every 10 s: ~16 reads -> < 1
+    assert cat.cool_down() == 2
+    assert [r.primary for r in cat.blocks[key].replicas] == [True]
+    assert sum(n.allocator.used_bytes for n in cat.nodes.values()) == PAGE
+
+
+def test_extras_are_evicted_before_primaries() -> None:
+    cat, _ = catalog({"a": 2, "b": 2})
+    keys = make_keys(4)
+    put(cat, keys[0])  # a
+    put(cat, keys[1])  # b
+    extra = cat.allocate_replica(keys[0], "b")
+    assert extra is not None and cat.commit(extra.alloc_id)
+    put(cat, keys[2])  # a (a: 1 free, b: full)
+    put(cat, keys[3])  # both full: b has an extra to drop, so b makes room
+    assert cat.exists(keys) == [True, True, True, True]
+    assert [r.node_id for r in cat.blocks[keys[0]].replicas] == ["a"]
+
+
+def test_the_extra_replica_survives_its_primarys_node() -> None:
+    cat, _ = catalog({"a": 2, "b": 2})
+    key = make_keys(1)[0]
+    assert put(cat, key) == ["a"]
+    alloc = cat.allocate_replica(key, "b")
+    assert alloc is not None and alloc.node_id == "b"
+    cat.commit(alloc.alloc_id)
+    assert cat.remove_node("a") == []
+    (replica,) = cat.blocks[key].replicas
+    assert replica.node_id == "b" and replica.primary
+    assert len(cat.nodes["b"].policy) == 1 and len(cat.nodes["b"].extras) == 0
+
+
+def test_explicit_replica_lands_on_the_chosen_node() -> None:
+    cat, _ = catalog({"a": 4, "b": 4, "c": 4})
+    key = make_keys(1)[0]
+    put(cat, key)  # a
+    assert cat.allocate_replica(key, "a") is None  # already there
+    alloc = cat.allocate_replica(key, "c")
+    assert alloc is not None and alloc.node_id == "c"
+    cat.commit(alloc.alloc_id)
+    assert sorted(r.node_id for r in cat.blocks[key].replicas) == ["a", "c"]
+
+
+def test_reads_go_to_the_least_loaded_replica() -> None:
+    cat, _ = catalog({"a": 4, "b": 4})
+    key = make_keys(1)[0]
+    put(cat, key)
+    alloc = cat.allocate_replica(key, "b")
+    assert alloc is not None
+    cat.commit(alloc.alloc_id)
+    first = []
+    for _ in range(6):
+        lease_id, found = cat.lease([key])
+        first.append(found[0].replicas[0].node_id)  # type: ignore[union-attr]
+        cat.release(lease_id)
+    assert first.count("a") == 3 and first.count("b") == 3
