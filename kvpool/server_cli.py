@@ -80,7 +80,7 @@ def _run_master(args: argparse.Namespace) -> int:
     logging.getLogger("kvpool.master").info(
         "master listening on %s:%d (metrics port %s)", host, port, master.metrics_port
     )
-    print(f"kvpool master ready on {host}:{port}", flush=True)
+    print(f"kvpool master ready on {host}:{port} (metrics port {master.metrics_port})", flush=True)
     _wait_for_signal()
     master.close()
     return 0

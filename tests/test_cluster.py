@@ -225,3 +225,61 @@ def test_bind_beyond_loopback_needs_a_token() -> None:
     )
     assert done.returncode != 0
     assert "token" in done.stderr.lower()
+
+
+def test_metrics_endpoints(cluster: Cluster) -> None:
+    import urllib.request
+
+    from clusterhelpers import spawn
+
+    master = spawn(["master", "--port", "0", "--metrics-port", "0"])
+    node = spawn(
+        [
+            "node",
+            "--master",
+            master.address,
+            "--dram",
+            "4MiB",
+            "--metrics-port",
+            "0",
+            "--heartbeat",
+            "0.2",
+        ]
+    )
+    try:
+        with kvpool.connect(f"kvpool://{master.address}") as pool:
+            assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
+            key = make_keys(1)[0]
+            pool.put(key, payload(0))
+            pool.get(key)
+            pool.get(make_keys(2)[1])
+        master_port = int(master.line.split("metrics port ")[1].rstrip(")"))
+        text = urllib.request.urlopen(f"http://127.0.0.1:{master_port}/metrics").read().decode()
+        for name in (
+            "kvpool_hits_total 1.0",
+            "kvpool_misses_total 1.0",
+            "kvpool_blocks 1.0",
+            "kvpool_capacity_bytes{",
+            "kvpool_op_seconds_bucket{",
+        ):
+            assert name in text, name
+        node_port = int(node.line.split("metrics port ")[1].rstrip(")"))
+        assert wait_until(
+            lambda: (
+                "kvpool_bytes_moved_total"
+                in urllib.request.urlopen(f"http://127.0.0.1:{node_port}/metrics").read().decode()
+            )
+        )
+    finally:
+        node.stop()
+        master.stop()
+
+
+def test_a_client_can_lend_its_own_memory(cluster: Cluster) -> None:
+    with kvpool.connect(cluster.url, contribute_dram=4 << 20) as lender:
+        assert wait_until(lambda: len(lender.stats()["nodes"]) == 3, timeout=15)
+        with kvpool.connect(cluster.url) as other:
+            keys = make_keys(300)
+            other.put_batch(keys, [payload(i) for i in range(300)])
+            assert sum(n["blocks"] for n in other.stats()["nodes"].values()) == 300
+            assert min(n["blocks"] for n in other.stats()["nodes"].values()) > 0
