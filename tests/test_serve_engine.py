@@ -231,15 +231,21 @@ def test_eos_finishes_early(model: Transformer, prefill: PrefillWorker, kvpool_:
 # -- layer-wise store/load ------------------------------------------------------
 
 
-def test_layer_writer_commits_only_after_every_layer(model: Transformer, kvpool_: Pool) -> None:
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("native", [False, None])
+def test_layer_writer_commits_only_after_every_layer(
+    kvpool_: Pool, dtype: str, native: bool | None
+) -> None:
+    model = build_model("tiny", block_tokens=BT, dtype=dtype, layers=[])
     cfg = model.cfg
     layout = cfg.kv_layout()
+    assert layout.dtype == dtype
     keys = [bytes([i]) * 16 for i in range(1, 4)]
     kv = model.kv_buffers(3 * BT)
     for k, v in kv:
         k.normal_()
         v.normal_()
-    writer = BlockLayerWriter(kvpool_, keys, layout, native=False)
+    writer = BlockLayerWriter(kvpool_, keys, layout, native=native)
     for layer, (k, v) in enumerate(kv):
         assert kvpool_.prefix_match(keys) == 0
         writer.write_layer(layer, k, v)
@@ -247,11 +253,16 @@ def test_layer_writer_commits_only_after_every_layer(model: Transformer, kvpool_
     writer.wait()
     assert kvpool_.prefix_match(keys) == 3
     dest = model.kv_buffers(3 * BT)
-    with BlockLayerLoader(kvpool_, keys, layout, dest, native=False) as loader:
+    with BlockLayerLoader(kvpool_, keys, layout, dest, native=native) as loader:
         for layer in range(cfg.num_layers):
             k, v = loader.wait_layer(layer)
             assert torch.equal(k, kv[layer][0]) and torch.equal(v, kv[layer][1])
-    aborted = BlockLayerWriter(kvpool_, [b"\x09" * 16], layout, native=False)
+    raw = kvpool_.get(keys[1])  # block 1, layer 2's V: bytes follow KVLayout exactly
+    assert raw is not None
+    at = 2 * layout.layer_bytes + layout.half_layer_bytes
+    v_bytes = kv[2][1][BT : 2 * BT].contiguous().view(torch.uint8).numpy().tobytes()
+    assert raw[at : at + layout.half_layer_bytes] == v_bytes
+    aborted = BlockLayerWriter(kvpool_, [b"\x09" * 16], layout, native=native)
     aborted.write_layer(0, kv[0][0][:BT], kv[0][1][:BT])
     aborted.abort()
     assert not kvpool_.exists([b"\x09" * 16])[0]

@@ -256,11 +256,12 @@ class DecodeEngine:
                 have += tail.count * (total - have)
         self._drop_tail(h)
         if have < total:  # evicted or never stored: recompute locally
-            hid = model.embed(torch.tensor(h.tokens[have:], dtype=torch.long))
+            hid = model.embed(torch.tensor(h.tokens[have:], dtype=torch.long, device=model.device))
             for layer in range(self.cfg.num_layers):
                 hid = model.run_layer(layer, hid, have, *buffers[layer])
             req.recomputed_tokens = total - have
-        slots = self.cache.slots(req.table, torch.arange(total))
+        dev = model.device
+        slots = self.cache.slots(req.table.to(dev), torch.arange(total, device=dev))
         for layer, (k, v) in enumerate(buffers):
             self.cache.write(layer, slots, k, v)
         req.length = total
@@ -271,14 +272,15 @@ class DecodeEngine:
 
     def _decode_step(self) -> list[TokenEvent]:
         model, cache, batch = self.model, self.cache, self.running
-        tokens = torch.tensor([r.output[-1] for r in batch], dtype=torch.long)
-        positions = torch.tensor([r.length for r in batch], dtype=torch.long)
+        dev = model.device
+        tokens = torch.tensor([r.output[-1] for r in batch], dtype=torch.long, device=dev)
+        positions = torch.tensor([r.length for r in batch], dtype=torch.long, device=dev)
         width = max(len(r.pages) for r in batch)
-        tables = torch.zeros(len(batch), width, dtype=torch.long)
-        for i, r in enumerate(batch):
-            tables[i, : len(r.pages)] = r.table
-        slots = torch.stack([cache.slots(tables[i], positions[i]) for i in range(len(batch))])
-        allowed = torch.arange(width * cache.page_tokens)[None, :] <= positions[:, None]
+        rows = [r.pages + [0] * (width - len(r.pages)) for r in batch]  # pad with any page
+        tables = torch.tensor(rows, dtype=torch.long, device=dev)
+        pt = cache.page_tokens
+        slots = tables.gather(1, (positions // pt)[:, None])[:, 0] * pt + positions % pt
+        allowed = torch.arange(width * pt, device=dev)[None, :] <= positions[:, None]
         h = model.embed(tokens)[:, None]  # [B, 1, hidden]
         for layer in range(self.cfg.num_layers):
             q, k, v = model.layer_qkv(layer, h, positions[:, None])

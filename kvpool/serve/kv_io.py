@@ -87,7 +87,8 @@ def _pick(pool: Any, kind: str, native: bool | None) -> Callable[..., Any] | Non
 
 
 def _byte_view(t: Tensor) -> Tensor:
-    """Flat uint8 view of a contiguous tensor (any dtype, bf16 included)."""
+    """Flat uint8 view of a contiguous tensor (any dtype, bf16 included; CPU or CUDA:
+    the pool takes either)."""
     return t.reshape(-1).view(torch.uint8)
 
 
@@ -144,8 +145,8 @@ class BlockLayerWriter:
         for i, writer in enumerate(self._writers):
             if writer is None:
                 continue
-            writer.write(base, _byte_view(k[i * bt : (i + 1) * bt]).numpy())
-            writer.write(base + lay.half_layer_bytes, _byte_view(v[i * bt : (i + 1) * bt]).numpy())
+            writer.write(base, _byte_view(k[i * bt : (i + 1) * bt]))
+            writer.write(base + lay.half_layer_bytes, _byte_view(v[i * bt : (i + 1) * bt]))
 
     def wait(self) -> None:
         """Finish every copy and commit; on any failure abort all and re-raise."""
@@ -251,7 +252,7 @@ class BlockLayerLoader:
         for i, key in enumerate(self.keys):
             for dst, offset in ((k_dst, base), (v_dst, base + half)):
                 out = _byte_view(dst[i * bt : (i + 1) * bt])
-                got = self._pool.get_into(key, out.numpy(), offset=offset, length=half)
+                got = self._pool.get_into(key, out, offset=offset, length=half)
                 if got != half:
                     raise KVMissingError(f"block {key.hex()} layer {layer} could not be read")
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import cast
 
 import torch
@@ -97,7 +98,8 @@ class DecoderLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """The decoder. ``layers`` limits which layers exist (a pipeline stage)."""
+    """The decoder. ``dtype`` overrides the preset's (and so its KV layout);
+    ``layers`` limits which layers exist (a pipeline stage)."""
 
     def __init__(
         self,
@@ -109,10 +111,12 @@ class Transformer(nn.Module):
         layers: Sequence[int] | None = None,
     ) -> None:
         super().__init__()
+        if dtype is not None and dtype != cfg.dtype:
+            cfg = replace(cfg, dtype=dtype)  # the KV layout and namespace follow the dtype
         self.cfg = cfg
         self.seed = seed
         self.device = torch.device(device)
-        self.dtype = torch_dtype(dtype or cfg.dtype)
+        self.dtype = torch_dtype(cfg.dtype)
         self.layer_ids = list(range(cfg.num_layers) if layers is None else layers)
         for i in self.layer_ids:
             if not 0 <= i < cfg.num_layers:
