@@ -95,7 +95,7 @@ def _node(size: int, with_ucx: bool) -> None:
     threading.Thread(target=accept, daemon=True).start()
     ucx_port, ucx_addr, ucx = 0, "-", None
     if with_ucx:
-        from kvpool.transport.ucx import UcxDataServer
+        from kvpool.transport.ucx_server import UcxDataServer
 
         ucx = UcxDataServer(arena.view, host="127.0.0.1")
         ucx_port, ucx_addr = ucx.port, ucx.worker_address.hex()

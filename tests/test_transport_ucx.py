@@ -17,7 +17,7 @@ NODE = r"""
 import sys
 import numpy as np
 from kvpool.transport.base import host_identity
-from kvpool.transport.ucx import UcxDataServer
+from kvpool.transport.ucx_server import UcxDataServer
 region = np.resize(np.arange(251, dtype=np.uint8), 16 << 20)
 srv = UcxDataServer(region, host="127.0.0.1", port=0)
 print(srv.port, srv.worker_address.hex(), host_identity(), flush=True)

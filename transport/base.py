@@ -72,6 +72,8 @@ class RegionInfo(WireMessage):
     tcp_port: int = 0
     shm_name: str = ""  # file name under /dev/shm of the arena ("" = not shared)
     ucx: UcxInfo | None = None
+    control_port: int = 0  # the node's own RPC server (SSD tier commands), on tcp_host
+    ssd_bytes: int = 0  # capacity of the node's SSD tier (0 = none)
 
 
 class Transport(ABC):

@@ -95,7 +95,7 @@ def expose_region(
 
         ucx = ucx_available() and ucx_has_rdma()
     if ucx:
-        from kvpool.transport.ucx import UcxDataServer
+        from kvpool.transport.ucx_server import UcxDataServer
 
         try:
             ucx_server = UcxDataServer(region, host=host, port=ucx_port, token=token)
