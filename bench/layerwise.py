@@ -3,13 +3,17 @@
 A prefill-like loop: each layer runs real torch compute (single-threaded
 matmuls, so compute owns one core and the background copy the other), sized
 to last about as long as storing that layer, then hands the layer's K and V
-to a ``LayerWriter``. Measured, each as the best of ``rounds`` interleaved runs (a shared machine's
-neighbours only ever add time):
+to a ``LayerWriter``. Measured, each as the best of ``rounds`` interleaved
+runs (a shared machine's neighbours only ever add time):
 
 - compute_s: the compute alone; store_s: the writer alone (all layers, wait);
 - serial_s: compute, then a synchronous store of that layer, per layer;
 - overlapped_s: compute with the writer storing in the background;
 - overlap_ratio = overlapped_s / max(compute_s, store_s) (1.0 = perfect hiding).
+
+Baseline, in the same run: the same compute overlapped with a bare thread
+doing ``np.copyto`` of each layer (raw_copy_s, raw_overlapped_s,
+raw_overlap_ratio), i.e. what this machine allows at that moment.
 
 The same for loading with a ``LayerReader`` that prefetches layer l+1 while
 layer l computes (load_* keys; load_serial_s reads each layer synchronously
@@ -22,6 +26,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import queue
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +36,7 @@ import numpy as np
 
 from kvpool.bench.common import faulted, write_json
 from kvpool.index.keys import Namespace, block_keys
+from kvpool.layerwise import LayerReader, LayerWriter
 from kvpool.layout import KVLayout
 from kvpool.pool import Pool
 
@@ -43,7 +50,10 @@ def register_layerwise(suites: Any) -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--block-tokens", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument(
+        "--url", default=None, help="a running cluster (kvpool://host:port) instead of embedded"
+    )
     parser.add_argument("--json", default=None, metavar="F")
     parser.set_defaults(func=_run)
 
@@ -52,7 +62,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.tokens < args.block_tokens or args.rounds < 1:
         raise SystemExit("--tokens must be at least --block-tokens, --rounds at least 1")
     layout = KVLayout(args.layers, args.kv_heads, args.head_dim, "bfloat16", args.block_tokens)
-    result = run_layerwise(layout, args.tokens // args.block_tokens, args.rounds)
+    from kvpool.client import connect
+
+    factory = (lambda capacity: connect(args.url)) if args.url else None
+    result = run_layerwise(layout, args.tokens // args.block_tokens, args.rounds, factory)
+    result["mode"] = "distributed" if args.url else "embedded"
     print(json.dumps(result, indent=2))
     write_json(args.json, result)
     return 0
@@ -113,7 +127,7 @@ class _Bench:
             self.pool.remove(key)
 
     def store_only(self) -> None:
-        with self.pool.layer_writer(self.keys, self.layout) as writer:
+        with LayerWriter(self.pool, self.keys, self.layout) as writer:
             for layer in range(self.layout.num_layers):
                 writer.write_layer(layer, *self.source(layer))
 
@@ -131,7 +145,7 @@ class _Bench:
             w.commit()
 
     def store_overlapped(self) -> None:
-        with self.pool.layer_writer(self.keys, self.layout) as writer:
+        with LayerWriter(self.pool, self.keys, self.layout) as writer:
             for layer in range(self.layout.num_layers):
                 self.compute(layer)
                 writer.write_layer(layer, *self.source(layer))
@@ -139,7 +153,7 @@ class _Bench:
     # -- load -------------------------------------------------------------
 
     def load_only(self) -> None:
-        with self.pool.layer_reader(self.keys, self.layout, out=self.outs) as reader:
+        with LayerReader(self.pool, self.keys, self.layout, out=self.outs) as reader:
             for layer in range(self.layout.num_layers):
                 reader.wait_layer(layer)
 
@@ -156,10 +170,35 @@ class _Bench:
                 self.compute(layer)
 
     def load_overlapped(self) -> None:
-        with self.pool.layer_reader(self.keys, self.layout, out=self.outs) as reader:
+        with LayerReader(self.pool, self.keys, self.layout, out=self.outs) as reader:
             for layer in range(self.layout.num_layers):
                 reader.wait_layer(layer)
                 self.compute(layer)
+
+    # -- baseline: the same overlap with a bare thread and np.copyto ------------
+
+    def raw_copy_layer(self, layer: int) -> None:
+        for dst, src in zip(self.outs[layer], self.source(layer), strict=True):
+            np.copyto(dst, src)
+
+    def raw_copy(self) -> None:
+        for layer in range(self.layout.num_layers):
+            self.raw_copy_layer(layer)
+
+    def raw_overlapped(self) -> None:
+        jobs: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+
+        def worker() -> None:
+            while (layer := jobs.get()) is not None:
+                self.raw_copy_layer(layer)
+
+        thread = threading.Thread(target=worker)
+        thread.start()
+        for layer in range(self.layout.num_layers):
+            self.compute(layer)
+            jobs.put(layer)
+        jobs.put(None)
+        thread.join()
 
     def compute_all(self) -> None:
         for layer in range(self.layout.num_layers):
@@ -169,29 +208,31 @@ class _Bench:
 
     def calibrate(self, per_layer_s: float) -> None:
         """Matmuls per layer so that one layer's compute lasts ``per_layer_s``."""
-        self.reps = 8
-        took = _best([(lambda: self.compute(0), None)] * 5)[0]
-        self.reps = max(1, round(per_layer_s / (took / 8)))
+        self.reps = 4
+        took = _best([(lambda: self.compute(0), None)] * 25)[0]
+        self.reps = max(1, round(per_layer_s / (took / 4)))
 
     def run(self, rounds: int) -> dict[str, Any]:
         layers = self.layout.num_layers
         load_before = os.getloadavg()[0]
         self.store_only()  # warm-up: faults the arena pages in
         self.clear()
-        self.calibrate(_best([(self.store_only, self.clear)] * 3)[0] / layers)
+        self.calibrate(_best([(self.store_only, self.clear)] * 7)[0] / layers)
         store_reps = self.reps
-        compute_s, store_s, serial_s, overlapped_s = _best(
+        compute_s, store_s, serial_s, overlapped_s, raw_copy_s, raw_overlapped_s = _best(
             [
                 (self.compute_all, None),
                 (self.store_only, self.clear),
                 (self.store_serial, self.clear),
                 (self.store_overlapped, self.clear),
+                (self.raw_copy, None),
+                (self.raw_overlapped, None),
             ]
             * rounds
         )
         self.store_only()
         self.load_only()  # warm-up
-        self.calibrate(_best([(self.load_only, None)] * 3)[0] / layers)
+        self.calibrate(_best([(self.load_only, None)] * 7)[0] / layers)
         load_compute_s, load_s, load_serial_s, load_overlapped_s = _best(
             [
                 (self.compute_all, None),
@@ -216,13 +257,18 @@ class _Bench:
             "serial_s": round(serial_s, 5),
             "overlapped_s": round(overlapped_s, 5),
             "overlap_ratio": round(overlapped_s / max(compute_s, store_s), 3),
+            "compute_to_store": round(compute_s / store_s, 2),
             "store_gbps": round(layer_bytes * layers / store_s / 1e9, 2),
             "store_matmuls_per_layer": store_reps,
+            "raw_copy_s": round(raw_copy_s, 5),
+            "raw_overlapped_s": round(raw_overlapped_s, 5),
+            "raw_overlap_ratio": round(raw_overlapped_s / max(compute_s, raw_copy_s), 3),
             "load_compute_s": round(load_compute_s, 5),
             "load_s": round(load_s, 5),
             "load_serial_s": round(load_serial_s, 5),
             "load_overlapped_s": round(load_overlapped_s, 5),
             "load_overlap_ratio": round(load_overlapped_s / max(load_compute_s, load_s), 3),
+            "compute_to_load": round(load_compute_s / load_s, 2),
             "load_gbps": round(layer_bytes * layers / load_s / 1e9, 2),
             "load_matmuls_per_layer": self.reps,
         }
