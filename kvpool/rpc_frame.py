@@ -138,3 +138,28 @@ def listen(host: str, port: int) -> socket.socket:
     """A listening socket on host:port (IPv6 when the host is an IPv6 literal)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     return socket.create_server((host, port), family=family, backlog=128)
+
+
+def linger_close(sock: socket.socket, *, limit: int = 1 << 20, seconds: float = 1.0) -> None:
+    """Close after a final reply so the peer reads it: FIN first, then drain what the
+    peer still sends (bounded) before closing. Closing with unread input makes the
+    kernel send RST instead, which can destroy the reply before the peer reads it."""
+    import time
+
+    try:
+        sock.shutdown(socket.SHUT_WR)
+        deadline = time.monotonic() + seconds
+        sock.settimeout(min(0.2, seconds))
+        drained = 0
+        while drained < limit and time.monotonic() < deadline:
+            try:
+                chunk = sock.recv(65536)
+            except TimeoutError:
+                continue
+            if not chunk:
+                break
+            drained += len(chunk)
+    except OSError:
+        pass
+    finally:
+        sock.close()

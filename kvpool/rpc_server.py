@@ -34,7 +34,14 @@ from typing import Any
 
 from kvpool.errors import ConnectionLostError, FrameTooLargeError, KVPoolError, ProtocolError
 from kvpool.rpc_auth import check_bind, resolve_token, token_matches
-from kvpool.rpc_frame import DEFAULT_MAX_FRAME, encode_frame, listen, read_frame, tune_socket
+from kvpool.rpc_frame import (
+    DEFAULT_MAX_FRAME,
+    encode_frame,
+    linger_close,
+    listen,
+    read_frame,
+    tune_socket,
+)
 from kvpool.rpc_messages import (
     PROTOCOL_VERSION,
     Envelope,
@@ -216,7 +223,10 @@ class RpcServer:
             log.warning(
                 "refused %s (%r) from %s: %s", self.config.name, hello.name, conn.peer, reason
             )
-            conn.send(HelloReply(ok=False, version=PROTOCOL_VERSION, reason=reason))
+            with contextlib.suppress(OSError):
+                conn.send(HelloReply(ok=False, version=PROTOCOL_VERSION, reason=reason))
+            conn.closed = True
+            linger_close(conn.sock)
             return False
         conn.send(HelloReply(ok=True, version=PROTOCOL_VERSION, server=self.config.name))
         return True
@@ -225,6 +235,8 @@ class RpcServer:
         log.warning("closing connection from %s: %s", conn.peer, message)
         with contextlib.suppress(OSError):
             conn.send(ErrorReply(id=0, code=code, message=message))
+        conn.closed = True
+        linger_close(conn.sock)
 
     def _read_loop(self, conn: Connection) -> None:
         slots = threading.BoundedSemaphore(self.config.max_in_flight)

@@ -21,7 +21,7 @@ from typing import Any
 from kvpool.bindings.buffers import host_view
 from kvpool.errors import ConnectionLostError
 from kvpool.rpc_auth import check_bind, resolve_token, token_matches
-from kvpool.rpc_frame import listen
+from kvpool.rpc_frame import linger_close, listen
 from kvpool.transport import tcp_wire as w
 
 log = logging.getLogger("kvpool.transport.tcp")
@@ -98,7 +98,10 @@ class TcpDataServer:
             sock.settimeout(self.handshake_timeout)
             if self._handshake(sock, peer):
                 sock.settimeout(None)
-                self._loop(sock)
+                if not self._loop(sock):
+                    return
+            # Refused, or ended on a protocol error: let the peer read our last reply.
+            linger_close(sock)
         except (OSError, ConnectionLostError):
             pass
         finally:
@@ -130,20 +133,22 @@ class TcpDataServer:
         msg = message.encode()
         sock.sendall(w.RESP.pack(status, rid, len(msg)) + msg)
 
-    def _loop(self, sock: socket.socket) -> None:
+    def _loop(self, sock: socket.socket) -> bool:
+        """Serve requests; False when the peer hung up, True after a fatal protocol error."""
         head = bytearray(w.REQ.size)
         hview = memoryview(head)
         while True:
             try:
                 w.recv_into_exact(sock, hview)
             except ConnectionLostError:
-                return
+                return False
             op, rid, offset, length = w.REQ.unpack(head)
             if op == w.OP_PING:
                 sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
                 continue
             if op not in (w.OP_READ, w.OP_WRITE):
-                return self._error(sock, w.ST_BAD_OP, rid, f"unknown op {op}")
+                self._error(sock, w.ST_BAD_OP, rid, f"unknown op {op}")
+                return True
             if offset + length > self.size:
                 self._error(
                     sock,
@@ -152,7 +157,7 @@ class TcpDataServer:
                     f"range [{offset}, {offset + length}) outside region of {self.size} B",
                 )
                 if op == w.OP_WRITE:
-                    return  # its payload is not drained: the stream is unusable
+                    return True  # its payload is not drained: the stream is unusable
                 continue
             span = self._mv[offset : offset + length]
             if op == w.OP_READ:
