@@ -289,3 +289,22 @@ def test_layerwise_store_path_matches_builtin_path(model: Transformer) -> None:
             r2 = w.prefill([*tokens[:40], 1, 2, 3])
             assert (r2.cached_blocks, r2.computed_tokens, r2.stored_blocks) == (2, 11, 0)
     assert blocks[True] == blocks[False]
+
+
+def test_bfloat16_model_through_pool_and_decode(kvpool_: Pool) -> None:
+    """The LLaMA-2 presets run in bf16: the whole path must carry 2-byte KV."""
+    model = build_model("tiny", block_tokens=BT, dtype="bfloat16")
+    assert model.cfg.kv_layout().dtype == "bfloat16" and model.cfg.kv_bytes_per_token == 1024
+    tokens = prompt(37, seed=12)
+    with PrefillWorker(model, kvpool_, chunk_tokens=16) as w:
+        r1 = w.prefill(tokens)
+        r2 = w.prefill(tokens)
+    assert (r1.stored_blocks, r2.cached_tokens, r2.computed_tokens) == (2, 32, 5)
+    raw = kvpool_.get(r1.block_keys[0])
+    assert raw is not None and len(raw) == model.cfg.kv_layout().block_bytes
+    engine = DecodeEngine(model, kvpool_, num_pages=16, page_tokens=8)
+    reqs = [engine.submit(r1, 4), engine.submit(r2, 4)]
+    engine.run()
+    assert all(len(r.output) == 4 and r.recomputed_tokens == 0 for r in reqs)
+    # r2's only chunk is r1's last one over the same KV bytes: bit-identical results.
+    assert r1.first_token == r2.first_token and reqs[0].output == reqs[1].output

@@ -121,11 +121,14 @@ class Transformer(nn.Module):
         for i in self.layer_ids:
             if not 0 <= i < cfg.num_layers:
                 raise ValueError(f"layer {i} is outside [0, {cfg.num_layers})")
-        dt, dev = self.dtype, self.device
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dt, device=dev)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, dt, dev) for i in self.layer_ids})
-        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dt, dev)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dt, device=dev)
+        # Built on the meta device (no memory, no default init), then materialised
+        # once on the target device and filled by _init_weights.
+        dt, dev, meta = self.dtype, self.device, torch.device("meta")
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dt, device=meta)
+        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, dt, meta) for i in self.layer_ids})
+        self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dt, meta)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dt, device=meta)
+        self.to_empty(device=dev)
         half = cfg.head_dim // 2
         exponents = torch.arange(half, dtype=torch.float64) * 2 / cfg.head_dim
         self._inv_freq = (1.0 / (cfg.rope_theta**exponents)).to(dev)
@@ -145,7 +148,8 @@ class Transformer(nn.Module):
         # Names carry the global layer index ("layers.7.q_proj.weight").
         for name, param in self.named_parameters():
             if name.endswith("norm.weight"):
-                continue  # RMSNorm weights stay 1
+                param.data.fill_(1.0)  # RMSNorm starts as the identity scale
+                continue
             std = 1.0 if name == "embed_tokens.weight" else 1.0 / math.sqrt(param.shape[1])
             if name.endswith(("o_proj.weight", "down_proj.weight")):
                 std *= out_scale
