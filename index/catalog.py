@@ -19,7 +19,12 @@ Invariants:
   allocations with it;
 - replicas are primary (placed by a put) or extra (added for read load, see
   kvpool.index.heat); each node evicts extras before primaries, and a block
-  whose primaries all left keeps an extra as its new primary.
+  whose primaries all left keeps an extra as its new primary;
+- a node with an SSD tier keeps SSD copies of its coldest DRAM blocks
+  (written ahead by the master's cleaner); evicting a DRAM replica that has
+  an SSD copy leaves an SSD-only replica, which a read promotes back to DRAM
+  before anyone is told where to read. Only DRAM replicas are tracked by
+  the eviction policies; the node evicts its own SSD.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ class Replica:
     offset: int
     size: int
     primary: bool = True
+    tier: str = "dram"  # "ssd": bytes only in the node's SSD tier (offset meaningless)
 
 
 @dataclass(eq=False)
@@ -79,6 +85,8 @@ class NodeSpace:
     last_seen: float = 0.0
     load: float = 0.0  # decayed count of reads routed here (as of load_at)
     load_at: float = 0.0
+    ssd: dict[bytes, int] | None = None  # keys with an SSD copy on this node (None: no SSD)
+    dirty: dict[bytes, None] = field(default_factory=dict)  # DRAM-only, oldest first
     # What the node must learn about its own region, in order: ("commit", key,
     # offset, size, parent) and ("free", offset). The master drains it into
     # heartbeat replies so a node can re-register its blocks after a master
@@ -124,7 +132,12 @@ class BlockCatalog:
     # -- nodes ----------------------------------------------------------------
 
     def add_node(
-        self, node_id: str, capacity: int, info: dict[str, Any], host_id: str = ""
+        self,
+        node_id: str,
+        capacity: int,
+        info: dict[str, Any],
+        host_id: str = "",
+        has_ssd: bool = False,
     ) -> None:
         """Register (or re-register) a node; a re-registering node starts empty here."""
         if node_id in self.nodes:
@@ -137,7 +150,23 @@ class BlockCatalog:
             make_policy(self.policy_name),
             host_id,
             self.clock(),
+            ssd={} if has_ssd else None,
         )
+
+    def restore_ssd(self, node_id: str, blocks: Sequence[tuple[bytes, int, bytes | None]]) -> int:
+        """Re-admit the (key, size, parent) blocks a node keeps on its SSD."""
+        node = self.nodes[node_id]
+        if node.ssd is None:
+            return 0
+        for key, size, parent in blocks:
+            node.ssd[key] = size
+            node.dirty.pop(key, None)
+            block = self.blocks.get(key)
+            if block is None or all(r.node_id != node_id for r in block.replicas):
+                self._add_replica(
+                    key, size, parent, Replica(node_id, -1, size, tier="ssd"), tell_node=False
+                )
+        return len(blocks)
 
     def restore_blocks(
         self, node_id: str, blocks: Sequence[tuple[bytes, int, int, int | None, bytes | None]]
@@ -367,6 +396,106 @@ class BlockCatalog:
             self._with_extras.discard(key)
         return dropped
 
+    # -- SSD tier -------------------------------------------------------------
+
+    def pick_for_ssd(self, node_id: str, max_bytes: int) -> list[BlockMeta]:
+        """The oldest DRAM-only blocks of a node to copy to its SSD, pinned until
+        ``ssd_stored`` (so their bytes stay put while the node writes them)."""
+        node = self.nodes[node_id]
+        picked: list[BlockMeta] = []
+        total = 0
+        for key in list(node.dirty):
+            block = self.blocks.get(key)
+            if block is None:
+                del node.dirty[key]
+                continue
+            if total + block.size > max_bytes and picked:
+                break
+            block.leases += 1
+            picked.append(block)
+            total += block.size
+        return picked
+
+    def dram_offset(self, block: BlockMeta, node_id: str) -> int:
+        return next(r.offset for r in block.replicas if r.node_id == node_id and r.tier == "dram")
+
+    def ssd_stored(
+        self,
+        node_id: str,
+        picked: Sequence[BlockMeta],
+        stored: Sequence[bytes],
+        dropped: Sequence[bytes],
+    ) -> None:
+        """The node wrote ``stored`` to its SSD and evicted ``dropped`` from it."""
+        for block in picked:
+            block.leases -= 1
+            if block.removed and block.leases == 0:
+                self._free_extents(block)
+        node = self.nodes.get(node_id)
+        if node is None or node.ssd is None:
+            return
+        for key in stored:
+            meta = self.blocks.get(key)
+            if meta is None:
+                node.outbox.append(("ssd_drop", key))  # removed while it was written
+                continue
+            node.ssd[key] = meta.size
+            node.dirty.pop(key, None)
+        for key in dropped:
+            self._forget_ssd_copy(node, key)
+
+    def ssd_only(self, block: BlockMeta) -> bool:
+        return not any(r.tier == "dram" for r in block.replicas)
+
+    def reserve_promotion(self, block: BlockMeta) -> Allocation | None:
+        """DRAM room for an SSD-only block on a node holding its SSD copy."""
+        for replica in block.replicas:
+            node = self.nodes[replica.node_id]
+            offset = self._make_room(node, block.size)
+            if offset is not None:
+                return Allocation(
+                    next(self._ids),
+                    block.key,
+                    node.node_id,
+                    offset,
+                    block.size,
+                    block.parent,
+                    self.clock() + self.alloc_ttl,
+                )
+        return None
+
+    def finish_promotion(self, block: BlockMeta, alloc: Allocation, ok: bool) -> None:
+        """The node loaded (``ok``) or failed to load the block into ``alloc``'s range."""
+        node = self.nodes.get(alloc.node_id)
+        if node is None:
+            return
+        replica = next((r for r in block.replicas if r.node_id == alloc.node_id), None)
+        if not ok or replica is None or block.removed or replica.tier != "ssd":
+            node.allocator.free(alloc.offset)
+            if not ok:
+                self._forget_ssd_copy(node, block.key)
+            return
+        replica.tier, replica.offset = "dram", alloc.offset
+        self._policy_of(replica).on_insert(block.key, block.parent)
+        node.outbox.append(("commit", block.key, alloc.offset, block.size, block.parent))
+
+    def _forget_ssd_copy(self, node: NodeSpace, key: bytes) -> None:
+        """The node no longer has ``key`` on SSD: an SSD-only replica there is gone."""
+        assert node.ssd is not None
+        node.ssd.pop(key, None)
+        block = self.blocks.get(key)
+        if block is None:
+            return
+        block.replicas = [
+            r for r in block.replicas if not (r.node_id == node.node_id and r.tier == "ssd")
+        ]
+        if not block.replicas:
+            del self.blocks[key]
+            self._with_extras.discard(key)
+            block.removed = True
+        elif not any(r.primary for r in block.replicas):
+            self._make_primary(block, block.replicas[0])
+
     def release(self, lease_id: int) -> None:
         record = self.leases.pop(lease_id, None)
         if record is None:
@@ -383,7 +512,13 @@ class BlockCatalog:
         block.removed = True
         self._with_extras.discard(key)
         for replica in block.replicas:
-            self._policy_of(replica).on_remove(key)
+            node = self.nodes[replica.node_id]
+            node.dirty.pop(key, None)
+            if node.ssd is not None and node.ssd.pop(key, None) is not None:
+                node.outbox.append(("ssd_drop", key))
+            if replica.tier == "dram":
+                self._policy_of(replica).on_remove(key)
+        block.replicas = [r for r in block.replicas if r.tier == "dram"]
         if block.leases == 0:
             self._free_extents(block)
         return True
@@ -418,8 +553,20 @@ class BlockCatalog:
         return block is not None and block.leases == 0
 
     def _evict_replica(self, node: NodeSpace, key: bytes) -> None:
-        """Drop ``key``'s replica on ``node`` (already untracked by its policy)."""
+        """Drop ``key``'s DRAM replica on ``node`` (already untracked by its policy);
+        it stays on the node as an SSD-only replica when the SSD holds a copy."""
         block = self.blocks[key]
+        self.evictions += 1
+        if node.ssd is not None and key in node.ssd:
+            for replica in block.replicas:
+                if replica.node_id == node.node_id and replica.tier == "dram":
+                    self._free_replica(node, replica)
+                    replica.tier, replica.offset = "ssd", -1
+                    if not replica.primary:  # extras do not linger on SSD
+                        self._forget_ssd_copy(node, key)
+                        node.outbox.append(("ssd_drop", key))
+            return
+        node.dirty.pop(key, None)
         mine = [r for r in block.replicas if r.node_id == node.node_id]
         block.replicas = [r for r in block.replicas if r.node_id != node.node_id]
         for replica in mine:
@@ -430,7 +577,6 @@ class BlockCatalog:
             block.removed = True
         elif not any(r.primary for r in block.replicas):
             self._make_primary(block, block.replicas[0])
-        self.evictions += 1
 
     def _add_replica(
         self,
@@ -446,7 +592,11 @@ class BlockCatalog:
             block = self.blocks[key] = BlockMeta(key, size, parent, checksum=checksum)
         block.replicas.append(replica)
         node = self.nodes[replica.node_id]
+        if replica.tier == "ssd":
+            return
         self._policy_of(replica).on_insert(key, parent)
+        if node.ssd is not None and key not in node.ssd:
+            node.dirty[key] = None
         if not replica.primary:
             self._with_extras.add(key)
         if tell_node:
@@ -465,9 +615,10 @@ class BlockCatalog:
 
     def _make_primary(self, block: BlockMeta, replica: Replica) -> None:
         node = self.nodes[replica.node_id]
-        node.extras.on_remove(block.key)
         replica.primary = True
-        node.policy.on_insert(block.key, block.parent)
+        if replica.tier == "dram":
+            node.extras.on_remove(block.key)
+            node.policy.on_insert(block.key, block.parent)
 
     def _count_read(self, block: BlockMeta) -> None:
         """Heat the block, refresh its replicas' recency, route the read to the least
@@ -476,9 +627,12 @@ class BlockCatalog:
         block.heat = decayed(block.heat, block.heat_at, now, half_life) + 1.0
         block.heat_at = now
         for replica in block.replicas:
-            self._policy_of(replica).on_access(block.key)
-        if len(block.replicas) > 1:
-            block.replicas.sort(key=lambda r: self._load(self.nodes[r.node_id], now))
+            if replica.tier == "dram":
+                self._policy_of(replica).on_access(block.key)
+        if len(block.replicas) > 1:  # DRAM first, then the least loaded node
+            block.replicas.sort(
+                key=lambda r: (r.tier != "dram", self._load(self.nodes[r.node_id], now))
+            )
         node = self.nodes[block.replicas[0].node_id]
         node.load = self._load(node, now) + 1.0
         node.load_at = now
@@ -507,6 +661,6 @@ class BlockCatalog:
     def _free_extents(self, block: BlockMeta) -> None:
         for replica in block.replicas:
             node = self.nodes.get(replica.node_id)
-            if node is not None:
+            if node is not None and replica.tier == "dram":
                 self._free_replica(node, replica)
         block.replicas = []

@@ -18,7 +18,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.index.catalog import BlockCatalog, CatalogFullError
+from kvpool.errors import KVPoolError
+from kvpool.index.catalog import Allocation, BlockCatalog, BlockMeta, CatalogFullError
 from kvpool.index.heat import ReplicationConfig
 from kvpool.metrics import Metrics
 from kvpool.protocol import (
@@ -34,6 +35,8 @@ from kvpool.protocol import (
     REMOVE,
     REPLICATE,
     REVOKE,
+    SSD_LOAD,
+    SSD_STORE,
     STATS,
     AllocateReply,
     AllocateRequest,
@@ -47,11 +50,13 @@ from kvpool.protocol import (
     ReplicateReply,
     ReplicateRequest,
 )
+from kvpool.rpc_client import RpcClient
 from kvpool.rpc_server import RpcServer, ServerConfig
 from kvpool.transport.base import RegionInfo
 
 log = logging.getLogger("kvpool.master")
 DEFAULT_PORT = 7480
+SSD_CLEAN_BATCH = 256 << 20  # bytes per node per reaper pass
 
 
 @dataclass(frozen=True)
@@ -66,6 +71,9 @@ class MasterConfig:
     reap_interval: float = 0.5
     metrics_port: int | None = None  # None: no /metrics server; 0: any free port
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
+    # Copy a node's DRAM blocks to its SSD once DRAM is this full (0: write every
+    # block behind, so evictions almost always demote instead of dropping).
+    ssd_clean_at: float = 0.0
 
 
 class Master:
@@ -80,6 +88,7 @@ class Master:
             replication=config.replication,
         )
         self.regions: dict[str, RegionInfo] = {}
+        self._node_clients: dict[str, RpcClient] = {}
         self.metrics = Metrics("master")
         self.metrics_port: int | None = None
         self._lock = threading.Lock()
@@ -105,6 +114,8 @@ class Master:
     def close(self) -> None:
         self._stop.set()
         self._server.close()
+        for node_id in list(self._node_clients):
+            self._drop_node_client(node_id)
         self.metrics.close()
 
     # -- handlers -------------------------------------------------------------
@@ -131,10 +142,19 @@ class Master:
     def _register(self, msg: RegisterNode) -> dict[str, Any]:
         region = msg.region
         blocks = [(b[0], b[1], b[2], b[3], b[4]) for b in msg.blocks]
+        ssd_blocks = [(b[0], b[1], b[2]) for b in msg.ssd_blocks]
         with self._lock:
-            self.catalog.add_node(region.node_id, region.size, region.to_dict(), region.host_id)
+            self.catalog.add_node(
+                region.node_id,
+                region.size,
+                region.to_dict(),
+                region.host_id,
+                has_ssd=region.ssd_bytes > 0,
+            )
             self.regions[region.node_id] = region
+            self._drop_node_client(region.node_id)
             restored = self.catalog.restore_blocks(region.node_id, blocks)
+            restored += self.catalog.restore_ssd(region.node_id, ssd_blocks)
             self._refresh_gauges()
         log.info(
             "node %s registered: %d bytes, %d blocks restored",
@@ -192,14 +212,27 @@ class Master:
     def _lease(self, msg: LeaseRequest) -> LeaseReply:
         with self._lock:
             lease_id, found = self.catalog.lease(msg.keys, prefix=msg.prefix)
-            blocks: list[list[Any] | None] = [
-                None if b is None else [b.size, [[r.node_id, r.offset] for r in b.replicas]]
+            promotions = [
+                (b, self.catalog.reserve_promotion(b))
                 for b in found
+                if b is not None and self.catalog.ssd_only(b)
             ]
-            index = {b.key: i for i, b in enumerate(found) if b is not None}
+        if promotions:
+            self._promote(promotions)
+        with self._lock:
+            blocks: list[list[Any] | None] = []
+            for block in found:
+                dram = [] if block is None else [r for r in block.replicas if r.tier == "dram"]
+                if block is None or not dram:
+                    if msg.prefix:
+                        break
+                    blocks.append(None)
+                    continue
+                blocks.append([block.size, [[r.node_id, r.offset] for r in dram]])
+            index = {b.key: i for i, b in enumerate(found) if b is not None and i < len(blocks)}
             orders = [
                 [index[a.key], a.alloc_id, a.node_id, a.offset]
-                for a in self.catalog.hot_replicas(found)
+                for a in self.catalog.hot_replicas([found[i] for i in index.values()])
             ]
             node_ids = [r[0] for b in blocks if b for r in b[1]] + [o[2] for o in orders]
             nodes = self._regions_of(node_ids)
@@ -207,6 +240,22 @@ class Master:
         self.metrics.hits.inc(hits)
         self.metrics.misses.inc(len(msg.keys) - hits)
         return LeaseReply(lease_id, blocks, nodes, self.config.lease_ttl, orders)
+
+    def _promote(self, promotions: list[tuple[BlockMeta, Allocation | None]]) -> None:
+        """Load SSD-only blocks (leased by the caller) back into their nodes' DRAM."""
+        by_node: dict[str, list[tuple[BlockMeta, Allocation]]] = {}
+        for block, alloc in promotions:
+            if alloc is not None:
+                by_node.setdefault(alloc.node_id, []).append((block, alloc))
+        for node_id, items in by_node.items():
+            try:
+                loaded = self._node_call(node_id, SSD_LOAD, [[b.key, a.offset] for b, a in items])
+            except (KVPoolError, OSError) as exc:
+                log.warning("node %s could not load from SSD: %s", node_id, exc)
+                loaded = [False] * len(items)
+            with self._lock:
+                for (block, alloc), ok in zip(items, loaded, strict=True):
+                    self.catalog.finish_promotion(block, alloc, bool(ok))
 
     def _replicate(self, msg: ReplicateRequest) -> ReplicateReply:
         allocations: list[list[Any] | None] = []
@@ -259,7 +308,8 @@ class Master:
                     node_id: {
                         "capacity_bytes": node.allocator.capacity,
                         "used_bytes": node.allocator.used_bytes,
-                        "blocks": len(node.policy),
+                        "blocks": len(node.policy) + len(node.extras),
+                        "ssd_blocks": len(node.ssd) if node.ssd is not None else None,
                         "host_id": node.host_id,
                     }
                     for node_id, node in cat.nodes.items()
@@ -278,14 +328,60 @@ class Master:
             self.metrics.capacity.labels(node_id).set(node.allocator.capacity)
             self.metrics.used.labels(node_id).set(node.allocator.used_bytes)
 
+    def _node_call(self, node_id: str, method: str, params: Any) -> Any:
+        """Call a node's own RPC server (SSD tier commands)."""
+        client = self._node_clients.get(node_id)
+        if client is None:
+            region = self.regions[node_id]
+            client = RpcClient(
+                (region.tcp_host, region.control_port),
+                token=self.config.token,
+                timeout=self.config.node_ttl * 4,
+                name="kvpool-master",
+            )
+            self._node_clients[node_id] = client
+        return client.call(method, params)
+
+    def _drop_node_client(self, node_id: str) -> None:
+        client = self._node_clients.pop(node_id, None)
+        if client is not None:
+            client.close()
+
+    def _clean_to_ssd(self) -> None:
+        """Copy the oldest DRAM-only blocks of SSD nodes (past ``ssd_clean_at`` fill) to
+        their SSD tier, so that evicting them later demotes instead of dropping."""
+        for node_id in [n for n, r in list(self.regions.items()) if r.ssd_bytes]:
+            with self._lock:
+                node = self.catalog.nodes.get(node_id)
+                full = self.config.ssd_clean_at * (node.allocator.capacity if node else 0)
+                if node is None or not node.dirty or node.allocator.used_bytes < full:
+                    continue
+                picked = self.catalog.pick_for_ssd(node_id, SSD_CLEAN_BATCH)
+                items = [
+                    [b.key, self.catalog.dram_offset(b, node_id), b.size, b.parent] for b in picked
+                ]
+            if not picked:
+                continue
+            stored: list[bytes] = []
+            dropped: list[bytes] = []
+            try:
+                reply = self._node_call(node_id, SSD_STORE, items)
+                stored, dropped = reply["stored"], reply["dropped"]
+            except (KVPoolError, OSError) as exc:
+                log.warning("node %s could not write to SSD: %s", node_id, exc)
+            with self._lock:
+                self.catalog.ssd_stored(node_id, picked, stored, dropped)
+
     def _reap_loop(self) -> None:
         while not self._stop.wait(self.config.reap_interval):
+            self._clean_to_ssd()
             with self._lock:
                 self.catalog.expire()
                 self.catalog.cool_down()
                 for node_id in self.catalog.dead_nodes(self.config.node_ttl):
                     lost = self.catalog.remove_node(node_id)
                     self.regions.pop(node_id, None)
+                    self._drop_node_client(node_id)
                     self.metrics.capacity.remove(node_id)
                     self.metrics.used.remove(node_id)
                     log.warning(

@@ -7,6 +7,13 @@ heartbeat replies, which blocks were committed and which ranges were freed.
 The node keeps that list so that, when the master restarts and no longer
 knows it, the node registers again with every block it still holds, after
 checking each block's bytes against the checksum it took at commit.
+
+With ``--ssd DIR`` the node also has an SSD tier (kvpool.tiers.ssd) and a
+small RPC server of its own: the master asks it to copy DRAM blocks to SSD
+(``ssd.store``, ahead of eviction) and to load SSD blocks back into DRAM
+ranges it allocated (``ssd.load``). The node evicts its own SSD (least
+recently stored or loaded first) and reports what it dropped. SSD blocks
+survive a node restart and are registered again.
 """
 
 from __future__ import annotations
@@ -24,8 +31,18 @@ import xxhash
 from kvpool.arena import SharedArena
 from kvpool.errors import KVPoolError
 from kvpool.metrics import Metrics
-from kvpool.protocol import HEARTBEAT, REGISTER, Heartbeat, HeartbeatReply, RegisterNode
+from kvpool.node_ssd import NodeSsd
+from kvpool.protocol import (
+    HEARTBEAT,
+    REGISTER,
+    SSD_LOAD,
+    SSD_STORE,
+    Heartbeat,
+    HeartbeatReply,
+    RegisterNode,
+)
 from kvpool.rpc_client import RpcClient
+from kvpool.rpc_server import RpcServer, ServerConfig
 from kvpool.transport.base import RegionInfo, host_identity
 from kvpool.transport.tcp_server import TcpDataServer
 
@@ -43,6 +60,8 @@ class NodeConfig:
     heartbeat_interval: float = 1.0
     rpc_timeout: float = 5.0
     metrics_port: int | None = None
+    ssd_path: str | None = None
+    ssd_bytes: int = 0
 
 
 @dataclass
@@ -73,6 +92,22 @@ class StorageNode:
         except BaseException:
             self.arena.close()
             raise
+        try:
+            self.ssd = (
+                NodeSsd(config.ssd_path, config.ssd_bytes, self.arena.view)
+                if (config.ssd_path)
+                else None
+            )
+            self.control = RpcServer(
+                ServerConfig(host=config.host, port=0, token=config.token, name="kvpool-node")
+            )
+        except BaseException:
+            self.data.close()
+            self.arena.close()
+            raise
+        if self.ssd is not None:
+            self.control.register(SSD_STORE, self.ssd.store)
+            self.control.register(SSD_LOAD, self.ssd.load)
         self.metrics = Metrics("node")
         self.metrics_port: int | None = None
         self.blocks: dict[int, HeldBlock] = {}  # by offset
@@ -92,10 +127,13 @@ class StorageNode:
             tcp_host=tcp_host,
             tcp_port=tcp_port,
             shm_name=self.arena.name,
+            control_port=self.control.address[1],
+            ssd_bytes=0 if self.ssd is None else self.ssd.tier.capacity,
         )
 
     def start(self) -> None:
         self.data.start()
+        self.control.start()
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         self.metrics.capacity.labels(self.node_id).set(self.arena.size)
@@ -107,7 +145,10 @@ class StorageNode:
             self._thread.join(self.config.rpc_timeout + self.config.heartbeat_interval)
         if self._client is not None:
             self._client.close()
+        self.control.close()
         self.data.close()
+        if self.ssd is not None:
+            self.ssd.close()
         self.metrics.close()
         self.arena.close()
 
@@ -143,7 +184,9 @@ class StorageNode:
     def _register(self) -> None:
         held = [b for b in self.blocks.values() if self._intact(b)]
         self.blocks = {b.offset: b for b in held}
-        reply = self._rpc().call(REGISTER, RegisterNode(self.region(), [b.wire() for b in held]))
+        ssd_blocks = [] if self.ssd is None else self.ssd.listing()
+        message = RegisterNode(self.region(), [b.wire() for b in held], ssd_blocks)
+        reply = self._rpc().call(REGISTER, message)
         self._checksums.clear()
         self.registered.set()
         log.info(
@@ -179,6 +222,8 @@ class StorageNode:
                 committed.append(block)
             elif event[0] == "free":
                 self.blocks.pop(event[1], None)
+            elif event[0] == "ssd_drop" and self.ssd is not None:
+                self.ssd.drop(event[1])
         for block in committed:
             if self.blocks.get(block.offset) is block:
                 block.checksum = self._checksum(block)

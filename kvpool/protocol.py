@@ -27,6 +27,9 @@ REMOVE = "keys.remove"
 REPLICATE = "keys.replicate"
 LOCATE = "keys.locate"
 STATS = "stats"
+# Node RPC method names (the master calls these on nodes with an SSD tier).
+SSD_STORE = "ssd.store"  # [[key, offset, size, parent]] -> {"stored": [...], "dropped": [...]}
+SSD_LOAD = "ssd.load"  # [[key, offset]] -> [ok, ...]
 
 
 @dataclass
@@ -36,6 +39,7 @@ class RegisterNode(WireMessage):
     region: RegionInfo
     # [key, offset, size, checksum, parent] for every block the node verified
     blocks: list[list[Any]] = field(default_factory=list)
+    ssd_blocks: list[list[Any]] = field(default_factory=list)  # [key, size, parent] on its SSD
 
 
 @dataclass

@@ -43,6 +43,8 @@ def register(subparsers: Any) -> None:
     node = subparsers.add_parser("node", help="contribute DRAM to a pool and serve it")
     node.add_argument("--master", required=True, help="HOST:PORT of the master")
     node.add_argument("--dram", default="1GiB", help="arena size, e.g. 4GiB")
+    node.add_argument("--ssd", default=None, metavar="DIR", help="directory of the SSD tier")
+    node.add_argument("--ssd-size", default="0", help="SSD tier size, e.g. 50GiB")
     node.add_argument("--host", default="127.0.0.1", help="address of the TCP data server")
     node.add_argument("--data-port", type=int, default=0)
     node.add_argument("--token", default=None, help="shared token (default $KVPOOL_TOKEN)")
@@ -99,6 +101,8 @@ def _run_node(args: argparse.Namespace) -> int:
         node_id=args.node_id,
         heartbeat_interval=args.heartbeat,
         metrics_port=args.metrics_port,
+        ssd_path=args.ssd,
+        ssd_bytes=parse_size(args.ssd_size) if args.ssd else 0,
     )
     node = StorageNode(config)
     node.start()

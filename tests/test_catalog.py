@@ -318,3 +318,69 @@ def test_reads_go_to_the_least_loaded_replica() -> None:
         first.append(found[0].replicas[0].node_id)  # type: ignore[union-attr]
         cat.release(lease_id)
     assert first.count("a") == 3 and first.count("b") == 3
+
+
+def test_ssd_copies_turn_evictions_into_demotions() -> None:
+    clock = Clock()
+    cat = BlockCatalog(clock=clock)
+    cat.add_node("a", 2 * PAGE, {}, has_ssd=True)
+    keys = make_keys(4)
+    put(cat, keys[0])
+    put(cat, keys[1])
+    picked = cat.pick_for_ssd("a", PAGE)  # the oldest DRAM-only block
+    assert [b.key for b in picked] == [keys[0]]
+    assert cat.dram_offset(picked[0], "a") == 0
+    cat.ssd_stored("a", picked, [keys[0]], [])
+    put(cat, keys[2])  # evicts 0: it has an SSD copy, so it stays as an SSD-only replica
+    assert cat.exists(keys) == [True, True, True, False]
+    block = cat.blocks[keys[0]]
+    assert cat.ssd_only(block)
+    put(cat, keys[3])  # evicts 1: no SSD copy, dropped
+    assert cat.exists(keys) == [True, False, True, True]
+    assert cat.locate(keys[:1]) == [["a"]]
+    # A read promotes it back into DRAM first.
+    lease_id, found = cat.lease(keys[:1])
+    assert found[0] is block
+    alloc = cat.reserve_promotion(block)
+    assert alloc is not None  # evicted 2 to make room
+    cat.finish_promotion(block, alloc, ok=True)
+    assert not cat.ssd_only(block) and cat.dram_offset(block, "a") == alloc.offset
+    assert cat.nodes["a"].outbox[-1][:3] == ("commit", keys[0], alloc.offset)
+    cat.release(lease_id)
+    cat.nodes["a"].allocator.check()
+
+
+def test_ssd_loss_and_remove() -> None:
+    cat = BlockCatalog(clock=Clock())
+    cat.add_node("a", PAGE, {}, has_ssd=True)
+    keys = make_keys(3)
+    put(cat, keys[0])
+    cat.ssd_stored("a", cat.pick_for_ssd("a", PAGE), [keys[0]], [])
+    put(cat, keys[1])  # 0 -> SSD-only
+    lease_id, found = cat.lease(keys[:1])
+    alloc = cat.reserve_promotion(found[0])  # type: ignore[arg-type]
+    assert alloc is not None
+    cat.finish_promotion(found[0], alloc, ok=False)  # type: ignore[arg-type]  # bad checksum
+    cat.release(lease_id)
+    # Making room for the promotion dropped 1 (no SSD copy), and 0 failed its load.
+    assert cat.exists(keys[:2]) == [False, False]
+    assert cat.nodes["a"].allocator.used_bytes == 0
+    put(cat, keys[1])
+    cat.ssd_stored("a", cat.pick_for_ssd("a", PAGE), [keys[1]], [])
+    put(cat, keys[2])  # 1 -> SSD-only
+    cat.ssd_stored("a", [], [], [keys[1]])  # the node's SSD evicted it
+    assert cat.exists(keys) == [False, False, True]
+    cat.ssd_stored("a", cat.pick_for_ssd("a", PAGE), [keys[2]], [])
+    assert cat.remove(keys[2])
+    assert cat.nodes["a"].outbox[-2:] == [("ssd_drop", keys[2]), ("free", 0)]
+
+
+def test_restore_ssd_blocks_after_a_master_restart() -> None:
+    cat = BlockCatalog(clock=Clock())
+    cat.add_node("a", 2 * PAGE, {}, has_ssd=True)
+    keys = make_keys(3)
+    cat.restore_blocks("a", [(keys[0], 0, PAGE, 1, None)])
+    assert cat.restore_ssd("a", [(keys[0], PAGE, None), (keys[1], PAGE, keys[0])]) == 2
+    assert cat.exists(keys) == [True, True, False]
+    assert not cat.ssd_only(cat.blocks[keys[0]]) and cat.ssd_only(cat.blocks[keys[1]])
+    assert cat.pick_for_ssd("a", 10 * PAGE) == []  # 0 already has its SSD copy

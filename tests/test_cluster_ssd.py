@@ -1,0 +1,97 @@
+"""Storage nodes with an SSD tier: demotion ahead of eviction, promotion on read, restarts."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+from clusterhelpers import Cluster, spawn, start_cluster, wait_until
+from poolhelpers import BLOCK, make_keys, payload
+
+import kvpool
+from kvpool import RemotePool
+
+
+@pytest.fixture
+def ssd_cluster(tmp_path: object) -> Iterator[tuple[Cluster, str]]:
+    cluster = start_cluster([])
+    ssd_dir = f"{tmp_path}/ssd"
+    cluster.add_node("4MiB", "--ssd", ssd_dir, "--ssd-size", "32MiB")  # 64 + 512 blocks
+    yield cluster, ssd_dir
+    cluster.stop()
+
+
+def node_stats(pool: RemotePool) -> dict:
+    (stats,) = pool.stats()["nodes"].values()
+    return stats
+
+
+def fill_and_demote(pool: RemotePool, keys: list[bytes]) -> None:
+    """Put in waves, letting the master's cleaner copy cold blocks to SSD between them."""
+    for start in range(0, len(keys), 32):
+        wave = keys[start : start + 32]
+        pool.put_batch(wave, [payload(start + i) for i in range(len(wave))])
+        want = start + len(wave)  # the cleaner writes every block behind
+        assert wait_until(lambda w=want: node_stats(pool)["ssd_blocks"] >= w, timeout=10)
+
+
+def test_evicted_blocks_live_on_in_the_ssd_tier(ssd_cluster: tuple[Cluster, str]) -> None:
+    cluster, _ = ssd_cluster
+    with kvpool.connect(cluster.url, timeout=10) as pool:
+        assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
+        keys = make_keys(192)  # three times the node's DRAM
+        fill_and_demote(pool, keys)
+        assert pool.prefix_match(keys) == 192
+        assert node_stats(pool)["blocks"] == 64  # DRAM holds 64 at a time
+        out = np.empty(BLOCK, np.uint8)
+        for i in range(192):  # old ones are promoted back from SSD on the way
+            assert pool.get_into(keys[i], out) == BLOCK, i
+            assert np.array_equal(out, payload(i)), i
+
+
+def test_ssd_blocks_survive_a_node_restart(ssd_cluster: tuple[Cluster, str]) -> None:
+    cluster, ssd_dir = ssd_cluster
+    with kvpool.connect(cluster.url, timeout=10) as pool:
+        assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
+        keys = make_keys(96)
+        fill_and_demote(pool, keys)
+        on_ssd = node_stats(pool)["ssd_blocks"]
+        assert on_ssd >= 32
+        cluster.nodes[0].kill()  # kill -9: its DRAM is gone, its SSD is not
+        assert wait_until(lambda: not pool.stats()["nodes"], timeout=10)
+        cluster.nodes[0] = spawn(
+            [
+                "node",
+                "--master",
+                cluster.master.address,
+                "--dram",
+                "4MiB",
+                "--ssd",
+                ssd_dir,
+                "--ssd-size",
+                "32MiB",
+                "--heartbeat",
+                "0.2",
+            ]
+        )
+        assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
+        present = [i for i, ok in enumerate(pool.exists(keys)) if ok]
+        assert len(present) == on_ssd
+        out = np.empty(BLOCK, np.uint8)
+        for i in present:
+            assert pool.get_into(keys[i], out) == BLOCK and np.array_equal(out, payload(i))
+
+
+def test_master_restart_restores_ssd_blocks(ssd_cluster: tuple[Cluster, str]) -> None:
+    cluster, _ = ssd_cluster
+    with kvpool.connect(cluster.url, timeout=10) as pool:
+        assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
+        keys = make_keys(128)
+        fill_and_demote(pool, keys)
+        assert pool.prefix_match(keys) == 128
+        cluster.restart_master()
+        assert wait_until(lambda: pool.stats()["blocks"] == 128, timeout=15)
+        out = np.empty(BLOCK, np.uint8)
+        for i in (0, 50, 127):
+            assert pool.get_into(keys[i], out) == BLOCK and np.array_equal(out, payload(i))
