@@ -20,7 +20,7 @@ from urllib.parse import urlparse
 
 import numpy as np
 
-from kvpool.bindings.buffers import Region, as_region, copy_region, region_is_device, region_nbytes
+from kvpool.bindings.buffers import Region, as_region, region_nbytes
 from kvpool.checks import check_key, check_keys, data_region
 from kvpool.errors import BufferSpecError, KVPoolError, PoolClosedError, PoolFullError
 from kvpool.master import DEFAULT_PORT
@@ -48,7 +48,7 @@ from kvpool.protocol import (
 from kvpool.remote_handles import Placement, RemoteBlockWriter, RemoteLease
 from kvpool.rpc_client import RpcClient
 from kvpool.transport.base import RegionInfo, Transport, host_identity
-from kvpool.transport.select import select_transport
+from kvpool.transport.peers import PeerTransports
 
 _READ_ERRORS = (ConnectionError, TimeoutError, OSError)
 
@@ -75,10 +75,10 @@ class RemotePool:
         transport: str | None = None,
         contribute_dram: int = 0,
     ) -> None:
-        self.token, self.timeout, self.transport_override = token, timeout, transport
+        self.token, self.timeout = token, timeout
         self._rpc = RpcClient(master, token=token, timeout=timeout, name="kvpool-client")
         self._regions: dict[str, RegionInfo] = {}
-        self._transports: dict[str, Transport] = {}
+        self._peers = PeerTransports(token=token, timeout=timeout, override=transport)
         self._leased: dict[bytes, tuple[list[Placement], float]] = {}
         self._orders: dict[bytes, tuple[int, Placement]] = {}  # hot blocks to replicate
         self._counts: Counter[str] = Counter()
@@ -278,16 +278,15 @@ class RemotePool:
         self._check_open()
         stats = dict(self._rpc.call(STATS))
         stats["client"] = dict(self._counts)
-        stats["transports"] = {n: t.name for n, t in self._transports.items()}
-        stats["transport"] = ",".join(sorted({t.name for t in self._transports.values()})) or "-"
+        stats["transports"] = self._peers.stats()
+        stats["transport"] = ",".join(sorted(stats["transports"])) or "-"
         return stats
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        for transport in self._transports.values():
-            transport.close()
+        self._peers.close()
         self._rpc.close()
         if self._node is not None:
             self._node.close()
@@ -305,32 +304,14 @@ class RemotePool:
             raise PoolClosedError("the pool is closed")
 
     def _learn(self, nodes: dict[str, RegionInfo]) -> None:
-        for node_id, region in nodes.items():
-            known = self._regions.get(node_id)
-            if known != region:
-                self._regions[node_id] = region
-                old = self._transports.pop(node_id, None)
-                if old is not None:
-                    old.close()
+        self._regions.update(nodes)  # a restarted node's new region replaces its transport
 
     def _transport(self, node_id: str) -> Transport:
-        transport = self._transports.get(node_id)
-        if transport is None:
-            transport = select_transport(
-                self._regions[node_id],
-                self.transport_override,
-                token=self.token,
-                timeout=self.timeout,
-            )
-            self._transports[node_id] = transport
-        return transport
+        return self._peers.get(self._regions[node_id])
 
     def _write(self, node_id: str, offset: int, src: Region) -> None:
-        transport = self._transport(node_id)
-        if region_is_device(src) and transport.name != "shm":
-            src = src.cpu().numpy()  # bounce through host memory
-        transport.write(offset, src)
-        self._counts[f"bytes_out_{transport.name}"] += region_nbytes(src)
+        """Bytes to a node's range (CUDA buffers: the transport stages them)."""
+        self._transport(node_id).write(offset, src)
 
     def _read_range(self, key: bytes, dst: Region, start: int, length: int | None) -> int | None:
         placements, _ = self._leased[key]
@@ -379,14 +360,7 @@ class RemotePool:
         return [[p.node_id for p in self._leased[key][0]] for key in keys]
 
     def _read_from(self, placement: Placement, dst: Region, start: int, want: int) -> None:
-        transport = self._transport(placement.node_id)
-        target = dst
-        if region_is_device(dst) and transport.name != "shm":
-            target = np.empty(want, np.uint8)  # bounce through host memory
-        transport.read_into(placement.offset + start, target)
-        if target is not dst:
-            copy_region(dst, target)
-        self._counts[f"bytes_in_{transport.name}"] += want
+        self._transport(placement.node_id).read_into(placement.offset + start, dst)
 
     def _release(self, lease_id: int, keys: Sequence[bytes]) -> None:
         for key in keys:

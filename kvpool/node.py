@@ -18,6 +18,7 @@ survive a node restart and are registered again.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import secrets
@@ -43,8 +44,8 @@ from kvpool.protocol import (
 )
 from kvpool.rpc_client import RpcClient
 from kvpool.rpc_server import RpcServer, ServerConfig
-from kvpool.transport.base import RegionInfo, host_identity
-from kvpool.transport.tcp_server import TcpDataServer
+from kvpool.transport.base import RegionInfo
+from kvpool.transport.peers import expose_region
 
 log = logging.getLogger("kvpool.node")
 
@@ -86,8 +87,13 @@ class StorageNode:
         )
         self.arena = SharedArena(config.dram_bytes)
         try:
-            self.data = TcpDataServer(
-                self.arena.view, host=config.host, port=config.data_port, token=config.token
+            self.exposed = expose_region(
+                self.arena.view,
+                node_id=self.node_id,
+                shm_name=self.arena.name,
+                host=config.host,
+                port=config.data_port,
+                token=config.token,
             )
         except BaseException:
             self.arena.close()
@@ -102,7 +108,7 @@ class StorageNode:
                 ServerConfig(host=config.host, port=0, token=config.token, name="kvpool-node")
             )
         except BaseException:
-            self.data.close()
+            self.exposed.close()
             self.arena.close()
             raise
         if self.ssd is not None:
@@ -119,20 +125,14 @@ class StorageNode:
         self._thread = threading.Thread(target=self._loop, name="kvpool-heartbeat", daemon=True)
 
     def region(self) -> RegionInfo:
-        tcp_host, tcp_port = self.data.address
-        return RegionInfo(
-            node_id=self.node_id,
-            size=self.arena.size,
-            host_id=host_identity(),
-            tcp_host=tcp_host,
-            tcp_port=tcp_port,
-            shm_name=self.arena.name,
+        """What the node advertises: data transports, control port, SSD capacity."""
+        return dataclasses.replace(
+            self.exposed.info,
             control_port=self.control.address[1],
             ssd_bytes=0 if self.ssd is None else self.ssd.tier.capacity,
         )
 
     def start(self) -> None:
-        self.data.start()
         self.control.start()
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
@@ -146,7 +146,7 @@ class StorageNode:
         if self._client is not None:
             self._client.close()
         self.control.close()
-        self.data.close()
+        self.exposed.close()
         if self.ssd is not None:
             self.ssd.close()
         self.metrics.close()
@@ -235,7 +235,7 @@ class StorageNode:
 
     def _count_served(self) -> None:
         """Move the data server's byte counters into the Prometheus counters."""
-        served = {"out": self.data.bytes_read, "in": self.data.bytes_written}
+        served = {"out": self.exposed.tcp.bytes_read, "in": self.exposed.tcp.bytes_written}
         for direction, total in served.items():
             self.metrics.moved.labels("tcp", direction).inc(total - self._served[direction])
             self._served[direction] = total

@@ -106,7 +106,7 @@ def _run_node(args: argparse.Namespace) -> int:
     )
     node = StorageNode(config)
     node.start()
-    host, port = node.data.address
+    host, port = node.exposed.tcp.address
     print(
         f"kvpool node {node.node_id} serving {node.arena.size} bytes on {host}:{port} "
         f"(shm {node.arena.name}, metrics port {node.metrics_port})",
