@@ -308,3 +308,39 @@ def test_bfloat16_model_through_pool_and_decode(kvpool_: Pool) -> None:
     assert all(len(r.output) == 4 and r.recomputed_tokens == 0 for r in reqs)
     # r2's only chunk is r1's last one over the same KV bytes: bit-identical results.
     assert r1.first_token == r2.first_token and reqs[0].output == reqs[1].output
+
+
+class _FailingReads:
+    """A pool whose reads of ``bad`` keys fail (a node died mid-transfer)."""
+
+    def __init__(self, pool: Pool, bad: set[bytes]) -> None:
+        self._pool, self._bad = pool, bad
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pool, name)
+
+    def get_into(self, key: bytes, out: Any, **kw: Any) -> int | None:
+        if key in self._bad:
+            raise OSError("connection reset by peer")
+        return self._pool.get_into(key, out, **kw)
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_failed_kv_load_fails_only_its_request(
+    model: Transformer, prefill: PrefillWorker, kvpool_: Pool, overlap: bool
+) -> None:
+    good, bad = prompt(30, seed=13), prompt(30, seed=14)
+    r_good, r_bad = prefill.prefill(good), prefill.prefill(bad)
+    pool = _FailingReads(kvpool_, {r_bad.block_keys[0]})
+    with DecodeEngine(
+        model, pool, num_pages=16, page_tokens=8, native_layerwise=False, overlap_loads=overlap
+    ) as engine:
+        failed = engine.submit(r_bad, 5)
+        ok = engine.submit(r_good, 5)
+        events = []
+        while not engine.idle:
+            events.extend(engine.step())
+    assert failed.finished and failed.error is not None and "connection reset" in failed.error
+    assert [e.error is not None for e in events if e.request_id == failed.request_id] == [True]
+    assert ok.error is None and ok.output == reference(model, good, 5)
+    assert engine.cache.free_pages == 16

@@ -14,7 +14,10 @@ page ids); token position p lives in page ``table[p // page_tokens]``, slot
    behind it wait. Admission loads the prompt's KV from the pool (full blocks
    by key, the tail by its request-private key) into the request's pages;
    anything missing from the pool is recomputed locally (counted in
-   ``recomputed_tokens``);
+   ``recomputed_tokens``). With ``overlap_loads`` (default) the load runs on
+   a background thread while the batch keeps decoding, and the request joins
+   the batch at the first step after its load finished; a load that fails
+   fails only its request (a final ``TokenEvent`` with ``error``);
 2. one decode step for the whole batch: every running request feeds its last
    token, attention runs over each request's own pages (gathered and padded
    to the longest, with a mask), one token per request is emitted;
@@ -30,6 +33,8 @@ from __future__ import annotations
 import math
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -109,6 +114,7 @@ class DecodeRequest:
     pages: list[int] = field(default_factory=list)
     length: int = 0  # positions whose KV is in this request's pages
     finished: bool = False
+    error: str | None = None  # set when the request failed (its KV could not be loaded)
     recomputed_tokens: int = 0  # prompt tokens missing from the pool, recomputed here
     submitted_at: float = field(default_factory=time.perf_counter)
     admitted_at: float | None = None
@@ -129,6 +135,7 @@ class TokenEvent:
     token: int
     index: int  # 0 for the prefill's first token
     finished: bool
+    error: str | None = None  # a failed request's last event (token -1)
 
 
 class DecodeEngine:
@@ -145,6 +152,7 @@ class DecodeEngine:
         namespace: Namespace | None = None,
         native_layerwise: bool | None = None,
         remove_tail: bool = True,
+        overlap_loads: bool = True,
     ) -> None:
         self.model = model
         self.pool = pool
@@ -156,8 +164,25 @@ class DecodeEngine:
         self.native = native_layerwise
         self.remove_tail = remove_tail
         self.waiting: deque[DecodeRequest] = deque()
+        self.loading: list[tuple[DecodeRequest, Future[None]]] = []
         self.running: list[DecodeRequest] = []
         self.steps = 0
+        self._loader = (
+            ThreadPoolExecutor(1, thread_name_prefix="kvpool-decode-load")
+            if overlap_loads
+            else None
+        )
+
+    def close(self) -> None:
+        """Stop the background loader (after the load in progress, if any)."""
+        if self._loader is not None:
+            self._loader.shutdown(wait=True)
+
+    def __enter__(self) -> DecodeEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- requests --------------------------------------------------------------
 
@@ -178,7 +203,7 @@ class DecodeEngine:
 
     @property
     def idle(self) -> bool:
-        return not self.waiting and not self.running
+        return not self.waiting and not self.loading and not self.running
 
     # -- the loop --------------------------------------------------------------
 
@@ -194,7 +219,7 @@ class DecodeEngine:
     def run(self) -> dict[str, list[int]]:
         """Step until every submitted request finished; outputs by request id."""
         done: dict[str, list[int]] = {}
-        pending = list(self.waiting) + self.running
+        pending = [*self.running, *(r for r, _ in self.loading), *self.waiting]
         while not self.idle:
             self.step()
         for req in pending:
@@ -212,9 +237,21 @@ class DecodeEngine:
         self.cache.free(req.pages)
         req.pages = []
 
+    def _fail(self, req: DecodeRequest, exc: BaseException) -> TokenEvent:
+        self._finish(req)
+        req.finished = True
+        req.error = f"{type(exc).__name__}: {exc}"
+        return TokenEvent(req.request_id, -1, len(req.output), True, req.error)
+
+    def _activate(self, req: DecodeRequest, events: list[TokenEvent]) -> None:
+        req.admitted_at = time.perf_counter()
+        self.running.append(req)
+        events.append(self._emit(req, req.handoff.first_token))
+
     def _admit(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
-        while self.waiting and len(self.running) < self.max_batch:
+        # Start loading the queue head while the batch has room and memory allows.
+        while self.waiting and len(self.running) + len(self.loading) < self.max_batch:
             req = self.waiting[0]
             h = req.handoff
             if req.max_new_tokens == 1 or h.first_token == req.eos_id:
@@ -228,14 +265,30 @@ class DecodeEngine:
                 break  # the head waits for memory; so does everyone behind it
             self.waiting.popleft()
             req.pages = pages
-            try:
-                self._load_prompt(req)
-            except BaseException:
-                self._finish(req)
-                raise
-            req.admitted_at = time.perf_counter()
-            self.running.append(req)
-            events.append(self._emit(req, h.first_token))
+            if self._loader is None:
+                try:
+                    self._load_prompt(req)
+                except Exception as exc:
+                    events.append(self._fail(req, exc))
+                    continue
+                self._activate(req, events)
+            else:
+                self.loading.append((req, self._loader.submit(self._load_prompt, req)))
+        # Loads run while the batch decodes; a finished load joins the batch
+        # (in order: one loader thread). With nothing to decode, wait for one.
+        if self.loading and not self.running:
+            futures_wait([self.loading[0][1]])
+        still: list[tuple[DecodeRequest, Future[None]]] = []
+        for req, fut in self.loading:
+            if not fut.done():
+                still.append((req, fut))
+                continue
+            error = fut.exception()
+            if error is not None:
+                events.append(self._fail(req, error))
+            else:
+                self._activate(req, events)
+        self.loading = still
         return events
 
     def _load_prompt(self, req: DecodeRequest) -> None:
