@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -62,13 +62,15 @@ def time_ops(
     count: int,
     rounds: int,
     reset: Callable[[], object] | None = None,
+    warm_up: bool = True,
 ) -> Timing:
     """Time ``op(i)`` for i in range(count), ``rounds`` times, after one warm-up round.
 
     ``reset`` runs untimed before every round (e.g. removing what puts stored).
     """
-    for i in range(count):
-        op(i)
+    if warm_up:
+        for i in range(count):
+            op(i)
     latencies = []
     clock = time.perf_counter
     for _ in range(rounds):
@@ -79,6 +81,27 @@ def time_ops(
             op(i)
             latencies.append(clock() - start)
     return Timing(size, latencies)
+
+
+def interleaved(
+    size: int,
+    ops: Mapping[str, Callable[[int], object]],
+    count: int,
+    rounds: int,
+    resets: Mapping[str, Callable[[], object]] | None = None,
+) -> dict[str, Timing]:
+    """Time several ops round-robin (one round of each in turn, ``rounds`` times), so
+    that a noisy neighbour hits ours and the baseline alike."""
+    resets = resets or {}
+    timings = {name: Timing(size, []) for name in ops}
+    for name, op in ops.items():  # warm-up round of each
+        time_ops(size, op, count, 0, resets.get(name))
+    for _ in range(rounds):
+        for name, op in ops.items():
+            timings[name].latencies += time_ops(
+                size, op, count, 1, resets.get(name), warm_up=False
+            ).latencies
+    return timings
 
 
 @dataclass

@@ -16,7 +16,7 @@ import tempfile
 
 import numpy as np
 
-from kvpool.bench.common import Row, count_for, faulted, make_row, time_ops
+from kvpool.bench.common import Row, count_for, faulted, interleaved, make_row
 from kvpool.eviction import make_policy
 from kvpool.index.keys import Namespace, block_keys
 from kvpool.pool import Pool
@@ -54,9 +54,13 @@ def _dram_rows(size: int, rounds: int) -> list[Row]:
             for key in keys:
                 pool.remove(key)
 
-        put = time_ops(size, lambda i: pool.put(keys[i], sources[i]), count, rounds, remove_all)
-        get = time_ops(size, lambda i: pool.get_into(keys[i], outs[i]), count, rounds)
-    copy = time_ops(size, lambda i: np.copyto(outs[i], sources[i]), count, rounds)
+        ops = {
+            "put": lambda i: pool.put(keys[i], sources[i]),
+            "copy": lambda i: np.copyto(outs[i], sources[i]),
+            "get": lambda i: pool.get_into(keys[i], outs[i]),
+        }
+        timings = interleaved(size, ops, count, rounds, {"put": remove_all})
+    put, copy, get = timings["put"], timings["copy"], timings["get"]
     return [
         make_row("put", "dram", put, copy, "numpy copy"),
         make_row("get_into", "dram", get, copy, "numpy copy"),
@@ -67,57 +71,44 @@ def _ssd_rows(size: int, rounds: int, ssd_dir: str | None) -> list[Row]:
     count = count_for(size, working_set=256 << 20, lo=8, hi=256)
     rounded = _rounded(size)
     aligned = _aligned_buffer(count * rounded)  # page-aligned, like arena slots
-    sources = [aligned[i * rounded : (i + 1) * rounded] for i in range(count)]
+    slots = [aligned[i * rounded : (i + 1) * rounded] for i in range(count)]
     keys = _keys(count)
     root = tempfile.mkdtemp(prefix="kvpool-bench-ssd-", dir=ssd_dir)
+    tier = SsdTier(os.path.join(root, "tier"), count * rounded, make_policy("lru"))
+    raw = os.open(os.path.join(root, "raw.bin"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    records: list[SsdRecord | None] = [None] * count
     try:
-        tier = SsdTier(os.path.join(root, "tier"), count * rounded, make_policy("lru"))
-        records: list[SsdRecord | None] = [None] * count
-        try:
+        os.posix_fallocate(raw, 0, count * rounded)
 
-            def store(i: int) -> None:
-                records[i] = tier.store(keys[i], sources[i], size, None)
+        def store(i: int) -> None:
+            records[i] = tier.store(keys[i], slots[i], size, None)
 
-            def drop_all() -> None:
-                for i, record in enumerate(records):
-                    if record is not None:
-                        tier.delete(keys[i])
-                        tier.free(record.offset)
-                        records[i] = None
+        def drop_all() -> None:
+            for i, record in enumerate(records):
+                if record is not None:
+                    tier.delete(keys[i])
+                    tier.free(record.offset)
+                    records[i] = None
 
-            put = time_ops(size, store, count, rounds, drop_all)
+        def load(i: int) -> None:
+            record = records[i]
+            assert record is not None and tier.read_into(record, slots[i])
 
-            def load(i: int) -> None:
-                record = records[i]
-                assert record is not None and tier.read_into(record, sources[i])
-
-            get = time_ops(size, load, count, rounds)
-        finally:
-            tier.close()
-        raw_put, raw_get = _raw_direct(os.path.join(root, "raw.bin"), sources, size, rounds)
+        ops = {
+            "put": store,
+            "raw_write": lambda i: os.pwrite(raw, slots[i].data, i * rounded),
+            "get": load,
+            "raw_read": lambda i: os.preadv(raw, [slots[i].data], i * rounded),
+        }
+        t = interleaved(size, ops, count, rounds, {"put": drop_all})
     finally:
+        os.close(raw)
+        tier.close()
         shutil.rmtree(root, ignore_errors=True)
     return [
-        make_row("put", "ssd", put, raw_put, "O_DIRECT pwrite"),
-        make_row("get_into", "ssd", get, raw_get, "O_DIRECT pread"),
+        make_row("put", "ssd", t["put"], t["raw_write"], "O_DIRECT pwrite"),
+        make_row("get_into", "ssd", t["get"], t["raw_read"], "O_DIRECT pread"),
     ]
-
-
-def _raw_direct(path: str, buffers: list[np.ndarray], size: int, rounds: int) -> tuple:
-    """dd-style baseline: O_DIRECT pwrite then preadv of each buffer, preallocated file."""
-    rounded = buffers[0].nbytes
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
-    try:
-        os.posix_fallocate(fd, 0, rounded * len(buffers))
-        write = time_ops(
-            size, lambda i: os.pwrite(fd, buffers[i].data, i * rounded), len(buffers), rounds
-        )
-        read = time_ops(
-            size, lambda i: os.preadv(fd, [buffers[i].data], i * rounded), len(buffers), rounds
-        )
-    finally:
-        os.close(fd)
-    return write, read
 
 
 def _aligned_buffer(nbytes: int) -> np.ndarray:

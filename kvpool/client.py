@@ -23,6 +23,7 @@ import numpy as np
 from kvpool.bindings.buffers import Region, as_region, region_nbytes
 from kvpool.checks import check_key, check_keys, data_region
 from kvpool.errors import BufferSpecError, KVPoolError, PoolClosedError, PoolFullError
+from kvpool.layer_api import LayerwiseMethods
 from kvpool.master import DEFAULT_PORT
 from kvpool.protocol import (
     ALLOCATE,
@@ -63,7 +64,7 @@ def connect(url: str, *, token: str | None = None, timeout: float = 10.0, **kw: 
     )
 
 
-class RemotePool:
+class RemotePool(LayerwiseMethods):
     """put/get/get_into/exists/prefix_match/remove/stats, batch forms, reserve, lease."""
 
     def __init__(

@@ -37,6 +37,7 @@ from kvpool.errors import (
     StorageError,
 )
 from kvpool.eviction import make_policy
+from kvpool.layer_api import LayerwiseMethods
 from kvpool.pool_handles import BlockWriter, Lease
 from kvpool.pool_stats import PoolStats
 from kvpool.tiers.memory import DramTier, GpuTier, MemoryTier
@@ -74,7 +75,7 @@ class _Tiers:
         return self.chain[i + 1] if i + 1 < len(self.chain) else None
 
 
-class Pool:
+class Pool(LayerwiseMethods):
     """A KV block store with put/get/get_into/exists/prefix_match/remove; thread-safe."""
 
     @classmethod
@@ -272,20 +273,6 @@ class Pool:
     def __len__(self) -> int:
         with self._lock:
             return len(self._entries)
-
-    def layer_writer(
-        self, keys: Sequence[bytes], layout: Any, parents: Any = None, **kw: Any
-    ) -> Any:
-        """Store ``keys``' KV layer by layer in the background (``kvpool.layerwise``)."""
-        from kvpool.layerwise import LayerWriter
-
-        return LayerWriter(self, keys, layout, parents, **kw)
-
-    def layer_reader(self, keys: Sequence[bytes], layout: Any, **kw: Any) -> Any:
-        """Load the stored prefix of ``keys`` layer by layer, prefetching (``kvpool.layerwise``)."""
-        from kvpool.layerwise import LayerReader
-
-        return LayerReader(self, keys, layout, **kw)
 
     # -- put path ---------------------------------------------------------
 
