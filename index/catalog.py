@@ -240,20 +240,8 @@ class BlockCatalog:
             if len(placed) == replicas:
                 break
             offset = self._make_room(node, size)
-            if offset is None:
-                continue
-            alloc = Allocation(
-                next(self._ids),
-                key,
-                node.node_id,
-                offset,
-                size,
-                parent,
-                self.clock() + self.alloc_ttl,
-            )
-            self.pending[alloc.alloc_id] = alloc
-            self._pending_keys[key] = self._pending_keys.get(key, 0) + 1
-            placed.append(alloc)
+            if offset is not None:
+                placed.append(self._pend(key, node, offset, size, parent))
         if not placed:
             raise CatalogFullError(
                 f"no node can hold a block of {size} bytes "
@@ -274,21 +262,8 @@ class BlockCatalog:
         ]
         for node in candidates:
             offset = self._make_room(node, block.size)
-            if offset is None:
-                continue
-            alloc = Allocation(
-                next(self._ids),
-                key,
-                node.node_id,
-                offset,
-                block.size,
-                block.parent,
-                self.clock() + self.alloc_ttl,
-                extra=True,
-            )
-            self.pending[alloc.alloc_id] = alloc
-            self._pending_keys[key] = 1
-            return alloc
+            if offset is not None:
+                return self._pend(key, node, offset, block.size, block.parent, extra=True)
         if candidates:
             raise CatalogFullError(f"no room for a replica of {block.size} bytes")
         return None
@@ -601,6 +576,24 @@ class BlockCatalog:
             self._with_extras.add(key)
         if tell_node:
             node.outbox.append(("commit", key, replica.offset, size, parent))
+
+    def _pend(
+        self,
+        key: bytes,
+        node: NodeSpace,
+        offset: int,
+        size: int,
+        parent: bytes | None,
+        extra: bool = False,
+    ) -> Allocation:
+        """Record an allocation in flight (invisible until commit, expires otherwise)."""
+        deadline = self.clock() + self.alloc_ttl
+        alloc = Allocation(
+            next(self._ids), key, node.node_id, offset, size, parent, deadline, extra
+        )
+        self.pending[alloc.alloc_id] = alloc
+        self._pending_keys[key] = self._pending_keys.get(key, 0) + 1
+        return alloc
 
     def _nodes_by_free_space(self, only: str | None = None) -> list[NodeSpace]:
         if only is not None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from kvpool.bindings.buffers import as_region, region_nbytes
+from kvpool.bindings.buffers import Region, as_region, region_nbytes
 from kvpool.errors import BufferSpecError
 
 if TYPE_CHECKING:
@@ -16,14 +16,46 @@ if TYPE_CHECKING:
     from kvpool.tiers.memory import MemoryTier
 
 
-class BlockWriter:
+class PiecewiseWriter:
     """A reserved block, invisible until ``commit``: fill its bytes in any order.
 
-    Used by ``Pool.reserve`` callers that produce a block piecewise (the
-    layer writer writes one layer's range at a time). Leaving the ``with``
-    block commits; an exception inside it aborts, so a failed producer never
-    leaves a half-written block visible.
+    Used by ``reserve`` callers that produce a block piecewise (the layer
+    writer writes one layer's range at a time). Leaving the ``with`` block
+    commits; an exception inside it aborts, so a failed producer never leaves
+    a half-written block visible. Subclasses move the bytes and commit.
     """
+
+    size: int
+
+    def write(self, offset: int, data: Any) -> None:
+        """Copy ``data`` into bytes [offset, offset + len(data)) of the block."""
+        src = as_region(data, what="data")
+        end = offset + region_nbytes(src)
+        if offset < 0 or end > self.size:
+            raise BufferSpecError(f"write of [{offset}, {end}) is outside the block of {self.size}")
+        self._write(offset, src)
+
+    def _write(self, offset: int, src: Region) -> None:
+        raise NotImplementedError
+
+    def commit(self) -> None:
+        raise NotImplementedError
+
+    def abort(self) -> None:
+        raise NotImplementedError
+
+    def __enter__(self) -> PiecewiseWriter:
+        return self
+
+    def __exit__(self, exc_type: object, *rest: object) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class BlockWriter(PiecewiseWriter):
+    """A block reserved in an embedded pool's memory tier."""
 
     def __init__(
         self, pool: Pool, key: bytes, tier: MemoryTier, offset: int, size: int, parent: bytes | None
@@ -33,12 +65,7 @@ class BlockWriter:
         self.copies = 0  # copies in flight (under the pool's lock)
         self.done = False
 
-    def write(self, offset: int, data: Any) -> None:
-        """Copy ``data`` into bytes [offset, offset + len(data)) of the block."""
-        src = as_region(data, what="data")
-        end = offset + region_nbytes(src)
-        if offset < 0 or end > self.size:
-            raise BufferSpecError(f"write of [{offset}, {end}) is outside the block of {self.size}")
+    def _write(self, offset: int, src: Region) -> None:
         self._pool._write_reserved(self, offset, src)
 
     def commit(self) -> None:
@@ -46,15 +73,6 @@ class BlockWriter:
 
     def abort(self) -> None:
         self._pool._finish(self, commit=False)
-
-    def __enter__(self) -> BlockWriter:
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
 
 
 class Lease:

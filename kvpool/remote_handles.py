@@ -4,10 +4,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from kvpool.bindings.buffers import as_region, region_nbytes
-from kvpool.errors import BufferSpecError, KVPoolError
+from kvpool.bindings.buffers import Region
+from kvpool.errors import KVPoolError
+from kvpool.pool_handles import PiecewiseWriter
 from kvpool.protocol import COMMIT, REVOKE, IdsRequest
 
 if TYPE_CHECKING:
@@ -21,7 +22,7 @@ class Placement:
     size: int = 0
 
 
-class RemoteBlockWriter:
+class RemoteBlockWriter(PiecewiseWriter):
     """A block allocated on the master, filled on its node(s), visible after ``commit``.
 
     Every write goes to every replica; a failed write aborts the block.
@@ -34,13 +35,9 @@ class RemoteBlockWriter:
         self._placements, self._ids = placements, ids
         self.done = False
 
-    def write(self, offset: int, data: Any) -> None:
+    def _write(self, offset: int, src: Region) -> None:
         if self.done:
             raise KVPoolError("this block writer is already committed or aborted")
-        src = as_region(data, what="data")
-        end = offset + region_nbytes(src)
-        if offset < 0 or end > self.size:
-            raise BufferSpecError(f"write of [{offset}, {end}) is outside the block of {self.size}")
         for placement in self._placements:
             self._pool._write(placement.node_id, placement.offset + offset, src)
 
@@ -54,15 +51,6 @@ class RemoteBlockWriter:
         if not self.done:
             self.done = True
             self._pool._rpc.submit(REVOKE, IdsRequest(self._ids))
-
-    def __enter__(self) -> RemoteBlockWriter:
-        return self
-
-    def __exit__(self, exc_type: object, *rest: object) -> None:
-        if exc_type is None:
-            self.commit()
-        else:
-            self.abort()
 
 
 class RemoteLease:
