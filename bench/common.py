@@ -50,7 +50,8 @@ class Timing:
 
     @property
     def gbps(self) -> float:
-        return self.size * len(self.latencies) / sum(self.latencies) / 1e9
+        """Throughput at the median latency: robust to a noisy neighbour's stalls."""
+        return self.size / float(np.median(self.latencies)) / 1e9
 
     def percentile_us(self, q: float) -> float:
         return float(np.percentile(self.latencies, q) * 1e6)
