@@ -18,6 +18,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.checks import check_keys
 from kvpool.errors import KVPoolError
 from kvpool.index.catalog import Allocation, BlockCatalog, BlockMeta, CatalogFullError
 from kvpool.index.heat import ReplicationConfig
@@ -177,6 +178,9 @@ class Master:
     def _allocate(self, msg: AllocateRequest) -> AllocateReply:
         if not len(msg.keys) == len(msg.sizes) == len(msg.parents):
             raise ValueError("keys, sizes and parents must have the same length")
+        check_keys(msg.keys, msg.parents)
+        if any(not isinstance(size, int) or size <= 0 for size in msg.sizes):
+            raise ValueError("block sizes must be positive integers")
         placements: list[list[list[Any]] | None] = []
         error = ""
         with self._lock:
@@ -210,6 +214,7 @@ class Master:
                 self.catalog.revoke(alloc_id)
 
     def _lease(self, msg: LeaseRequest) -> LeaseReply:
+        check_keys(msg.keys)
         with self._lock:
             lease_id, found = self.catalog.lease(msg.keys, prefix=msg.prefix)
             promotions = [
@@ -258,6 +263,7 @@ class Master:
                     self.catalog.finish_promotion(block, alloc, bool(ok))
 
     def _replicate(self, msg: ReplicateRequest) -> ReplicateReply:
+        check_keys(msg.keys)
         allocations: list[list[Any] | None] = []
         with self._lock:
             for key in msg.keys:
@@ -277,18 +283,22 @@ class Master:
                 self.catalog.release(lease_id)
 
     def _exists(self, msg: KeysRequest) -> list[bool]:
+        check_keys(msg.keys)
         with self._lock:
             return self.catalog.exists(msg.keys)
 
     def _prefix_match(self, msg: KeysRequest) -> int:
+        check_keys(msg.keys)
         with self._lock:
             return self.catalog.prefix_match(msg.keys)
 
     def _locate(self, msg: KeysRequest) -> list[list[str]]:
+        check_keys(msg.keys)
         with self._lock:
             return self.catalog.locate(msg.keys)
 
     def _remove(self, msg: KeysRequest) -> list[bool]:
+        check_keys(msg.keys)
         with self._lock:
             removed = [self.catalog.remove(key) for key in msg.keys]
             self._refresh_gauges()
