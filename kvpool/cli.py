@@ -15,7 +15,11 @@ from collections.abc import Sequence
 
 from kvpool import __version__
 
-SUBCOMMANDS: list[str] = []
+SUBCOMMANDS: list[str] = [
+    "kvpool.server_cli",
+    "kvpool.demo",
+    "kvpool.bench.cli",
+]
 
 
 def build_parser() -> argparse.ArgumentParser:
