@@ -1,0 +1,721 @@
+"""``kvpool bench remote``: the distributed pool end to end, against raw baselines.
+
+Starts a real cluster as separate processes -- ``kvpool master`` and one
+``kvpool node`` whose DRAM arena holds the working set -- plus the raw-socket
+baseline server of ``kvpool.bench.remote_transport`` (request = op, offset,
+length; reply = the bytes by ``sendall``; puts = ``recv_into`` + 1-byte ack).
+This process is the client: ``kvpool.connect(url, transport=T)`` for each
+transport T, measuring per size
+
+- put / get_into: one block per call (put = allocate round trip to the
+  master, bytes to the node, commit round trip; get_into = lease round trip,
+  bytes, release without waiting);
+- get_into_leased: get_into of keys covered by one lease held over the whole
+  working set (what a layer-wise reader does), so no master round trip per
+  call: the data path through the client alone;
+- put_batch / get_into_batch of ``--batch`` blocks per call (one master round
+  trip per phase for the whole batch), reported per block.
+
+Baselines, measured in the same run and interleaved op by op with ours (so a
+burst from another tenant of this shared machine hits both): ``np.copyto``
+between pre-faulted buffers for shm; for tcp and ucx, the raw Python socket on
+loopback doing the same request/response ops (puts, gets), ``--batch`` of
+them back to back (put_batch), or one request streaming ``--batch`` blocks
+(get_into_batch: the socket's bandwidth ceiling). GB/s come from median
+latencies. The client runs on one half of the CPUs and master, node and
+baseline server on the other (when there are two or more CPUs), as in
+``remote_transport``. Keys rotate over ``--working-set`` bytes per size (at
+least two batches, at most 512 blocks), every buffer is pre-faulted, and puts
+are timed into freshly freed ranges (the keys are removed, untimed, before
+every round).
+
+``--peer mooncake`` adds rows for Mooncake Store (its master plus a second
+process over TCP; this process reads and writes through its TCP transfer
+engine) when ``mooncake-transfer-engine-non-cuda`` is importable, with the
+same sizes, ops and raw-socket baseline; otherwise it prints why it skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager, suppress
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import numpy as np
+
+from kvpool.bench.common import count_for, faulted, parse_sizes, write_json
+from kvpool.bench.remote_transport import MedianTiming, _cpus, _RawClient
+from kvpool.config import format_size, parse_size
+
+WORKING_SET = 64 << 20
+TRANSPORTS = ("shm", "tcp", "ucx")
+_READY = re.compile(r"(?:ready on|on) ([\d.]+):(\d+)")
+_PAGE = 4096
+
+
+@dataclass
+class RemoteRow:
+    """One result line: ours against the baseline measured in the same run."""
+
+    op: str
+    transport: str
+    size: int  # bytes per block (batch rows: per block too)
+    gbps: float
+    baseline: str
+    baseline_gbps: float
+    ratio: float
+    p50_us: float  # per call (batch rows: per batch call)
+    p99_us: float
+    batch: int = 1
+    store: str = "kvpool"
+
+
+def _row(op: str, transport: str, size: int, ours: MedianTiming, base: MedianTiming,
+         baseline: str, batch: int = 1, store: str = "kvpool") -> RemoteRow:  # fmt: skip
+    return RemoteRow(
+        op=op,
+        transport=transport,
+        size=size,
+        gbps=round(ours.gbps, 3),
+        baseline=baseline,
+        baseline_gbps=round(base.gbps, 3),
+        ratio=round(ours.gbps / base.gbps, 3),
+        p50_us=round(ours.percentile_us(50), 1),
+        p99_us=round(ours.percentile_us(99), 1),
+        batch=batch,
+        store=store,
+    )
+
+
+def _paired(
+    nbytes: int,
+    base: Callable[[int], object],
+    ours: Callable[[int], object],
+    n: int,
+    rounds: int,
+    reset: Callable[[], object] | None = None,
+) -> tuple[MedianTiming, MedianTiming]:
+    """Alternate baseline and ours op by op, after one untimed warm-up round.
+
+    Op i of ours touches item (i + n/2) mod n, never the one the baseline just
+    touched. ``reset`` runs untimed before every round (e.g. removing the keys
+    the previous round's puts stored).
+    """
+    b, o = MedianTiming(nbytes, []), MedianTiming(nbytes, [])
+    clock = time.perf_counter
+    half = n // 2
+    for r in range(rounds + 1):
+        if reset is not None:
+            reset()
+        for i in range(n):
+            t0 = clock()
+            base(i)
+            t1 = clock()
+            ours((i + half) % n)
+            t2 = clock()
+            if r:
+                b.latencies.append(t1 - t0)
+                o.latencies.append(t2 - t1)
+    return b, o
+
+
+# --- processes ------------------------------------------------------------------------
+
+
+@dataclass
+class _Proc:
+    popen: subprocess.Popen[str]
+    address: str
+    line: str
+
+    def stop(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(10)
+
+
+def _preexec(cpus: set[int] | None) -> Callable[[], None] | None:
+    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
+
+
+def _spawn_kvpool(args: Sequence[str], cpus: set[int] | None, timeout: float = 30.0) -> _Proc:
+    """``python -m kvpool ARGS``, waiting for its ready line (HOST:PORT)."""
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "kvpool", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        preexec_fn=_preexec(cpus),
+    )
+    assert popen.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = popen.stdout.readline()
+        if not line:
+            break
+        match = _READY.search(line)
+        if match:
+            return _Proc(popen, f"{match.group(1)}:{match.group(2)}", line.strip())
+    popen.kill()
+    popen.wait(10)
+    raise RuntimeError(f"kvpool {' '.join(args)} did not start")
+
+
+@contextmanager
+def _raw_server(region: int, cpus: set[int] | None) -> Iterator[int]:
+    """The raw-socket baseline server of remote_transport; yields its port."""
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "kvpool.bench.remote_transport", "--node", str(region)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=_preexec(cpus),
+    )
+    assert popen.stdout is not None and popen.stdin is not None
+    try:
+        fields = popen.stdout.readline().split()
+        if len(fields) < 2:
+            raise RuntimeError("the raw-socket baseline server did not start")
+        yield int(fields[1])
+    finally:
+        with suppress(OSError):
+            popen.stdin.close()
+        try:
+            popen.wait(30)
+        except subprocess.TimeoutExpired:
+            popen.kill()
+            popen.wait(10)
+
+
+@contextmanager
+def _cluster(dram: int, cpus: set[int] | None) -> Iterator[str]:
+    """A master and one node (``dram`` bytes) as separate processes; yields the URL."""
+    master = _spawn_kvpool(["master", "--host", "127.0.0.1", "--port", "0"], cpus)
+    procs = [master]
+    try:
+        node_args = ["node", "--master", master.address, "--dram", str(dram)]
+        procs.append(_spawn_kvpool([*node_args, "--heartbeat", "0.5"], cpus))
+        yield f"kvpool://{master.address}"
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def _connect(url: str, transport: str) -> Any:
+    from kvpool.client import connect
+
+    pool = connect(url, transport=transport, timeout=30.0)
+    deadline = time.monotonic() + 20
+    while len(pool.stats()["nodes"]) < 1:
+        if time.monotonic() > deadline:
+            pool.close()
+            raise RuntimeError("no node registered with the master")
+        time.sleep(0.05)
+    return pool
+
+
+def _rounded(size: int) -> int:
+    return -(-size // _PAGE) * _PAGE
+
+
+def _count(size: int, batch: int, working_set: int = WORKING_SET) -> int:
+    """Blocks to rotate through: the working set, at least two batches, whole batches."""
+    count = max(2 * batch, count_for(size, working_set))
+    return count - count % batch
+
+
+# --- kvpool rows ------------------------------------------------------------------
+
+
+@dataclass
+class _Buffers:
+    """Pre-faulted client buffers for one size, shared by every transport."""
+
+    size: int
+    count: int
+    srcs: list[np.ndarray]
+    outs: list[np.ndarray]
+    peer: list[np.ndarray]  # the numpy-copy baseline's "remote" side
+
+    @classmethod
+    def make(cls, size: int, count: int) -> _Buffers:
+        return cls(
+            size,
+            count,
+            [faulted(size) for _ in range(count)],
+            [faulted(size, fill=0) for _ in range(count)],
+            [faulted(size, fill=1) for _ in range(count)],
+        )
+
+
+def _kvpool_rows(
+    pool: Any, transport: str, bufs: _Buffers, raw: _RawClient | None, batch: int, rounds: int
+) -> list[RemoteRow]:
+    from kvpool.index.keys import Namespace, block_keys
+
+    size, count, srcs, outs, peer = bufs.size, bufs.count, bufs.srcs, bufs.outs, bufs.peer
+    keys = block_keys(np.arange(count, dtype=np.int32), Namespace(f"bench-{size}"), block_tokens=1)
+    offs = [i * size for i in range(count)]
+    groups = [list(range(g, g + batch)) for g in range(0, count, batch)]
+
+    def remove_all() -> None:
+        for key in keys:
+            pool.remove(key)
+
+    def put(i: int) -> None:
+        if not pool.put(keys[i], srcs[i]):
+            raise RuntimeError("put found the key already stored")
+
+    def get(i: int) -> None:
+        if pool.get_into(keys[i], outs[i]) != size:
+            raise RuntimeError("get_into missed a stored key")
+
+    def put_batch(g: int) -> None:
+        idx = groups[g]
+        if not all(pool.put_batch([keys[i] for i in idx], [srcs[i] for i in idx])):
+            raise RuntimeError("put_batch found a key already stored")
+
+    def get_batch(g: int) -> None:
+        idx = groups[g]
+        got = pool.get_into_batch([keys[i] for i in idx], [outs[i] for i in idx])
+        if got != [size] * len(idx):
+            raise RuntimeError("get_into_batch missed a stored key")
+
+    if transport == "shm":
+        what = "numpy copy"
+        b_put: Callable[[int], object] = lambda i: np.copyto(peer[i], srcs[i])  # noqa: E731
+        b_get: Callable[[int], object] = lambda i: np.copyto(outs[i], peer[i])  # noqa: E731
+
+        def b_put_batch(g: int) -> None:
+            for i in groups[g]:
+                np.copyto(peer[i], srcs[i])
+
+        def b_get_batch(g: int) -> None:
+            for i in groups[g]:
+                np.copyto(outs[i], peer[i])
+
+        what_put_b = what_get_b = f"numpy copy (x{batch})"
+    else:
+        assert raw is not None
+        what = "raw socket req/resp"
+        b_put = lambda i: raw.put(offs[i], srcs[i])  # noqa: E731
+        b_get = lambda i: raw.get(offs[i], outs[i])  # noqa: E731
+
+        def b_put_batch(g: int) -> None:
+            for i in groups[g]:
+                raw.put(offs[i], srcs[i])
+
+        def b_get_batch(g: int) -> None:
+            raw.stream(offs[groups[g][0]], [outs[i] for i in groups[g]])
+
+        what_put_b = f"raw socket req/resp (x{batch})"
+        what_get_b = f"raw socket stream (x{batch})"
+
+    rows = []
+    remove_all()
+    base, ours = _paired(size, b_put, put, count, rounds, remove_all)
+    rows.append(_row("put", transport, size, ours, base, what))
+    base, ours = _paired(size, b_get, get, count, rounds)
+    rows.append(_row("get_into", transport, size, ours, base, what))
+    # The same reads inside one lease held over the whole working set (as a
+    # layer-wise reader holds its prefix): no master round trip per call, so
+    # this row is the client's data path alone.
+    with pool.lease(keys, prefix=False) as lease:
+        if len(lease.keys) != count:
+            raise RuntimeError("a stored key could not be leased")
+        base, ours = _paired(size, b_get, get, count, rounds)
+    rows.append(_row("get_into_leased", transport, size, ours, base, what))
+    n = len(groups)
+    base, ours = _paired(size * batch, b_put_batch, put_batch, n, rounds, remove_all)
+    rows.append(_row("put_batch", transport, size, ours, base, what_put_b, batch))
+    base, ours = _paired(size * batch, b_get_batch, get_batch, n, rounds)
+    rows.append(_row("get_into_batch", transport, size, ours, base, what_get_b, batch))
+    remove_all()
+    used = pool.stats()["transport"]
+    if used != transport:
+        raise RuntimeError(f"asked for transport {transport} but the client used {used}")
+    for row in rows:
+        row.size = size
+    return rows
+
+
+def _usable(transports: Sequence[str], url: str) -> list[str]:
+    """The transports that can run here; prints why the others are skipped."""
+    keep = []
+    for name in transports:
+        if name == "ucx":
+            from kvpool.transport.ucx import ucx_available
+
+            if not ucx_available():
+                print("ucx: skipped (ucxx is not importable: pip install 'kvpool[ucx]')")
+                continue
+            with _connect_quiet(url, "ucx") as why:
+                if why:
+                    print(f"ucx: skipped ({why})")
+                    continue
+        keep.append(name)
+    return keep
+
+
+@contextmanager
+def _connect_quiet(url: str, transport: str) -> Iterator[str]:
+    """Yields '' when a tiny put/get over ``transport`` works, else the reason."""
+    from kvpool.errors import KVPoolError
+    from kvpool.index.keys import Namespace, block_keys
+
+    key = block_keys(np.arange(1, dtype=np.int32), Namespace("bench-probe"), block_tokens=1)[0]
+    try:
+        pool = _connect(url, transport)
+    except (KVPoolError, OSError, RuntimeError) as exc:
+        yield str(exc)
+        return
+    try:
+        try:
+            pool.put(key, np.zeros(_PAGE, np.uint8))
+            pool.get_into(key, np.empty(_PAGE, np.uint8))
+            pool.remove(key)
+            why = ""
+        except (KVPoolError, OSError) as exc:
+            why = f"{type(exc).__name__}: {exc}"
+        yield why
+    finally:
+        pool.close()
+
+
+def run_remote(
+    sizes: Sequence[int],
+    transports: Sequence[str] = ("shm", "tcp"),
+    batch: int = 8,
+    rounds: int = 5,
+    pin: bool = True,
+    peer: str | None = None,
+    working_set: int = WORKING_SET,
+) -> list[RemoteRow]:
+    """Start the cluster and the baseline server, measure every (size, transport)."""
+    unknown = set(transports) - set(TRANSPORTS)
+    if unknown:
+        raise ValueError(f"unknown transport(s) {sorted(unknown)}; choose from shm, tcp, ucx")
+    if batch < 1 or rounds < 1:
+        raise ValueError("--batch and --rounds must be at least 1")
+    counts = {s: _count(s, batch, working_set) for s in sizes}
+    region = max(counts[s] * _rounded(s) for s in sizes)
+    dram = region + region // 4 + (16 << 20)
+    split = _cpus() if pin else None
+    client_cpus, server_cpus = split if split else (None, None)
+    saved = os.sched_getaffinity(0)
+    rows: list[RemoteRow] = []
+    with _cluster(dram, server_cpus) as url, _raw_server(region, server_cpus) as raw_port:
+        usable = _usable(transports, url)
+        pools = {t: _connect(url, t) for t in usable}
+        raw = _RawClient(raw_port)
+        try:
+            if client_cpus:
+                os.sched_setaffinity(0, client_cpus)
+            for size in sizes:
+                bufs = _Buffers.make(size, counts[size])
+                for t in usable:
+                    rows += _kvpool_rows(pools[t], t, bufs, raw, batch, rounds)
+                del bufs
+        finally:
+            os.sched_setaffinity(0, saved)
+            raw.sock.close()
+            for pool in pools.values():
+                pool.close()
+    if peer == "mooncake":
+        rows += run_mooncake(sizes, batch, rounds, pin, working_set)
+    elif peer:
+        raise ValueError(f"unknown peer {peer!r} (supported: mooncake)")
+    return rows
+
+
+# --- Mooncake Store peer ----------------------------------------------------------
+
+_MC_HOLDER = r"""
+import sys, time
+from mooncake.store import MooncakeDistributedStore
+store = MooncakeDistributedStore()
+rc = store.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[1]), 16 << 20, "tcp", "", sys.argv[2])
+print("mooncake holder ready", rc, flush=True)
+sys.stdin.read()
+"""
+
+
+def _mooncake_missing() -> str:
+    """'' when Mooncake Store can be tried here, else why not."""
+    try:
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+    except Exception as exc:  # ImportError, or OSError when libibverbs is missing
+        return (
+            f"mooncake is not importable ({type(exc).__name__}: {exc}); "
+            "pip install mooncake-transfer-engine-non-cuda and apt-get install libibverbs1"
+        )
+    if _mooncake_master() is None:
+        return "the mooncake_master binary was not found"
+    return ""
+
+
+def _mooncake_master() -> str | None:
+    """The mooncake_master executable shipped inside the wheel (else on PATH)."""
+    import mooncake
+
+    path = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
+    return path if os.access(path, os.X_OK) else shutil.which("mooncake_master")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def run_mooncake(
+    sizes: Sequence[int], batch: int, rounds: int, pin: bool, working_set: int = WORKING_SET
+) -> list[RemoteRow]:
+    """The same workload against Mooncake Store over TCP; [] (and a message) if absent."""
+    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
+    why = _mooncake_missing()
+    if why:
+        print(f"peer mooncake: skipped ({why})")
+        return []
+    with _stderr_to_file() as log:  # Mooncake logs every step at INFO on stderr (glog)
+        try:
+            return _run_mooncake(sizes, batch, rounds, pin, working_set)
+        except BaseException:
+            log.seek(0)
+            tail = log.read()[-4000:].decode(errors="replace")
+            print(f"peer mooncake failed; its log ends with:\n{tail}", file=sys.__stdout__)
+            raise
+
+
+@contextmanager
+def _stderr_to_file() -> Iterator[Any]:
+    """Point file descriptor 2 at a temporary file for the duration (C++ logs included)."""
+    import tempfile
+
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield log
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+def _run_mooncake(
+    sizes: Sequence[int], batch: int, rounds: int, pin: bool, working_set: int
+) -> list[RemoteRow]:
+    from mooncake.store import MooncakeDistributedStore
+
+    split = _cpus() if pin else None
+    client_cpus, server_cpus = split if split else (None, None)
+    saved = os.sched_getaffinity(0)
+    counts = {s: _count(s, batch, working_set) for s in sizes}
+    region = max(counts[s] * _rounded(s) for s in sizes)
+    rows: list[RemoteRow] = []
+    port = _free_port()
+    holder_bytes = region + region // 2 + (64 << 20)
+    master = subprocess.Popen(
+        [
+            str(_mooncake_master()),
+            f"--rpc_port={port}",
+            f"--metrics_port={_free_port()}",
+            "--rpc_address=127.0.0.1",
+            "--default_kv_lease_ttl=100",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=_preexec(server_cpus),
+    )
+    holder = None
+    try:
+        time.sleep(1.0)
+        # The second process contributes the memory the blocks live in: so every
+        # byte crosses a process boundary over Mooncake's TCP transport.
+        holder = subprocess.Popen(
+            [sys.executable, "-c", _MC_HOLDER, str(holder_bytes), f"127.0.0.1:{port}"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            env=dict(os.environ),
+            preexec_fn=_preexec(server_cpus),
+        )
+        assert holder.stdout is not None
+        line = holder.stdout.readline()
+        if "ready 0" not in line:
+            print(f"peer mooncake: skipped (holder process failed: {line.strip()!r})")
+            return []
+        store = MooncakeDistributedStore()
+        # This process lends no memory (segment 0), so every block lives in the holder.
+        rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", f"127.0.0.1:{port}")
+        if rc != 0:
+            print(f"peer mooncake: skipped (client setup returned {rc})")
+            return []
+        with _raw_server(region, server_cpus) as raw_port:
+            raw = _RawClient(raw_port)
+            try:
+                if client_cpus:
+                    os.sched_setaffinity(0, client_cpus)
+                for size in sizes:
+                    rows += _mooncake_rows(store, size, counts[size], raw, batch, rounds)
+            finally:
+                os.sched_setaffinity(0, saved)
+                raw.sock.close()
+        with suppress(Exception):
+            store.close()
+    finally:
+        if holder is not None:
+            with suppress(OSError):
+                assert holder.stdin is not None
+                holder.stdin.close()
+            try:
+                holder.wait(15)
+            except subprocess.TimeoutExpired:
+                holder.kill()
+                holder.wait(10)
+        master.terminate()
+        try:
+            master.wait(10)
+        except subprocess.TimeoutExpired:
+            master.kill()
+            master.wait(10)
+    return rows
+
+
+def _mooncake_rows(
+    store: Any, size: int, count: int, raw: _RawClient, batch: int, rounds: int
+) -> list[RemoteRow]:
+    srcs = [faulted(size) for _ in range(count)]
+    outs = [faulted(size, fill=0) for _ in range(count)]
+    for buf in [*srcs, *outs]:
+        if store.register_buffer(buf.ctypes.data, size) != 0:
+            raise RuntimeError("mooncake register_buffer failed")
+    keys = [f"bench-{size}-{i}" for i in range(count)]
+    offs = [i * size for i in range(count)]
+    groups = [list(range(g, g + batch)) for g in range(0, count, batch)]
+
+    def remove_all() -> None:
+        for key in keys:
+            store.remove(key, True)  # force: a just-read object is leased for a while
+
+    def put(i: int) -> None:
+        if store.put_from(keys[i], srcs[i].ctypes.data, size) != 0:
+            raise RuntimeError("mooncake put_from failed")
+
+    def get(i: int) -> None:
+        if store.get_into(keys[i], outs[i].ctypes.data, size) != size:
+            raise RuntimeError("mooncake get_into failed")
+
+    def put_batch(g: int) -> None:
+        idx = groups[g]
+        rcs = store.batch_put_from(
+            [keys[i] for i in idx], [srcs[i].ctypes.data for i in idx], [size] * len(idx)
+        )
+        if any(rc != 0 for rc in rcs):
+            raise RuntimeError("mooncake batch_put_from failed")
+
+    def get_batch(g: int) -> None:
+        idx = groups[g]
+        got = store.batch_get_into(
+            [keys[i] for i in idx], [outs[i].ctypes.data for i in idx], [size] * len(idx)
+        )
+        if list(got) != [size] * len(idx):
+            raise RuntimeError("mooncake batch_get_into failed")
+
+    def b_put_batch(g: int) -> None:
+        for i in groups[g]:
+            raw.put(offs[i], srcs[i])
+
+    rows = []
+    remove_all()
+    what = "raw socket req/resp"
+    base, ours = _paired(size, lambda i: raw.put(offs[i], srcs[i]), put, count, rounds,
+                         remove_all)  # fmt: skip
+    rows.append(_row("put", "tcp", size, ours, base, what, store="mooncake"))
+    base, ours = _paired(size, lambda i: raw.get(offs[i], outs[i]), get, count, rounds)
+    rows.append(_row("get_into", "tcp", size, ours, base, what, store="mooncake"))
+    n = len(groups)
+    base, ours = _paired(size * batch, b_put_batch, put_batch, n, rounds, remove_all)
+    rows.append(_row("put_batch", "tcp", size, ours, base, f"{what} (x{batch})", batch,
+                     "mooncake"))  # fmt: skip
+    base, ours = _paired(
+        size * batch,
+        lambda g: raw.stream(offs[groups[g][0]], [outs[i] for i in groups[g]]),
+        get_batch,
+        n,
+        rounds,
+    )
+    rows.append(_row("get_into_batch", "tcp", size, ours, base,
+                     f"raw socket stream (x{batch})", batch, "mooncake"))  # fmt: skip
+    remove_all()
+    for buf in [*srcs, *outs]:
+        store.unregister_buffer(buf.ctypes.data)
+    return rows
+
+
+# --- CLI -------------------------------------------------------------------------------
+
+
+def print_rows(rows: Sequence[RemoteRow]) -> None:
+    header = f"{'store':<8} {'op':<15} {'transport':<9} {'size':>7} {'GB/s':>7} {'base':>7} "
+    print(header + f"{'ratio':>6} {'p50 us':>9} {'p99 us':>9}  baseline")
+    for r in rows:
+        print(
+            f"{r.store:<8} {r.op:<15} {r.transport:<9} {format_size(r.size):>7} {r.gbps:>7.2f} "
+            f"{r.baseline_gbps:>7.2f} {r.ratio:>6.2f} {r.p50_us:>9.1f} {r.p99_us:>9.1f}  "
+            f"{r.baseline}"
+        )
+
+
+def register_remote(suites: Any) -> None:
+    parser = suites.add_parser(
+        "remote", help="distributed pool (master + node processes) per transport vs raw baselines"
+    )
+    parser.add_argument("--sizes", default="64KiB,1MiB,4MiB,16MiB")
+    parser.add_argument("--transport", default="shm,tcp,ucx", help="comma list of shm, tcp, ucx")
+    parser.add_argument("--batch", type=int, default=8, help="blocks per batch call")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--json", default=None, metavar="F")
+    parser.add_argument("--peer", default=None, choices=["mooncake"], help="also measure a peer")
+    parser.add_argument(
+        "--working-set", default="64MiB", help="bytes of distinct blocks per size (8-512 blocks)"
+    )
+    parser.add_argument("--no-pin", action="store_true", help="do not split CPUs between sides")
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    transports = [t.strip().lower() for t in args.transport.split(",") if t.strip()]
+    try:
+        rows = run_remote(
+            parse_sizes(args.sizes),
+            transports,
+            args.batch,
+            args.rounds,
+            not args.no_pin,
+            args.peer,
+            parse_size(args.working_set),
+        )
+    except ValueError as exc:
+        raise SystemExit(str(exc)) from exc
+    print_rows(rows)
+    write_json(args.json, [asdict(r) for r in rows])
+    return 0
