@@ -26,6 +26,7 @@ def register(subparsers: Any) -> None:
     prefix.add_argument("--json", default=None, metavar="F")
     prefix.set_defaults(func=_run_prefix)
     __import__("kvpool.bench.layerwise", fromlist=["x"]).register_layerwise(suites)
+    __import__("kvpool.bench.serve", fromlist=["x"]).register_serve(suites)
     from kvpool.bench.remote import register_remote
 
     register_remote(suites)

@@ -18,6 +18,7 @@ from kvpool import __version__
 SUBCOMMANDS: list[str] = [
     "kvpool.server_cli",
     "kvpool.demo",
+    "kvpool.serve.serve_cli",
     "kvpool.bench.cli",
 ]
 
