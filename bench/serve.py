@@ -171,6 +171,9 @@ def run_load(
     url = url.rstrip("/")
     if prompts is None:
         prompts = make_prompts(requests, prompt_tokens, shared_prefix, seed)
+    else:  # describe the given prompts (token-id lists)
+        prompt_tokens = round(sum(len(p) for p in prompts) / max(len(prompts), 1))
+        shared_prefix = _common_prefix(prompts) if len(prompts) > 1 else 0
     stats, wall = asyncio.run(_load(url, prompts, concurrency, max_tokens))
     ok = [s for s in stats if s.error is None]
     tokens = sum(s.tokens for s in ok)
@@ -192,6 +195,15 @@ def run_load(
     )
 
 
+def _common_prefix(prompts: list[Any]) -> int:
+    first = prompts[0]
+    n = min(len(p) for p in prompts)
+    for i in range(n):
+        if any(p[i] != first[i] for p in prompts):
+            return i
+    return n
+
+
 def format_result(r: LoadResult) -> str:
     def pct(d: dict[str, float]) -> str:
         return " / ".join(f"{d.get(k, 0):.1f}" for k in ("p50", "p90", "p99"))
@@ -206,6 +218,104 @@ def format_result(r: LoadResult) -> str:
         f"  TBT ms      p50 / p90 / p99  {pct(r.tbt_ms)}\n"
         f"  prefix hit  {r.cached_tokens} prompt tokens served from the pool"
     )
+
+
+def run_colocated(
+    prompts: list[list[int]],
+    *,
+    concurrency: int,
+    max_tokens: int,
+    model: str = "tiny",
+    block_tokens: int = 64,
+    seed: int = 0,
+) -> LoadResult:
+    """Same-run baseline: the same requests through one process, no HTTP, no RPC.
+
+    One ``PrefillWorker`` and one ``DecodeEngine`` share a thread and an
+    embedded pool (what a colocated engine does): a client slot that frees up
+    sends its next prompt at once, the prompt is prefilled between decode
+    steps (stalling the batch, the interference disaggregation removes), and
+    the batch holds at most ``concurrency`` requests. Times are taken where
+    the HTTP client would take them: the first token when prefill returns,
+    the others as the decode steps emit them.
+    """
+    from collections import deque
+
+    import torch
+
+    from kvpool.pool import Pool
+    from kvpool.serve.decode import DecodeEngine
+    from kvpool.serve.model import build_model
+    from kvpool.serve.prefill import PrefillWorker
+
+    torch.set_num_threads(1)
+    m = build_model(model, seed, block_tokens=block_tokens)
+    page = 16
+    longest = max(len(p) for p in prompts) + max_tokens
+    pages = concurrency * -(-longest // page) + concurrency
+    pending = deque(enumerate(prompts))
+    sent: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
+    cached = 0
+    with (
+        Pool.embedded(dram_bytes=256 << 20) as pool,
+        PrefillWorker(m, pool) as pw,
+        DecodeEngine(
+            m, pool, num_pages=pages, page_tokens=page, max_batch=concurrency, overlap_loads=False
+        ) as engine,
+    ):
+        start = time.perf_counter()
+        outstanding = 0
+        while pending or outstanding:
+            while pending and outstanding < concurrency:
+                i, prompt = pending.popleft()
+                rid = f"r{i}"
+                sent[rid] = time.perf_counter()
+                result = pw.prefill(prompt, request_id=rid)
+                times[rid] = [time.perf_counter()]
+                cached += result.cached_tokens
+                engine.submit(result, max_tokens)
+                outstanding += 1
+            for ev in engine.step():
+                if ev.index > 0:
+                    times[ev.request_id].append(time.perf_counter())
+                if ev.finished:
+                    outstanding -= 1
+        wall = time.perf_counter() - start
+    stats = [
+        RequestStats(
+            ts[0] - sent[rid], [b - a for a, b in itertools.pairwise(ts)], len(ts), 0, None
+        )
+        for rid, ts in times.items()
+    ]
+    tokens = sum(s.tokens for s in stats)
+    return LoadResult(
+        requests=len(stats),
+        concurrency=concurrency,
+        max_tokens=max_tokens,
+        prompt_tokens=round(sum(len(p) for p in prompts) / len(prompts)),
+        shared_prefix=_common_prefix(prompts) if len(prompts) > 1 else 0,
+        errors=0,
+        wall_s=round(wall, 3),
+        output_tokens=tokens,
+        tokens_per_s=round(tokens / wall, 1),
+        requests_per_s=round(len(stats) / wall, 2),
+        ttft_ms=percentiles([s.ttft for s in stats]),
+        tbt_ms=percentiles([t for s in stats for t in s.tbt]),
+        cached_tokens=cached,
+        url="in-process colocated (no HTTP/RPC)",
+    )
+
+
+def ratios(serve: LoadResult, base: LoadResult) -> dict[str, float]:
+    """serve / colocated: tokens/s, and TTFT and TBT p50/p99."""
+    out = {"tokens_per_s": round(serve.tokens_per_s / base.tokens_per_s, 3)}
+    for name in ("ttft_ms", "tbt_ms"):
+        for q in ("p50", "p99"):
+            a, b = getattr(serve, name).get(q), getattr(base, name).get(q)
+            if a and b:
+                out[f"{name[:-3]}_{q}"] = round(a / b, 3)
+    return out
 
 
 def start_server(extra: list[str], timeout: float = 120.0) -> tuple[subprocess.Popen[str], str]:
@@ -252,11 +362,27 @@ def register_serve(suites: Any) -> None:
     p.add_argument("--prefill", type=int, default=1, help="(own server) prefill workers")
     p.add_argument("--decode", type=int, default=1, help="(own server) decode workers")
     p.add_argument("--block-tokens", type=int, default=64, help="(own server) pool block size")
+    p.add_argument(
+        "--no-baseline",
+        action="store_true",
+        help="skip the same-run in-process colocated baseline (same prompts, one process)",
+    )
     p.add_argument("--json", default=None, metavar="F")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    prompts = make_prompts(args.requests, args.prompt_tokens, args.shared_prefix, args.seed)
+    base = None
+    if not args.no_baseline:  # before our own server starts, so it has the machine alone
+        base = run_colocated(
+            prompts,
+            concurrency=args.concurrency,
+            max_tokens=args.max_tokens,
+            model=args.model,
+            block_tokens=args.block_tokens,
+            seed=0,
+        )
     popen = None
     url = args.url
     if url is None:
@@ -274,17 +400,20 @@ def _run(args: argparse.Namespace) -> int:
         )
     try:
         result = run_load(
-            url,
-            concurrency=args.concurrency,
-            requests=args.requests,
-            max_tokens=args.max_tokens,
-            prompt_tokens=args.prompt_tokens,
-            shared_prefix=args.shared_prefix,
-            seed=args.seed,
-        )
+            url, concurrency=args.concurrency, requests=args.requests, max_tokens=args.max_tokens,
+            prompts=prompts,
+        )  # fmt: skip
     finally:
         if popen is not None:
             stop_server(popen)
+    print(f"kvpool serve ({url}):")
     print(format_result(result))
-    write_json(args.json, asdict(result))
+    payload: dict[str, Any] = {"serve": asdict(result)}
+    if base is not None:
+        print("baseline, same prompts in one process (prefill between decode steps):")
+        print(format_result(base))
+        payload["colocated"] = asdict(base)
+        payload["ratio"] = ratios(result, base)
+        print("serve / colocated: " + ", ".join(f"{k} {v}" for k, v in payload["ratio"].items()))
+    write_json(args.json, payload)
     return 0 if result.errors == 0 else 1

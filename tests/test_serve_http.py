@@ -273,6 +273,18 @@ def test_metrics(server: Server) -> None:
     assert any(k.startswith("kvpool_pool_node_used_bytes") for k in values)
 
 
+def test_bench_serve_load(server: Server) -> None:
+    from kvpool.bench.serve import format_result, run_load
+
+    result = run_load(
+        server.url, concurrency=3, requests=6, max_tokens=5, prompt_tokens=40, shared_prefix=32
+    )
+    assert result.errors == 0 and result.output_tokens == 30
+    assert result.cached_tokens >= 5 * 32  # every request after the first reuses the prefix
+    assert result.ttft_ms["p50"] > 0 and result.tbt_ms["p99"] > 0
+    assert "TTFT" in format_result(result)
+
+
 def _health(url: str) -> dict[str, dict[str, object]]:
     return {w["id"]: w for w in httpx.get(f"{url}/health", timeout=5).json()["workers"]}
 

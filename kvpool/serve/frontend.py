@@ -439,7 +439,8 @@ class Frontend:
         )
         self.m_inflight.inc()
         try:
-            p, d = self.route(req.tokens)
+            # off the event loop: a router may ask the pool (an RPC) where prefixes are
+            p, d = await run_in_threadpool(self.route, req.tokens)
             req.prefill_worker, req.decode_worker = p.worker_id, d.worker_id
             result = await self._prefill(req, p)
             self._first_token(req, result)

@@ -45,9 +45,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prefill", type=int, default=1, help="prefill worker processes")
     p.add_argument("--decode", type=int, default=1, help="decode worker processes")
     p.add_argument("--host", default="127.0.0.1", help="HTTP address")
-    p.add_argument("--port", type=int, default=8000, help="HTTP port (0: any free one)")
+    p.add_argument(
+        "--port", type=int, default=None, help="HTTP port (default 8000; 0 and --demo: a free one)"
+    )
     p.add_argument("--pool", default=None, help="kvpool://HOST:PORT (default: start one)")
-    p.add_argument("--dram", default="1GiB", help="DRAM of the node started without --pool")
+    p.add_argument(
+        "--dram",
+        default=None,
+        help="DRAM of the node started without --pool (default 1GiB, 256MiB with --demo)",
+    )
     p.add_argument("--block-tokens", type=int, default=None, help="pool block size (tokens)")
     p.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk (tokens)")
     p.add_argument("--kv-tokens", type=int, default=32768, help="KV memory per decode worker")
@@ -153,7 +159,7 @@ class _Runtime:
                     "--master",
                     master.address,
                     "--dram",
-                    args.dram,
+                    args.dram or ("256MiB" if args.demo else "1GiB"),
                     "--heartbeat",
                     "0.5",
                     "--log-level",
@@ -195,7 +201,8 @@ class _Runtime:
         if errors:
             raise RuntimeError("workers did not start: " + "; ".join(errors))
         fe.start()
-        self.sock = listen(args.host, args.port)
+        port = args.port if args.port is not None else (0 if args.demo else 8000)
+        self.sock = listen(args.host, port)
         host, port = self.sock.getsockname()[:2]
         self.url = f"http://{host}:{port}"
         self._make_server()
@@ -286,7 +293,7 @@ class _Runtime:
         questions = [f"Question {i}: what is block {i} of the cache?" for i in range(64)]
         tok = ByteTokenizer()
         prompts = [tok.encode(system + q) for q in questions[: self.args.demo_requests]]
-        first = run_load(self.url, concurrency=1, requests=1, max_tokens=16, prompts=prompts[:1])
+        first = run_load(self.url, concurrency=1, requests=1, max_tokens=32, prompts=prompts[:1])
         rest = run_load(
             self.url,
             concurrency=4,
@@ -296,9 +303,9 @@ class _Runtime:
         )
         bt = self.model.block_tokens
         print(f"demo: {len(prompts[0])}-token prompts sharing a system prompt, {bt}-token blocks")
-        print("cold request:")
+        print("cold request (computes the whole prompt):")
         print(format_result(first))
-        print("the rest, 4 at a time:")
+        print("the rest, 4 at a time (the system prompt's blocks come from the pool):")
         print(format_result(rest))
         self.server.should_exit = True
         thread.join(timeout=10)
