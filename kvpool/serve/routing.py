@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from kvpool.serve.conductor import conductor_from_context
 from kvpool.serve.presets import ModelConfig
 
 PREFILL = "prefill"
@@ -150,6 +151,7 @@ RouterFactory = Callable[[RouterContext], Router]
 
 ROUTERS: dict[str, RouterFactory] = {
     "least-loaded": LeastLoadedRouter.from_context,
+    "conductor": conductor_from_context,
 }
 
 
