@@ -267,10 +267,11 @@ def run_colocated(
         start = time.perf_counter()
         outstanding = 0
         while pending or outstanding:
+            freed = time.perf_counter()  # clients whose requests just finished send now
             while pending and outstanding < concurrency:
                 i, prompt = pending.popleft()
                 rid = f"r{i}"
-                sent[rid] = time.perf_counter()
+                sent[rid] = freed  # so waiting behind other prefills counts in TTFT
                 result = pw.prefill(prompt, request_id=rid)
                 times[rid] = [time.perf_counter()]
                 cached += result.cached_tokens

@@ -289,6 +289,18 @@ def _health(url: str) -> dict[str, dict[str, object]]:
     return {w["id"]: w for w in httpx.get(f"{url}/health", timeout=5).json()["workers"]}
 
 
+def test_client_leaving_a_stream_cancels_its_decode(server: Server) -> None:
+    body = {"prompt": [9] * 20, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        for n, _line in enumerate(r.iter_lines()):  # until the worker reports it running
+            if n % 20 == 19 and _health(server.url)["d0"]["running"]:
+                break
+    deadline = time.monotonic() + 5  # 1000 tokens would take several seconds more
+    while time.monotonic() < deadline and _health(server.url)["d0"]["running"]:
+        time.sleep(0.05)
+    assert _health(server.url)["d0"]["running"] == 0
+
+
 def test_killed_worker_fails_its_requests_then_serving_resumes(
     server: Server, model: Transformer
 ) -> None:
