@@ -10,6 +10,18 @@ Invariants every policy keeps:
 - ``victim`` only returns keys for which ``evictable(key)`` is true (keys
   being read are pinned by the tier) and stops tracking the key it returns;
 - bookkeeping is O(1) or O(log n) per hook (amortised).
+
+How a tier drives a policy:
+- a block that is not resident and would be stored: ask ``admit(key)`` once;
+  if False, do not store it (and call nothing else); if True, make room with
+  ``victim(evictable)`` as needed, then ``on_insert(key, parent)`` on commit,
+  where ``parent`` is the key of the previous block of the same prompt (None
+  for a prompt's first block) — prefix-aware policies need it;
+- a hit (the block is read from this tier): ``on_access(key)``; a prefix
+  match should touch its blocks in prompt order;
+- a block dropped for any other reason: ``on_remove(key)``.
+The parent relation given to ``on_insert`` must be acyclic, as it is for
+chained block keys.
 """
 
 from __future__ import annotations
@@ -33,8 +45,9 @@ class EvictionPolicy(ABC):
     def admit(self, key: Key) -> bool:
         """Admission filter: False means "do not cache this block at all".
 
-        The default admits everything; filters (e.g. admit on second sight)
-        override it.
+        Called once per would-be insertion of a non-resident block, never for
+        hits. The default admits everything; filters (e.g. admit on second
+        sight, ``"<policy>+admit2"``) override it and may remember the key.
         """
         return True
 

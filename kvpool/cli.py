@@ -20,6 +20,11 @@ SUBCOMMANDS: list[str] = [
     "kvpool.demo",
     "kvpool.serve.serve_cli",
     "kvpool.bench.cli",
+    "kvpool.trace_cli",
+    "kvpool.cachesim_cli",
+    "kvpool.serve.sim",
+    "kvpool.serve.calibrate",
+    "kvpool.serve.replay",
 ]
 
 
