@@ -75,3 +75,51 @@ def test_serve_command_parses() -> None:
     with pytest.raises(SystemExit) as exc:
         main(["--help"])
     assert exc.value.code == 0
+
+
+class _Reject:
+    def route(
+        self, prompt_tokens: int, keys: list[bytes], workers: list[WorkerState]
+    ) -> RouteDecision:
+        assert prompt_tokens == 4 and len(keys) == 0  # 4 tokens: no full 16-token block
+        assert {w.worker_id for w in workers} == {"p0", "d0"}
+        return RouteDecision(reject="over the TTFT SLO")
+
+
+def _frontend(router: Router, alive: bool = True):  # type: ignore[no-untyped-def]
+    from kvpool.serve.frontend import Frontend, ServeSettings, WorkerHandle
+
+    fe = Frontend(ServeSettings(get_preset("tiny", block_tokens=16), "tiny"), router, None)
+    fe.handles = {
+        "p0": WorkerHandle("p0", PREFILL, alive=alive),
+        "d0": WorkerHandle("d0", DECODE, alive=True),
+    }
+    return fe
+
+
+def test_router_rejection_is_429_and_no_worker_is_503() -> None:
+    import asyncio
+
+    import httpx
+
+    async def scenario() -> None:
+        app = _frontend(_Reject()).app()
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as client:
+            r = await client.post("/v1/completions", json={"prompt": [1, 2, 3, 4], "max_tokens": 2})
+            assert r.status_code == 429
+            assert r.json()["error"]["message"] == "over the TTFT SLO"
+            assert r.headers["retry-after"] == "1"
+            metrics = (await client.get("/metrics")).text
+            assert "kvpool_serve_rejected_total 1.0" in metrics
+            assert 'kvpool_serve_requests_total{status="429"} 1.0' in metrics
+        app = _frontend(LeastLoadedRouter(), alive=False).app()
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://t"
+        ) as client:
+            r = await client.post("/v1/completions", json={"prompt": "hi"})
+            assert r.status_code == 503 and "prefill" in r.json()["error"]["message"]
+            assert (await client.get("/health")).status_code == 503
+
+    asyncio.run(scenario())
