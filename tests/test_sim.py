@@ -120,3 +120,20 @@ def test_cli_writes_json(tmp_path, trace) -> None:
     data = json.loads(out.read_text())
     assert data["requests"] == 100 and set(KEYS) <= set(data)
     assert main(["sim", str(path), "--cpp-group", "2"]) == 2
+
+
+def test_sim_report_tables(tmp_path, trace) -> None:
+    from kvpool.serve.sim_report import markdown, run_all
+
+    path = tmp_path / "t.jsonl"
+    write_trace(trace[0][:150], path)
+    res = run_all(
+        str(path),
+        speeds_split=(5.0,),
+        speeds_router=(5.0,),
+        speeds_reject=(5.0,),
+        capacities=(0, 64),
+    )
+    assert [len(res[k]) for k in ("split", "router", "reject", "capacity")] == [3, 4, 4, 4]
+    text = markdown(res)
+    assert "| speed | cluster |" in text and "coupled 20" in text
