@@ -86,6 +86,7 @@ class NodeSpace:
     load: float = 0.0  # decayed count of reads routed here (as of load_at)
     load_at: float = 0.0
     ssd: dict[bytes, int] | None = None  # keys with an SSD copy on this node (None: no SSD)
+    usable_at: float = 0.0  # no allocation here before (grace after re-joining a new master)
     dirty: dict[bytes, None] = field(default_factory=dict)  # DRAM-only, oldest first
     # What the node must learn about its own region, in order: ("commit", key,
     # offset, size, parent) and ("free", offset). The master drains it into
@@ -138,8 +139,14 @@ class BlockCatalog:
         info: dict[str, Any],
         host_id: str = "",
         has_ssd: bool = False,
+        grace_s: float = 0.0,
     ) -> None:
-        """Register (or re-register) a node; a re-registering node starts empty here."""
+        """Register (or re-register) a node; a re-registering node starts empty here.
+
+        ``grace_s``: a node re-joining after a master restart may have ranges
+        that clients still read under leases the old master granted; nothing
+        is allocated (or evicted) there until they have run out.
+        """
         if node_id in self.nodes:
             self.remove_node(node_id)
         self.nodes[node_id] = NodeSpace(
@@ -151,6 +158,7 @@ class BlockCatalog:
             host_id,
             self.clock(),
             ssd={} if has_ssd else None,
+            usable_at=self.clock() + grace_s,
         )
 
     def restore_ssd(self, node_id: str, blocks: Sequence[tuple[bytes, int, bytes | None]]) -> int:
@@ -326,6 +334,15 @@ class BlockCatalog:
         if held:
             self.leases[lease_id] = LeaseRecord(held, self.clock() + self.lease_ttl)
         return lease_id, found
+
+    def add_reads(self, key: bytes, reads: int) -> None:
+        """Reads a client served from its lease cache, for the heat accounting."""
+        block = self.blocks.get(key)
+        if block is not None and isinstance(reads, int) and reads > 0:
+            now = self.clock()
+            half_life = self.replication.half_life_s
+            block.heat = decayed(block.heat, block.heat_at, now, half_life) + reads
+            block.heat_at = now
 
     def hot_replicas(self, blocks: Sequence[BlockMeta | None]) -> list[Allocation]:
         """Extra-replica allocations for the hot blocks among ``blocks`` (just read).
@@ -596,11 +613,19 @@ class BlockCatalog:
         return alloc
 
     def _nodes_by_free_space(self, only: str | None = None) -> list[NodeSpace]:
+        now = self.clock()
+        usable = [n for n in self.nodes.values() if n.usable_at <= now]
         if only is not None:
-            return [self.nodes[only]] if only in self.nodes else []
+            return [n for n in usable if n.node_id == only]
         # Most free space first; on ties, the node with most extra replicas,
         # which it can drop without losing a block.
-        return sorted(self.nodes.values(), key=lambda n: (-n.allocator.free_bytes, -len(n.extras)))
+        return sorted(usable, key=lambda n: (-n.allocator.free_bytes, -len(n.extras)))
+
+    def grace_left(self) -> float:
+        """Seconds until the next node in its re-join grace becomes usable (0: none)."""
+        now = self.clock()
+        waits = [n.usable_at - now for n in self.nodes.values() if n.usable_at > now]
+        return min(waits, default=0.0)
 
     def _policy_of(self, replica: Replica) -> EvictionPolicy:
         node = self.nodes[replica.node_id]

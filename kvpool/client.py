@@ -12,7 +12,7 @@ never with wrong bytes.
 from __future__ import annotations
 
 import contextlib
-import time
+import threading
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -24,6 +24,7 @@ from kvpool.bindings.buffers import Region, as_region, region_nbytes
 from kvpool.checks import check_key, check_keys, data_region
 from kvpool.errors import BufferSpecError, KVPoolError, PoolClosedError, PoolFullError
 from kvpool.layer_api import LayerwiseMethods
+from kvpool.lease_cache import DEFAULT_HOLD_S, DEFAULT_MAX_BYTES, CachedLease, LeaseCache
 from kvpool.master import DEFAULT_PORT
 from kvpool.protocol import (
     ALLOCATE,
@@ -43,6 +44,7 @@ from kvpool.protocol import (
     KeysRequest,
     LeaseReply,
     LeaseRequest,
+    ReleaseRequest,
     ReplicateReply,
     ReplicateRequest,
 )
@@ -75,15 +77,23 @@ class RemotePool(LayerwiseMethods):
         timeout: float = 10.0,
         transport: str | None = None,
         contribute_dram: int = 0,
+        lease_cache_s: float = DEFAULT_HOLD_S,
+        lease_cache_bytes: int = DEFAULT_MAX_BYTES,
     ) -> None:
         self.token, self.timeout = token, timeout
         self._rpc = RpcClient(master, token=token, timeout=timeout, name="kvpool-client")
         self._regions: dict[str, RegionInfo] = {}
         self._peers = PeerTransports(token=token, timeout=timeout, override=transport)
-        self._leased: dict[bytes, tuple[list[Placement], float]] = {}
+        self._lock = threading.Lock()  # guards the lease cache and the replica orders
+        self._cache = LeaseCache(lease_cache_s, lease_cache_bytes)
         self._orders: dict[bytes, tuple[int, Placement]] = {}  # hot blocks to replicate
         self._counts: Counter[str] = Counter()
         self._closed = False
+        self._stop = threading.Event()
+        self._janitor = threading.Thread(
+            target=self._hand_back_loop, name="kvpool-lease-cache", daemon=True
+        )
+        self._janitor.start()
         self._node = self._contribute(master, contribute_dram) if contribute_dram else None
 
     # -- writes -------------------------------------------------------------------
@@ -110,8 +120,33 @@ class RemotePool(LayerwiseMethods):
         check_keys(keys, parents)
         regions = [data_region(d) for d in datas]
         self._check_open()
+        stored, full, error = self._put_once(keys, regions, parents, replicas)
+        if full and self._release_cached():  # our own cached leases may be what blocks it
+            again, still, error = self._put_once(
+                [keys[i] for i in full],
+                [regions[i] for i in full],
+                [parents[i] for i in full],
+                replicas,
+            )
+            for i, ok in zip(full, again, strict=True):
+                stored[i] = ok
+            full = [full[j] for j in still]
+        self._counts["puts"] += sum(stored)
+        if full:
+            raise PoolFullError(error)
+        return stored
+
+    def _put_once(
+        self,
+        keys: Sequence[bytes],
+        regions: Sequence[Region],
+        parents: Sequence[bytes | None],
+        replicas: int,
+    ) -> tuple[list[bool], list[int], str]:
+        """One allocate -> write -> commit pass: (stored per key, indices that found
+        no room, the master's reason)."""
         request = AllocateRequest(
-            list(keys), [region_nbytes(r) for r in regions], parents, replicas
+            list(keys), [region_nbytes(r) for r in regions], list(parents), replicas
         )
         reply = self._rpc.call(ALLOCATE, request, response_type=AllocateReply)
         self._learn(reply.nodes)
@@ -130,10 +165,7 @@ class RemotePool(LayerwiseMethods):
             done = self._rpc.call(COMMIT, IdsRequest([a for _, a in written]))
             for (i, _), ok in zip(written, done, strict=True):
                 stored[i] = stored[i] or ok
-        self._counts["puts"] += sum(stored)
-        if reply.error:
-            raise PoolFullError(reply.error)
-        return stored
+        return stored, reply.full, reply.error
 
     def reserve(
         self, key: bytes, size: int, *, parent: bytes | None = None, device: bool = False
@@ -167,12 +199,11 @@ class RemotePool(LayerwiseMethods):
     def get(self, key: bytes) -> bytes | None:
         """A copy of the block's bytes, or None on a miss."""
         check_key(key)
-        with self.lease([key]) as lease:
-            if not lease.keys:
-                return None
-            out = np.empty(lease.sizes[0], np.uint8)
-            got = self._read_leased(key, out, 0, lease.sizes[0])
-            return None if got is None else out.tobytes()
+        found = self._resolve([key]).get(key)
+        if found is None:
+            return None
+        out = np.empty(found[1], np.uint8)
+        return None if self._read_range(key, found, out, 0, None) is None else out.tobytes()
 
     def get_into(
         self, key: bytes, out: Any, *, offset: int = 0, length: int | None = None
@@ -182,46 +213,33 @@ class RemotePool(LayerwiseMethods):
         dst = as_region(out, writable=True, what="out")
         if offset < 0 or (length is not None and length <= 0):
             raise BufferSpecError(f"bad range: offset={offset}, length={length}")
-        if key in self._leased:
-            return self._read_range(key, dst, offset, length)
-        with self.lease([key]) as lease:
-            if not lease.keys:
-                return None
-            return self._read_range(key, dst, offset, length)
+        found = self._resolve([key]).get(key)
+        return None if found is None else self._read_range(key, found, dst, offset, length)
 
     def get_into_batch(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
-        """``get_into`` for each pair under a single lease round trip."""
+        """``get_into`` for each pair; at most one lease round trip for the whole batch."""
         if len(keys) != len(outs):
             raise ValueError("keys and outs must have the same length")
         check_keys(keys)
         regions = [as_region(o, writable=True, what="out") for o in outs]
-        with self.lease(keys, prefix=False) as lease:
-            present = set(lease.keys)
-            return [
-                self._read_range(k, r, 0, None) if k in present else None
-                for k, r in zip(keys, regions, strict=True)
-            ]
+        found = self._resolve(keys)
+        return [
+            self._read_range(k, found[k], r, 0, None) if k in found else None
+            for k, r in zip(keys, regions, strict=True)
+        ]
 
     def lease(self, keys: Sequence[bytes], *, prefix: bool = True) -> RemoteLease:
         """Pin the stored prefix of ``keys`` (or every stored key) until released."""
         check_keys(keys)
         self._check_open()
-        reply = self._rpc.call(LEASE, LeaseRequest(list(keys), prefix), response_type=LeaseReply)
-        self._learn(reply.nodes)
-        deadline = time.monotonic() + reply.ttl * 0.9
-        held, sizes = [], []
-        for key, block in zip(keys, reply.blocks, strict=False):
-            if block is None:
-                self._counts["misses"] += 1
-                continue
-            size, replicas = block
-            self._leased[key] = ([Placement(n, o, size) for n, o in replicas], deadline)
-            held.append(key)
-            sizes.append(size)
-        self._counts["misses"] += len(keys) - len(reply.blocks)
-        for index, alloc_id, node_id, offset in reply.replicate:
-            self._orders[keys[index]] = (alloc_id, Placement(node_id, offset))
-        return RemoteLease(self, reply.lease_id, held, sizes, self._nodes_of(held))
+        lease, held = self._take_lease(keys, prefix, pin=True)
+        return RemoteLease(
+            self,
+            lease,
+            [k for k, _, _ in held],
+            [s for _, _, s in held],
+            [[p.node_id for p in placements] for _, placements, _ in held],
+        )
 
     def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
         """Node ids holding each key (empty where the key is not stored)."""
@@ -239,21 +257,21 @@ class RemotePool(LayerwiseMethods):
         reply = self._rpc.call(REPLICATE, request, response_type=ReplicateReply)
         self._learn(reply.nodes)
         added, failed = [], []
-        with self.lease(keys, prefix=False) as lease:
-            sizes = dict(zip(lease.keys, lease.sizes, strict=True))
-            for key, alloc in zip(keys, reply.allocations, strict=True):
-                if alloc is None:
-                    continue
-                alloc_id, node_id, offset = alloc
-                staging = np.empty(sizes.get(key, 0), np.uint8)
-                if key not in sizes or self._read_leased(key, staging, 0, staging.size) is None:
-                    failed.append(alloc_id)
-                    continue
-                try:
-                    self._write(node_id, offset, staging)
-                    added.append(alloc_id)
-                except _READ_ERRORS:
-                    failed.append(alloc_id)
+        found = self._resolve(keys)
+        for key, alloc in zip(keys, reply.allocations, strict=True):
+            if alloc is None:
+                continue
+            alloc_id, node_id, offset = alloc
+            hit = found.get(key)
+            staging = np.empty(hit[1] if hit else 0, np.uint8)
+            if hit is None or self._read_replicas(hit[0], staging, 0, staging.size) is None:
+                failed.append(alloc_id)
+                continue
+            try:
+                self._write(node_id, offset, staging)
+                added.append(alloc_id)
+            except _READ_ERRORS:
+                failed.append(alloc_id)
         if failed:
             self._rpc.submit(REVOKE, IdsRequest(failed))
         return sum(self._rpc.call(COMMIT, IdsRequest(added))) if added else 0
@@ -273,6 +291,8 @@ class RemotePool(LayerwiseMethods):
     def remove(self, key: bytes) -> bool:
         check_key(key)
         self._check_open()
+        with self._lock:
+            self._cache.forget(key)
         return bool(self._rpc.call(REMOVE, KeysRequest([key]))[0])
 
     def stats(self) -> dict[str, Any]:
@@ -286,6 +306,9 @@ class RemotePool(LayerwiseMethods):
     def close(self) -> None:
         if self._closed:
             return
+        self._stop.set()
+        with contextlib.suppress(KVPoolError):
+            self._hand_back_due(everything=True)
         self._closed = True
         self._peers.close()
         self._rpc.close()
@@ -314,22 +337,69 @@ class RemotePool(LayerwiseMethods):
         """Bytes to a node's range (CUDA buffers: the transport stages them)."""
         self._transport(node_id).write(offset, src)
 
-    def _read_range(self, key: bytes, dst: Region, start: int, length: int | None) -> int | None:
-        placements, _ = self._leased[key]
-        size = placements[0].size
+    def _resolve(self, keys: Sequence[bytes]) -> dict[bytes, tuple[Any, int, Any]]:
+        """Where each stored key can be read: from the lease cache, else from one
+        LEASE round trip for all the rest (their leases then join the cache)."""
+        self._check_open()
+        found: dict[bytes, tuple[Any, int, Any]] = {}
+        with self._lock:
+            for key in keys:
+                hit = self._cache.lookup(key)
+                if hit is not None:
+                    found[key] = hit
+        missing = [k for k in keys if k not in found]
+        if missing:
+            _, held = self._take_lease(missing, prefix=False, pin=False)
+            with self._lock:
+                for key, _, _ in held:
+                    hit = self._cache.lookup(key, count=False)
+                    if hit is not None:
+                        found[key] = hit
+        self._hand_back_due()
+        return found
+
+    def _take_lease(
+        self, keys: Sequence[bytes], prefix: bool, pin: bool
+    ) -> tuple[CachedLease, list[tuple[bytes, list[Placement], int]]]:
+        request = LeaseRequest(list(keys), prefix)
+        self._counts["lease_round_trips"] += 1
+        reply = self._rpc.call(LEASE, request, response_type=LeaseReply)
+        if reply.busy and self._release_cached():  # blocks on SSD found no room in memory
+            self._rpc.submit(RELEASE, ReleaseRequest([reply.lease_id] if reply.lease_id else []))
+            reply = self._rpc.call(LEASE, request, response_type=LeaseReply)
+        self._learn(reply.nodes)
+        held = [
+            (key, [Placement(n, o, block[0]) for n, o in block[1]], block[0])
+            for key, block in zip(keys, reply.blocks, strict=False)
+            if block is not None
+        ]
+        self._counts["misses"] += len(keys) - len(held)
+        with self._lock:
+            lease = self._cache.add(reply.lease_id, held, reply.ttl, pin)
+            for index, alloc_id, node_id, offset in reply.replicate:
+                self._orders[keys[index]] = (alloc_id, Placement(node_id, offset))
+        return lease, held
+
+    def _read_range(
+        self, key: bytes, found: tuple[Any, int, Any], dst: Region, start: int, length: int | None
+    ) -> int | None:
+        placements, size, _ = found
         want = size - start if length is None else length
         if start + want > size or want <= 0:
             raise BufferSpecError(f"range [{start}, {start + want}) is outside the block of {size}")
         if region_nbytes(dst) < want:
             raise BufferSpecError(f"out has {region_nbytes(dst)} bytes but {want} are asked")
-        got = self._read_leased(key, dst[:want], start, want)
-        if key in self._orders:
-            self._fulfil_order(key, dst[:want] if got == size else None)
+        got = self._read_replicas(placements, dst[:want], start, want)
+        with self._lock:
+            order = self._orders.pop(key, None) if got == size else None
+        if order is not None:
+            self._fulfil_order(order, dst[:want])
         return got
 
-    def _read_leased(self, key: bytes, dst: Region, start: int, want: int) -> int | None:
+    def _read_replicas(
+        self, placements: list[Placement], dst: Region, start: int, want: int
+    ) -> int | None:
         """Read from the best replica, falling back to the others; None if none serves."""
-        placements, deadline = self._leased[key]
         here = host_identity()
         ordered = sorted(placements, key=lambda p: self._regions[p.node_id].host_id != here)
         for placement in ordered:
@@ -337,19 +407,15 @@ class RemotePool(LayerwiseMethods):
                 self._read_from(placement, dst, start, want)
             except _READ_ERRORS:
                 continue
-            if time.monotonic() > deadline:  # the lease may have lapsed mid-copy
-                break
             self._counts["hits"] += 1
             return want
         self._counts["misses"] += 1
         return None
 
-    def _fulfil_order(self, key: bytes, block: Region | None) -> None:
+    def _fulfil_order(self, order: tuple[int, Placement], block: Region) -> None:
         """Copy a just-read hot block to the replica the master asked for (or give it back)."""
-        alloc_id, target = self._orders.pop(key)
+        alloc_id, target = order
         try:
-            if block is None:
-                raise ConnectionError("only part of the block was read")
             self._write(target.node_id, target.offset, block)
         except _READ_ERRORS:
             self._rpc.submit(REVOKE, IdsRequest([alloc_id]))
@@ -357,22 +423,53 @@ class RemotePool(LayerwiseMethods):
         self._rpc.submit(COMMIT, IdsRequest([alloc_id]))  # no need to wait
         self._counts["replicas_added"] += 1
 
-    def _nodes_of(self, keys: Sequence[bytes]) -> list[list[str]]:
-        return [[p.node_id for p in self._leased[key][0]] for key in keys]
-
     def _read_from(self, placement: Placement, dst: Region, start: int, want: int) -> None:
         self._transport(placement.node_id).read_into(placement.offset + start, dst)
 
-    def _release(self, lease_id: int, keys: Sequence[bytes]) -> None:
-        for key in keys:
-            self._leased.pop(key, None)
-            order = self._orders.pop(key, None)
-            if order is not None:  # leased but never read whole: give the replica back
-                self._rpc.submit(REVOKE, IdsRequest([order[0]]))
-        if lease_id and not self._closed:
-            # No need to wait; if the master is unreachable the lease expires there.
+    def _unpin(self, lease: CachedLease) -> None:
+        with self._lock:
+            self._cache.unpin(lease)
+        self._hand_back_due()
+
+    def _release_cached(self) -> bool:
+        """Hand back every unpinned cached lease and wait for the master to take them;
+        True if there were any (so a retry may now find room)."""
+        with self._lock:
+            due = self._cache.due(unpinned=True)
+        self._hand_back(due, wait=True)
+        return bool(due)
+
+    def _hand_back_loop(self) -> None:
+        """Give expired cached leases back even while the client is idle."""
+        interval = max(0.05, self._cache.hold_s / 2)
+        while not self._stop.wait(interval):
+            with contextlib.suppress(KVPoolError, OSError):
+                self._hand_back_due()
+
+    def _hand_back_due(self, everything: bool = False) -> None:
+        """Release the leases the cache is done with (all of them when closing)."""
+        if self._closed and not everything:
+            return
+        with self._lock:
+            due = self._cache.due(everything)
+        self._hand_back(due, wait=everything)
+
+    def _hand_back(self, due: list[CachedLease], wait: bool) -> None:
+        """RELEASE ``due`` leases with the reads they served; give back replica orders
+        whose block was never read whole. Without ``wait`` nothing blocks: if the master
+        is unreachable the leases expire there anyway."""
+        with self._lock:
+            orphans = [self._orders.pop(k)[0] for d in due for k in d.keys if k in self._orders]
+        if orphans:
+            self._rpc.submit(REVOKE, IdsRequest(orphans))
+        ids = [d.lease_id for d in due if d.lease_id]
+        if ids:
+            release = ReleaseRequest(ids, [[k, n] for d in due for k, n in d.reads.items()])
             with contextlib.suppress(KVPoolError):
-                self._rpc.submit(RELEASE, IdsRequest([lease_id]))
+                if wait:
+                    self._rpc.call(RELEASE, release)
+                else:
+                    self._rpc.submit(RELEASE, release)
 
     def _contribute(self, master: str, dram_bytes: int) -> Any:
         from kvpool.node import NodeConfig, StorageNode

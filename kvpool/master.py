@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,6 +49,7 @@ from kvpool.protocol import (
     LeaseReply,
     LeaseRequest,
     RegisterNode,
+    ReleaseRequest,
     ReplicateReply,
     ReplicateRequest,
 )
@@ -75,6 +77,10 @@ class MasterConfig:
     # Copy a node's DRAM blocks to its SSD once DRAM is this full (0: write every
     # block behind, so evictions almost always demote instead of dropping).
     ssd_clean_at: float = 0.0
+    # A node re-joining (after a master restart) takes no new allocations for
+    # this long, so ranges named in leases the old master granted are not reused
+    # while clients may still read them (covers the client lease cache's hold).
+    rejoin_grace_s: float = 2.0
 
 
 class Master:
@@ -129,7 +135,7 @@ class Master:
             (COMMIT, self._commit, IdsRequest),
             (REVOKE, self._revoke, IdsRequest),
             (LEASE, self._lease, LeaseRequest),
-            (RELEASE, self._release, IdsRequest),
+            (RELEASE, self._release, ReleaseRequest),
             (EXISTS, self._exists, KeysRequest),
             (PREFIX, self._prefix_match, KeysRequest),
             (REMOVE, self._remove, KeysRequest),
@@ -151,6 +157,7 @@ class Master:
                 region.to_dict(),
                 region.host_id,
                 has_ssd=region.ssd_bytes > 0,
+                grace_s=self.config.rejoin_grace_s if msg.rejoin else 0.0,
             )
             self.regions[region.node_id] = region
             self._drop_node_client(region.node_id)
@@ -181,11 +188,17 @@ class Master:
         check_keys(msg.keys, msg.parents)
         if any(not isinstance(size, int) or size <= 0 for size in msg.sizes):
             raise ValueError("block sizes must be positive integers")
+        with self._lock:
+            grace = self.catalog.grace_left() if not self._usable_nodes() else 0.0
+        if grace:  # every node is re-joining: wait for the first to become usable
+            time.sleep(grace)
         placements: list[list[list[Any]] | None] = []
-        error = ""
+        error, full = "", []
         with self._lock:
             evictions = self.catalog.evictions
-            for key, size, parent in zip(msg.keys, msg.sizes, msg.parents, strict=True):
+            for i, (key, size, parent) in enumerate(
+                zip(msg.keys, msg.sizes, msg.parents, strict=True)
+            ):
                 try:
                     allocs = self.catalog.allocate(
                         key, size, parent, max(1, msg.replicas), msg.node_id or None
@@ -193,6 +206,7 @@ class Master:
                 except CatalogFullError as exc:
                     placements.append(None)
                     error = str(exc)
+                    full.append(i)
                     continue
                 placements.append(
                     None if allocs is None else [[a.alloc_id, a.node_id, a.offset] for a in allocs]
@@ -200,7 +214,7 @@ class Master:
             self.metrics.evictions.inc(self.catalog.evictions - evictions)
             nodes = self._regions_of(p[1] for ps in placements if ps for p in ps)
             self._refresh_gauges()
-        return AllocateReply(placements=placements, nodes=nodes, error=error)
+        return AllocateReply(placements=placements, nodes=nodes, error=error, full=full)
 
     def _commit(self, msg: IdsRequest) -> list[bool]:
         with self._lock:
@@ -244,7 +258,8 @@ class Master:
         hits = sum(b is not None for b in blocks)
         self.metrics.hits.inc(hits)
         self.metrics.misses.inc(len(msg.keys) - hits)
-        return LeaseReply(lease_id, blocks, nodes, self.config.lease_ttl, orders)
+        busy = any(alloc is None for _, alloc in promotions)
+        return LeaseReply(lease_id, blocks, nodes, self.config.lease_ttl, busy, orders)
 
     def _promote(self, promotions: list[tuple[BlockMeta, Allocation | None]]) -> None:
         """Load SSD-only blocks (leased by the caller) back into their nodes' DRAM."""
@@ -277,10 +292,12 @@ class Master:
             nodes = self._regions_of(a[1] for a in allocations if a)
         return ReplicateReply(allocations, nodes)
 
-    def _release(self, msg: IdsRequest) -> None:
+    def _release(self, msg: ReleaseRequest) -> None:
         with self._lock:
             for lease_id in msg.ids:
                 self.catalog.release(lease_id)
+            for key, reads in msg.reads:
+                self.catalog.add_reads(key, reads)
 
     def _exists(self, msg: KeysRequest) -> list[bool]:
         check_keys(msg.keys)
@@ -327,6 +344,9 @@ class Master:
             }
 
     # -- helpers ----------------------------------------------------------------
+
+    def _usable_nodes(self) -> bool:
+        return any(n.usable_at <= self.catalog.clock() for n in self.catalog.nodes.values())
 
     def _regions_of(self, node_ids: Any) -> dict[str, RegionInfo]:
         return {n: self.regions[n] for n in set(node_ids) if n in self.regions}

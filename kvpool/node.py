@@ -120,6 +120,7 @@ class StorageNode:
         self.registered = threading.Event()
         self._checksums: list[list[Any]] = []  # computed, not yet reported
         self._served = {"out": 0, "in": 0}
+        self._joined_before = False
         self._client: RpcClient | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvpool-heartbeat", daemon=True)
@@ -185,9 +186,12 @@ class StorageNode:
         held = [b for b in self.blocks.values() if self._intact(b)]
         self.blocks = {b.offset: b for b in held}
         ssd_blocks = [] if self.ssd is None else self.ssd.listing()
-        message = RegisterNode(self.region(), [b.wire() for b in held], ssd_blocks)
+        message = RegisterNode(
+            self.region(), [b.wire() for b in held], ssd_blocks, rejoin=self._joined_before
+        )
         reply = self._rpc().call(REGISTER, message)
         self._checksums.clear()
+        self._joined_before = True
         self.registered.set()
         log.info(
             "registered with %s as %s (%d blocks kept)",

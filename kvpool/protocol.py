@@ -40,6 +40,7 @@ class RegisterNode(WireMessage):
     # [key, offset, size, checksum, parent] for every block the node verified
     blocks: list[list[Any]] = field(default_factory=list)
     ssd_blocks: list[list[Any]] = field(default_factory=list)  # [key, size, parent] on its SSD
+    rejoin: bool = False  # registered with a master before (which may have leased its ranges)
 
 
 @dataclass
@@ -69,11 +70,18 @@ class AllocateReply(WireMessage):
     placements: list[list[list[Any]] | None]
     nodes: dict[str, RegionInfo]
     error: str = ""  # set when some key could not be placed anywhere (cluster full)
+    full: list[int] = field(default_factory=list)  # indices of those keys
 
 
 @dataclass
 class IdsRequest(WireMessage):
     ids: list[int]
+
+
+@dataclass
+class ReleaseRequest(WireMessage):
+    ids: list[int]
+    reads: list[list[Any]] = field(default_factory=list)  # [key, n]: reads served from cache
 
 
 @dataclass
@@ -89,6 +97,9 @@ class LeaseReply(WireMessage):
     blocks: list[list[Any] | None]
     nodes: dict[str, RegionInfo]
     ttl: float
+    # some blocks are stored but could not be brought into memory right now:
+    # everything evictable there is leased (releasing cached leases may help)
+    busy: bool = False
     # hot blocks the reader should copy to a new replica after reading them:
     # [index into blocks, alloc_id, node_id, offset]; commit (or revoke) when done
     replicate: list[list[Any]] = field(default_factory=list)

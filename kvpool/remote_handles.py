@@ -13,6 +13,7 @@ from kvpool.protocol import COMMIT, REVOKE, IdsRequest
 
 if TYPE_CHECKING:
     from kvpool.client import RemotePool
+    from kvpool.lease_cache import CachedLease
 
 
 @dataclass(frozen=True)
@@ -54,24 +55,28 @@ class RemoteBlockWriter(PiecewiseWriter):
 
 
 class RemoteLease:
-    """Blocks pinned on the master; reads of them need no further round trip."""
+    """Blocks pinned on the master; reads of them need no further round trip.
+
+    Releasing hands the lease to the client's lease cache, which gives it
+    back to the master shortly after (see kvpool.lease_cache).
+    """
 
     def __init__(
         self,
         pool: RemotePool,
-        lease_id: int,
+        lease: CachedLease,
         keys: Sequence[bytes],
         sizes: Sequence[int],
         nodes: Sequence[list[str]],
     ) -> None:
-        self._pool, self._lease_id = pool, lease_id
+        self._pool, self._lease = pool, lease
         self.keys, self.sizes, self.nodes = list(keys), list(sizes), list(nodes)
         self._released = False
 
     def release(self) -> None:
         if not self._released:
             self._released = True
-            self._pool._release(self._lease_id, self.keys)
+            self._pool._unpin(self._lease)
 
     def __len__(self) -> int:
         return len(self.keys)

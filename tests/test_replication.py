@@ -20,8 +20,12 @@ def test_hot_block_gains_a_replica_then_cools_down() -> None:
             pool.put_batch(keys, [payload(0), payload(1)])
             assert [len(n) for n in pool.locate(keys)] == [1, 1]
             out = np.empty(BLOCK, np.uint8)
-            for _ in range(6):
-                assert pool.get_into(keys[0], out) == BLOCK
+            with kvpool.connect(cluster.url) as reader:  # reads served from its lease cache
+                for _ in range(6):
+                    assert reader.get_into(keys[0], out) == BLOCK
+            # ...are reported when it hands the lease back, so the next reader that
+            # asks the master is told to copy the (now hot) block to another node.
+            assert pool.get_into(keys[0], out) == BLOCK
             assert wait_until(lambda: len(pool.locate(keys)[0]) >= 2, timeout=5)
             assert len(pool.locate(keys)[1]) == 1  # the cold block stays single
             assert pool.stats()["client"]["replicas_added"] >= 1

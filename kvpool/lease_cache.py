@@ -1,0 +1,110 @@
+"""Client-side cache of read leases: repeated reads of a block skip the master.
+
+Blocks are immutable and named by a hash of their whole prefix, so once a
+client holds a lease on a block (the master will not free or reuse its
+range), it can read it again without asking where it is. The cache keeps
+each lease for ``hold_s`` seconds after it was granted, or while a caller
+holds it explicitly (``pin``), and within ``max_bytes`` of leased blocks;
+then it hands the lease back, with how often each block was read meanwhile
+so the master's hot-block accounting sees every read.
+
+Safety rests on three bounds: the master's lease TTL is longer than
+``hold_s``; a restarted master waits a grace period longer than ``hold_s``
+before it allocates anything (so no range named in a pre-restart lease is
+reused while a client may still read it); and a client forgets a key it
+removes itself. Another client's ``remove`` becomes visible here after at
+most ``hold_s`` (the bytes read meanwhile are the block's correct bytes).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+DEFAULT_HOLD_S = 1.0
+DEFAULT_MAX_BYTES = 1 << 30
+
+
+@dataclass
+class CachedLease:
+    lease_id: int
+    keys: list[bytes]
+    nbytes: int
+    deadline: float  # hand it back after this (unless pinned)
+    expires: float  # the master's lease ends about here: never read past it
+    pins: int = 0  # explicit holders (RemoteLease objects) still using it
+    reads: Counter[bytes] = field(default_factory=Counter)
+
+
+class LeaseCache:
+    """key -> (placements, size) for blocks under a live lease; not thread-safe."""
+
+    def __init__(self, hold_s: float = DEFAULT_HOLD_S, max_bytes: int = DEFAULT_MAX_BYTES) -> None:
+        self.hold_s, self.max_bytes = hold_s, max_bytes
+        self._blocks: dict[bytes, tuple[Any, int, CachedLease]] = {}
+        self._leases: OrderedDict[int, CachedLease] = OrderedDict()  # oldest first
+        self._bytes = 0
+
+    def add(
+        self, lease_id: int, blocks: Sequence[tuple[bytes, Any, int]], ttl: float, pin: bool
+    ) -> CachedLease:
+        """Remember a fresh lease (master TTL ``ttl``) over (key, placements, size) blocks."""
+        now = time.monotonic()
+        lease = CachedLease(
+            lease_id,
+            [k for k, _, _ in blocks],
+            sum(s for _, _, s in blocks),
+            now + self.hold_s,
+            now + 0.9 * ttl,
+            pins=int(pin),
+        )
+        for key, placements, size in blocks:
+            self._blocks[key] = (placements, size, lease)  # the newest lease wins
+        self._leases[lease_id] = lease
+        self._bytes += lease.nbytes
+        return lease
+
+    def lookup(self, key: bytes, count: bool = True) -> tuple[Any, int, CachedLease] | None:
+        """Placements, size and lease of a leased block; None if not (safely) cached."""
+        found = self._blocks.get(key)
+        if found is None:
+            return None
+        lease = found[2]
+        now = time.monotonic()
+        if now > lease.expires or (lease.pins == 0 and now > lease.deadline):
+            return None
+        if count:
+            lease.reads[key] += 1
+        return found
+
+    def unpin(self, lease: CachedLease) -> None:
+        lease.pins -= 1
+
+    def forget(self, key: bytes) -> None:
+        """Stop serving ``key`` from the cache (this client removed it)."""
+        self._blocks.pop(key, None)
+
+    def due(self, everything: bool = False, unpinned: bool = False) -> list[CachedLease]:
+        """Leases to hand back now: expired and unpinned, oldest first, plus the
+        oldest unpinned ones past ``max_bytes``; with ``unpinned`` every unpinned
+        one (memory is short), with ``everything`` all of them (closing)."""
+        now, out = time.monotonic(), []
+        for lease in list(self._leases.values()):
+            if lease.pins and not everything:
+                continue
+            over = self._bytes > self.max_bytes
+            if everything or unpinned or over or now > lease.deadline:
+                out.append(self._drop(lease))
+        return out
+
+    def _drop(self, lease: CachedLease) -> CachedLease:
+        del self._leases[lease.lease_id]
+        self._bytes -= lease.nbytes
+        for key in lease.keys:
+            found = self._blocks.get(key)
+            if found is not None and found[2] is lease:
+                del self._blocks[key]
+        return lease

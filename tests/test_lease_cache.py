@@ -1,0 +1,65 @@
+"""The client's lease cache: hold time, pins, byte bound, and what it means live."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+from clusterhelpers import start_cluster, wait_until
+from poolhelpers import BLOCK, make_keys, payload
+
+import kvpool
+from kvpool.lease_cache import LeaseCache
+
+
+def test_hold_time_pins_and_byte_bound() -> None:
+    cache = LeaseCache(hold_s=0.05, max_bytes=300)
+    a, b, c = make_keys(3)
+    first = cache.add(1, [(a, "pa", 100), (b, "pb", 100)], ttl=30, pin=False)
+    pinned = cache.add(2, [(c, "pc", 100)], ttl=30, pin=True)
+    assert cache.lookup(a) == ("pa", 100, first)
+    assert cache.due() == []  # nothing expired, 300 bytes is within the bound
+    cache.add(3, [(a, "pa2", 100)], ttl=30, pin=False)  # 400 bytes: over
+    assert [d.lease_id for d in cache.due()] == [1]  # oldest unpinned first
+    assert cache.lookup(a)[0] == "pa2"  # type: ignore[index]  # the newer lease serves it
+    assert cache.lookup(b) is None
+    time.sleep(0.06)
+    assert cache.lookup(a) is None  # past its hold time
+    assert cache.lookup(c) is not None  # pinned: held until unpinned
+    assert [d.lease_id for d in cache.due()] == [3]
+    cache.unpin(pinned)
+    (done,) = cache.due()
+    assert done.lease_id == 2 and done.reads[c] == 1
+
+
+def test_forget_and_release_all_unpinned() -> None:
+    cache = LeaseCache(hold_s=10)
+    a, b = make_keys(2)
+    cache.add(1, [(a, "pa", 10)], ttl=30, pin=False)
+    cache.add(2, [(b, "pb", 10)], ttl=30, pin=True)
+    cache.forget(a)
+    assert cache.lookup(a) is None
+    assert [d.lease_id for d in cache.due(unpinned=True)] == [1]
+    assert [d.lease_id for d in cache.due(everything=True)] == [2]
+
+
+def test_repeated_reads_skip_the_master_and_removes_show_within_the_hold_time() -> None:
+    cluster = start_cluster(["4MiB"])
+    try:
+        with (
+            kvpool.connect(cluster.url, lease_cache_s=2.0) as reader,
+            kvpool.connect(cluster.url) as writer,
+        ):
+            assert wait_until(lambda: len(writer.stats()["nodes"]) == 1, timeout=15)
+            keys = make_keys(8)
+            writer.put_batch(keys, [payload(i) for i in range(8)])
+            out = np.empty(BLOCK, np.uint8)
+            for _ in range(5):
+                for i, key in enumerate(keys):
+                    assert reader.get_into(key, out) == BLOCK and np.array_equal(out, payload(i))
+            # One round trip per key on the first pass; the other four passes hit the cache.
+            assert reader.stats()["client"]["lease_round_trips"] == len(keys)
+            assert writer.remove(keys[0])
+            assert wait_until(lambda: reader.get_into(keys[0], out) is None, timeout=4)
+    finally:
+        cluster.stop()
