@@ -3,8 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 from typing import Any
+
+# Suites in their own modules: (module under kvpool.bench, its register function).
+SUITES = [
+    ("remote", "register_remote"),
+    ("layerwise", "register_layerwise"),
+    ("serve", "register_serve"),
+    ("policy_cost", "register"),
+]
 
 
 def register(subparsers: Any) -> None:
@@ -25,11 +34,8 @@ def register(subparsers: Any) -> None:
     prefix.add_argument("--samples", type=int, default=300)
     prefix.add_argument("--json", default=None, metavar="F")
     prefix.set_defaults(func=_run_prefix)
-    __import__("kvpool.bench.layerwise", fromlist=["x"]).register_layerwise(suites)
-    __import__("kvpool.bench.serve", fromlist=["x"]).register_serve(suites)
-    from kvpool.bench.remote import register_remote
-
-    register_remote(suites)
+    for module, function in SUITES:
+        getattr(importlib.import_module(f"kvpool.bench.{module}"), function)(suites)
 
 
 def _run_local(args: argparse.Namespace) -> int:
