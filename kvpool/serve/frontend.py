@@ -129,6 +129,9 @@ class WorkerHandle:
     inflight: dict[str, ServeRequest] = field(default_factory=dict)
     reported: dict[str, Any] = field(default_factory=dict)
     generation: int = 0
+    started_at: float = 0.0  # monotonic time of the last (re)start
+    quick_failures: int = 0  # deaths soon after a start, in a row
+    retry_at: float = 0.0
 
     @property
     def pid(self) -> int | None:
@@ -206,6 +209,7 @@ class Frontend:
             handle.alive, handle.broken = True, False
             handle.generation += 1
             handle.reported = {}
+            handle.started_at = time.monotonic()
         if handle.kind == DECODE:
             t = threading.Thread(
                 target=self._pump,
@@ -270,6 +274,8 @@ class Frontend:
                     req.push(("tok", int(token), int(index), bool(finished)))
 
     def _supervise(self) -> None:
+        """Mark dead workers down and restart them; a worker that keeps dying soon
+        after its start is retried with exponential backoff (up to 30 s)."""
         while not self._stop.wait(0.2):
             for h in list(self.handles.values()):
                 dead = h.child is not None and not h.child.alive()
@@ -278,10 +284,15 @@ class Frontend:
                     self._mark_down(h, h.generation, f"process exited ({code})")
                 if not (h.broken and self.s.restart and self.launch) or self._stop.is_set():
                     continue
+                now = time.monotonic()
+                if now < h.retry_at:
+                    continue
                 if h.child is not None:
                     h.child.stop(2.0)
                 if h.client is not None:
                     h.client.close()
+                h.quick_failures = h.quick_failures + 1 if now - h.started_at < 10 else 0
+                h.retry_at = now + min(30.0, 0.5 * 2**h.quick_failures)
                 try:
                     child = self.launch(h.kind, h.worker_id)
                 except Exception as exc:

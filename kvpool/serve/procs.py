@@ -63,12 +63,17 @@ class Child:
             self.popen.send_signal(sig)
 
     def stop(self, timeout: float = 5.0) -> None:
-        """SIGTERM its group, wait up to ``timeout``, then SIGKILL."""
-        if self.popen.poll() is None:
-            self.signal_group(signal.SIGTERM)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.popen.wait(timeout)
-        # the group may hold grandchildren even after the leader exited
+        """SIGTERM its group, wait up to ``timeout``, then SIGKILL the group.
+
+        A child already reaped earlier is left alone: its pid (and so its
+        group id) may belong to another process by now."""
+        if self.popen.returncode is not None:
+            return
+        self.signal_group(signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.popen.wait(timeout)
+        # right after the leader exits its group id is still reserved while any
+        # member (a grandchild) lives, so this reaches only what it left behind
         self.signal_group(signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.popen.wait(5)

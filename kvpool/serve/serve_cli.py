@@ -127,6 +127,7 @@ class _Runtime:
         self.args = args
         self.model = get_preset(args.model, block_tokens=args.block_tokens)
         self.infra: list[Any] = []  # master, node (Child)
+        self.workers: list[Any] = []  # every worker process started (Child)
         self.pids: list[int] = []
         self.frontend: Any = None
         self.pool: Any = None
@@ -255,6 +256,7 @@ class _Runtime:
             ]
         child = procs.start(worker_id, cmd)
         self.pids.append(child.pid)
+        self.workers.append(child)
         return procs.wait_ready(child, 120) if wait else child
 
     def _make_server(self) -> None:
@@ -325,6 +327,8 @@ class _Runtime:
             fe.close()
             with ThreadPoolExecutor(8) as ex:
                 list(ex.map(lambda c: c.stop(5.0), fe.children()))
+        for child in self.workers:  # any that never joined the front end (startup cut short)
+            child.stop(2.0)
         if self.pool is not None:
             with contextlib.suppress(Exception):
                 self.pool.close()
