@@ -134,6 +134,6 @@ def test_sim_report_tables(tmp_path, trace) -> None:
         speeds_reject=(5.0,),
         capacities=(0, 64),
     )
-    assert [len(res[k]) for k in ("split", "router", "reject", "capacity")] == [3, 4, 4, 4]
+    assert [len(res[k]) for k in ("split", "router", "reject", "capacity")] == [3, 4, 8, 4]
     text = markdown(res)
     assert "| speed | cluster |" in text and "coupled 20" in text

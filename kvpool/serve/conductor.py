@@ -44,7 +44,9 @@ Admission (``Rejection``):
 
 The decode pool's capacity (``decode_capacity``) is the number of requests
 it can hold at the mean request size: within its KV memory and with the
-step time within the TBT SLO.
+step time within the TBT SLO. Admission aims at ``headroom`` (0.9) of it:
+at full KV memory the llama2-70b step time is already at the TBT SLO, so
+admitting up to 100 % lets the admitted requests miss it.
 
 Baseline routers (``BASELINES``): ``random``, ``least-loaded`` (shortest
 predicted queue) and ``cache-only`` (longest local prefix); they never fetch.
@@ -453,6 +455,7 @@ class ConductorRouter:
     pool: Any = None
     rejection: str = "predicted"
     node_of: dict[str, str] = field(default_factory=dict)
+    headroom: float = 0.9
     name: str = "conductor"
     correction: _Ewma = field(default_factory=lambda: _Ewma(1.0))
     decode_s: _Ewma = field(default_factory=lambda: _Ewma(5.0))
@@ -508,6 +511,7 @@ class ConductorRouter:
                 capacity += int(w.kv_capacity_tokens // max(self.mean_tokens.value, 1.0))
             else:
                 capacity += 1 << 30
+        capacity = int(capacity * self.headroom)
         in_prefill = sum(w.queued_requests + w.running for w in prefill)
         finishing = load_now * min(1.0, plan.ttft_s / max(self.decode_s.value, 1e-9))
         predicted = round(load_now - finishing + in_prefill)
@@ -560,8 +564,9 @@ def conductor_from_context(ctx: Any) -> ConductorRouter:
 
     ``--router-opt`` keys: ``cost_model`` (a ``kvpool calibrate`` JSON),
     ``rejection`` (none|now|early|predicted), ``ttft_mult``, ``tbt_mult``,
-    ``balance_threshold``, ``bandwidth_gbps`` (pool transfer bandwidth,
-    GB/s; default 1.6, the measured 2-process TCP get_into at 4 MiB).
+    ``balance_threshold``, ``headroom`` (share of the decode capacity
+    admitted, 0.9), ``bandwidth_gbps`` (pool transfer bandwidth, GB/s;
+    default 1.6, the measured 2-process TCP get_into at 4 MiB).
     """
     opts = dict(ctx.options)
     cfg = ctx.model
@@ -583,4 +588,9 @@ def conductor_from_context(ctx: Any) -> ConductorRouter:
             pool = kvpool.connect(ctx.pool_url)
         except Exception:
             pool = None
-    return ConductorRouter(conductor, pool=pool, rejection=opts.get("rejection", "predicted"))
+    return ConductorRouter(
+        conductor,
+        pool=pool,
+        rejection=opts.get("rejection", "predicted"),
+        headroom=float(opts.get("headroom", 0.9)),
+    )

@@ -80,6 +80,7 @@ class SimConfig:
     policy: str = "lru"
     slo: SLO = field(default_factory=SLO)
     balance_threshold: float = 0.8
+    decode_headroom: float = 0.9  # admission aims at this share of the decode capacity
     seed: int = 0
     model: str = "llama2-70b"
     block_tokens: int = 512
@@ -97,6 +98,8 @@ class SimConfig:
         normalize_rejection(self.rejection)
         if self.capacity_blocks < 0:
             raise ValueError("capacity_blocks must be >= 0")
+        if not 0.0 < self.decode_headroom <= 1.0:
+            raise ValueError("decode_headroom must be in (0, 1]")
         if self.cpp_group != 1:
             raise ValueError("--cpp-group > 1 (pipeline prefill) arrives with issue 8")
 
@@ -408,7 +411,8 @@ class Cluster:
     def _capacity(self) -> int:
         mean_ctx = self.mean_tokens or 4096.0
         tbt = self.conductor.tbt_slo(int(mean_ctx))
-        return decode_capacity(self.cost.decode, len(self.decode_nodes), mean_ctx, tbt)
+        cap = decode_capacity(self.cost.decode, len(self.decode_nodes), mean_ctx, tbt)
+        return int(cap * self.cfg.decode_headroom)
 
     def _on_arrival(self, rid: int, now: float) -> None:
         r = self.reqs[rid]
@@ -631,6 +635,7 @@ class Cluster:
                 "policy": cfg.policy,
                 "slo": asdict(cfg.slo),
                 "balance_threshold": cfg.balance_threshold,
+                "decode_headroom": cfg.decode_headroom,
                 "model": cfg.model,
                 "cpp_group": cfg.cpp_group,
             },
@@ -681,6 +686,12 @@ def register(subparsers: Any) -> None:
     p.add_argument("--ttft-slo", type=float, default=10.0, help="x unloaded TTFT (P90)")
     p.add_argument("--tbt-slo", type=float, default=5.0, help="x unloaded TBT (P90)")
     p.add_argument("--balance-threshold", type=float, default=0.8)
+    p.add_argument(
+        "--decode-headroom",
+        type=float,
+        default=0.9,
+        help="admission targets this share of the decode pool's capacity",
+    )
     p.add_argument("--block-tokens", type=int, default=512)
     p.add_argument("--model", default="llama2-70b")
     p.add_argument("--limit", type=int, default=0, help="first N requests only")
@@ -711,6 +722,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         policy=args.policy,
         slo=SLO(args.ttft_slo, args.tbt_slo),
         balance_threshold=args.balance_threshold,
+        decode_headroom=args.decode_headroom,
         seed=args.seed,
         model=args.model,
         block_tokens=args.block_tokens,

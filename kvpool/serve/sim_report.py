@@ -8,8 +8,10 @@ commands and prints one table per question:
    ``kvpool sim TRACE --prefill 10 --decode 10 --speed S``,
    ``... --prefill 14 --decode 6 --speed S``, ``... --coupled 20 --speed S``;
 2. routers: ``kvpool sim TRACE --prefill 10 --decode 10 --speed S --router R``;
-3. rejection under overload (decode-bound: 10 prefill, 3 decode nodes):
-   ``kvpool sim TRACE --prefill 10 --decode 3 --speed S --rejection P``;
+3. rejection under overload: decode-bound with short prefill queues
+   (``kvpool sim TRACE --prefill 10 --decode 3 --speed S --rejection P``) and
+   both pools overloaded with long prefill queues
+   (``kvpool sim TRACE --prefill 4 --decode 2 --speed 8 --ttft-slo 30 --rejection P``);
 4. hit ratio against pool capacity:
    ``kvpool sim TRACE --prefill 10 --decode 10 --speed 5 --capacity-blocks N [--policy P]``.
 """
@@ -22,6 +24,7 @@ import sys
 import time
 from typing import Any
 
+from kvpool.serve.conductor import SLO
 from kvpool.serve.sim import SimConfig, simulate
 
 
@@ -75,7 +78,12 @@ def run_all(
             out["router"].append(sim(speed=s, router=router))
     for s in speeds_reject:
         for rej in ("none", "after", "now", "predicted"):
-            out["reject"].append(sim(prefill=10, decode=3, speed=s, rejection=rej))
+            r = sim(prefill=10, decode=3, speed=s, rejection=rej)
+            out["reject"].append({**r, "cluster": "10P + 3D", "ttft_mult": 10.0})
+    for rej in ("none", "after", "now", "predicted"):
+        r = sim(prefill=4, decode=2, speed=8.0, rejection=rej, slo=SLO(30.0, 5.0))
+        r.pop("slo")
+        out["reject"].append({**r, "cluster": "4P + 2D", "ttft_mult": 30.0})
     for policy in ("lru", "leaf"):
         for cap in capacities:
             out["capacity"].append(sim(speed=5.0, capacity_blocks=cap, policy=policy))
@@ -111,17 +119,20 @@ def markdown(res: dict[str, list[dict[str, Any]]]) -> str:
                 "goodput_rps",
             ],
         ),
-        "Rejection under overload (10P + 3D):",
+        "Rejection under overload:",
         table(
             res["reject"],
             [
+                "cluster",
                 "speed",
+                "ttft_mult",
                 "rejection",
                 "rejected",
                 "rejected_ttft",
                 "rejected_decode",
                 "rejected_after_prefill",
                 "wasted_prefill_s",
+                "mean_ttft_s",
                 "tbt_slo_attainment",
                 "goodput_rps",
             ],
