@@ -355,7 +355,6 @@ class RemotePool(LayerwiseMethods):
                     hit = self._cache.lookup(key, count=False)
                     if hit is not None:
                         found[key] = hit
-        self._hand_back_due()
         return found
 
     def _take_lease(
@@ -400,8 +399,10 @@ class RemotePool(LayerwiseMethods):
         self, placements: list[Placement], dst: Region, start: int, want: int
     ) -> int | None:
         """Read from the best replica, falling back to the others; None if none serves."""
-        here = host_identity()
-        ordered = sorted(placements, key=lambda p: self._regions[p.node_id].host_id != here)
+        ordered = placements
+        if len(placements) > 1:  # same host first
+            here = host_identity()
+            ordered = sorted(placements, key=lambda p: self._regions[p.node_id].host_id != here)
         for placement in ordered:
             try:
                 self._read_from(placement, dst, start, want)

@@ -91,14 +91,15 @@ class LeaseCache:
         """Leases to hand back now: expired and unpinned, oldest first, plus the
         oldest unpinned ones past ``max_bytes``; with ``unpinned`` every unpinned
         one (memory is short), with ``everything`` all of them (closing)."""
-        now, out = time.monotonic(), []
-        for lease in list(self._leases.values()):
+        now, out, excess = time.monotonic(), [], self._bytes - self.max_bytes
+        for lease in self._leases.values():  # oldest (earliest deadline) first
             if lease.pins and not everything:
                 continue
-            over = self._bytes > self.max_bytes
-            if everything or unpinned or over or now > lease.deadline:
-                out.append(self._drop(lease))
-        return out
+            if not (everything or unpinned or excess > 0 or now > lease.deadline):
+                break  # this one and every later one are younger, and within bounds
+            out.append(lease)
+            excess -= lease.nbytes
+        return [self._drop(lease) for lease in out]
 
     def _drop(self, lease: CachedLease) -> CachedLease:
         del self._leases[lease.lease_id]
