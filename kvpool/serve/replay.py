@@ -348,8 +348,10 @@ def summarize(outcomes: Sequence[Outcome], span_s: float, wall_s: float) -> dict
 
 def plot_cdfs(outcomes: Sequence[Outcome], directory: str) -> list[str]:
     """``ttft_cdf.png`` and ``tbt_cdf.png`` in ``directory``; returns the paths."""
-    import matplotlib
-
+    try:
+        import matplotlib
+    except ImportError:
+        raise RuntimeError("--plot needs matplotlib: pip install 'kvpool[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
