@@ -208,3 +208,23 @@ def test_router_protocol_with_fake_pool() -> None:
     assert router.route(1000, keys, ws).reject
     router.observe(routing.Observation("prefill", "pa", 1000, cached_tokens=0, seconds=2.0))
     assert router.correction.value > 1.0
+
+
+def test_factory_loads_cost_model_and_bandwidth(tmp_path) -> None:
+    import json
+
+    routing = pytest.importorskip("kvpool.serve.routing")
+    from kvpool.serve.presets import get_preset
+
+    model = PrefillCostModel(c0=0.001, c_token=2e-5, model="tiny")
+    path = tmp_path / "cm.json"
+    path.write_text(json.dumps({"prefill": model.to_dict(), "transfer": {"bandwidth_Bps": 5e9}}))
+    ctx = routing.RouterContext(
+        get_preset("tiny"), "", options={"cost_model": str(path), "rejection": "now"}
+    )
+    router = routing.make_router("conductor", ctx)
+    assert router.conductor.prefill.c_token == 2e-5
+    assert router.conductor.transfer.bandwidth_Bps == 5e9
+    assert router.rejection == "now" and router.pool is None
+    ctx.options["bandwidth_gbps"] = "2"
+    assert routing.make_router("conductor", ctx).conductor.transfer.bandwidth_Bps == 2e9

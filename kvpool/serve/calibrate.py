@@ -10,8 +10,8 @@ recorded. The fit (``cost_model.fit_prefill``) is a quadratic in the length:
 ``t = c0 + c_token * new + c_pair * pairs(new, cached) + c_cached * cached``.
 
 It also measures the pool's copy bandwidth (put + get of block-sized
-values in the same embedded pool), which is the default transfer bandwidth
-for a single-machine conductor.
+values: in the embedded pool, or with ``--pool kvpool://HOST:PORT`` in a
+running cluster), which the conductor loads as its transfer bandwidth.
 
 The JSON written (``--out``, default ``cost_model_<model>.json``)::
 
@@ -66,6 +66,7 @@ def calibrate(
     threads: int | None = 1,
     seed: int = 0,
     progress: bool = True,
+    pool_url: str | None = None,
 ) -> dict[str, Any]:
     """Time prefill over the grid; returns the JSON-ready calibration dict."""
     import numpy as np
@@ -112,9 +113,13 @@ def calibrate(
                             f"  prompt {n:>6}  cached {got:>6}  {best * 1e3:8.2f} ms",
                             file=sys.stderr,
                         )
-            bandwidth = measure_bandwidth(pool, block_bytes)
+            if pool_url is None:
+                bandwidth = measure_bandwidth(pool, block_bytes)
         finally:
             worker.close()
+    if pool_url is not None:
+        with kvpool.connect(pool_url) as remote:
+            bandwidth = measure_bandwidth(remote, block_bytes)
     fit = fit_prefill(samples, model=cfg.name, source="kvpool calibrate")
     fit.meta.update(
         {"block_tokens": block_tokens, "threads": torch.get_num_threads(), "grid": lengths}
@@ -148,6 +153,9 @@ def register(subparsers: Any) -> None:
         "0 keeps torch's default)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--pool", default=None, help="kvpool://HOST:PORT: measure this cluster's bandwidth"
+    )
     p.set_defaults(func=_run_cli)
 
 
@@ -161,8 +169,9 @@ def _run_cli(args: argparse.Namespace) -> int:
             repeats=args.repeats,
             threads=args.threads,
             seed=args.seed,
+            pool_url=args.pool,
         )
-    except ValueError as exc:
+    except (ValueError, OSError) as exc:
         print(f"kvpool calibrate: {exc}", file=sys.stderr)
         return 2
     out = args.out or f"cost_model_{args.model}.json"

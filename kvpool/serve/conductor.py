@@ -56,6 +56,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import json
 import random as _random
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -566,17 +567,24 @@ def conductor_from_context(ctx: Any) -> ConductorRouter:
     ``rejection`` (none|now|early|predicted), ``ttft_mult``, ``tbt_mult``,
     ``balance_threshold``, ``headroom`` (share of the decode capacity
     admitted, 0.9), ``bandwidth_gbps`` (pool transfer bandwidth, GB/s;
-    default 1.6, the measured 2-process TCP get_into at 4 MiB).
+    default: the one in the cost model file, else 1.6, the design brief's
+    2-process TCP get_into at 4 MiB).
     """
     opts = dict(ctx.options)
     cfg = ctx.model
     path = opts.get("cost_model")
     prefill = PrefillCostModel.load(path) if path else default_prefill_model(cfg)
+    bandwidth = 1.6e9
+    if path:  # the bandwidth kvpool calibrate measured, when the file has it
+        with open(path, encoding="utf-8") as fh:
+            bandwidth = float(json.load(fh).get("transfer", {}).get("bandwidth_Bps", bandwidth))
+    if "bandwidth_gbps" in opts:
+        bandwidth = float(opts["bandwidth_gbps"]) * 1e9
     conductor = Conductor(
         prefill,
         block_tokens=cfg.block_tokens,
         kv_bytes_per_token=cfg.kv_bytes_per_token,
-        transfer=TransferModel(float(opts.get("bandwidth_gbps", 1.6)) * 1e9, 200e-6),
+        transfer=TransferModel(bandwidth, 200e-6),
         slo=SLO(float(opts.get("ttft_mult", 10.0)), float(opts.get("tbt_mult", 5.0))),
         balance_threshold=float(opts.get("balance_threshold", 0.8)),
     )
