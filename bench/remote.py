@@ -39,9 +39,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -54,12 +52,12 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench.common import count_for, faulted, parse_sizes, write_json
+from kvpool.bench.procs import spawn_kvpool
 from kvpool.bench.remote_transport import MedianTiming, _cpus, _RawClient
 from kvpool.config import format_size, parse_size
 
 WORKING_SET = 64 << 20
 TRANSPORTS = ("shm", "tcp", "ucx")
-_READY = re.compile(r"(?:ready on|on) ([\d.]+):(\d+)")
 _PAGE = 4096
 
 
@@ -132,48 +130,8 @@ def _paired(
 # --- processes ------------------------------------------------------------------------
 
 
-@dataclass
-class _Proc:
-    popen: subprocess.Popen[str]
-    address: str
-    line: str
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
-
-
 def _preexec(cpus: set[int] | None) -> Callable[[], None] | None:
     return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
-
-
-def _spawn_kvpool(args: Sequence[str], cpus: set[int] | None, timeout: float = 30.0) -> _Proc:
-    """``python -m kvpool ARGS``, waiting for its ready line (HOST:PORT)."""
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "kvpool", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        preexec_fn=_preexec(cpus),
-    )
-    assert popen.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = popen.stdout.readline()
-        if not line:
-            break
-        match = _READY.search(line)
-        if match:
-            return _Proc(popen, f"{match.group(1)}:{match.group(2)}", line.strip())
-    popen.kill()
-    popen.wait(10)
-    raise RuntimeError(f"kvpool {' '.join(args)} did not start")
 
 
 @contextmanager
@@ -205,11 +163,11 @@ def _raw_server(region: int, cpus: set[int] | None) -> Iterator[int]:
 @contextmanager
 def _cluster(dram: int, cpus: set[int] | None) -> Iterator[str]:
     """A master and one node (``dram`` bytes) as separate processes; yields the URL."""
-    master = _spawn_kvpool(["master", "--host", "127.0.0.1", "--port", "0"], cpus)
+    master = spawn_kvpool(["master", "--host", "127.0.0.1", "--port", "0"], cpus=cpus)
     procs = [master]
     try:
         node_args = ["node", "--master", master.address, "--dram", str(dram)]
-        procs.append(_spawn_kvpool([*node_args, "--heartbeat", "0.5"], cpus))
+        procs.append(spawn_kvpool([*node_args, "--heartbeat", "0.5"], cpus=cpus))
         yield f"kvpool://{master.address}"
     finally:
         for proc in reversed(procs):

@@ -2,63 +2,16 @@
 
 from __future__ import annotations
 
-import os
-import re
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-READY = re.compile(r"(?:ready on|on) ([\d.]+):(\d+)")
-
-
-@dataclass
-class Proc:
-    popen: subprocess.Popen[str]
-    host: str
-    port: int
-    line: str
-
-    @property
-    def address(self) -> str:
-        return f"{self.host}:{self.port}"
-
-    def kill(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGKILL)
-            self.popen.wait(10)
-
-    def stop(self) -> None:
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.kill()
+from kvpool.bench.procs import Proc, spawn_kvpool
 
 
 def spawn(args: Sequence[str], prefix: Sequence[str] = (), timeout: float = 20.0) -> Proc:
     """Run ``python -m kvpool ARGS`` and wait for its ready line."""
-    popen = subprocess.Popen(
-        [*prefix, sys.executable, "-m", "kvpool", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-    )
-    deadline = time.monotonic() + timeout
-    assert popen.stdout is not None
-    while time.monotonic() < deadline:
-        line = popen.stdout.readline()
-        if not line:
-            break
-        match = READY.search(line)
-        if match:
-            return Proc(popen, match.group(1), int(match.group(2)), line.strip())
-    popen.kill()
-    raise RuntimeError(f"kvpool {' '.join(args)} did not start")
+    return spawn_kvpool(args, prefix=prefix, timeout=timeout)
 
 
 @dataclass

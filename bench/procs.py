@@ -1,0 +1,76 @@
+"""Start ``kvpool master`` / ``kvpool node`` processes for benchmarks and tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+READY = re.compile(r"(?:ready on|on) ([\d.]+):(\d+)")
+
+
+@dataclass
+class Proc:
+    """A started kvpool server and the HOST:PORT its ready line named."""
+
+    popen: subprocess.Popen[str]
+    host: str
+    port: int
+    line: str
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def kill(self) -> None:
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGKILL)
+            self.popen.wait(10)
+
+    def stop(self) -> None:
+        """SIGTERM (clean shutdown), then SIGKILL after 10 s."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(10)
+            except subprocess.TimeoutExpired:
+                self.kill()
+
+
+def spawn_kvpool(
+    args: Sequence[str],
+    *,
+    prefix: Sequence[str] = (),
+    cpus: set[int] | None = None,
+    timeout: float = 30.0,
+) -> Proc:
+    """Run ``[prefix] python -m kvpool ARGS`` and wait for its ready line."""
+    popen = subprocess.Popen(
+        [*prefix, sys.executable, "-m", "kvpool", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        preexec_fn=_pin(cpus),
+    )
+    assert popen.stdout is not None
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        line = popen.stdout.readline()
+        if not line:
+            break
+        match = READY.search(line)
+        if match:
+            return Proc(popen, match.group(1), int(match.group(2)), line.strip())
+    popen.kill()
+    popen.wait(10)
+    raise RuntimeError(f"kvpool {' '.join(args)} did not start")
+
+
+def _pin(cpus: set[int] | None) -> Callable[[], None] | None:
+    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
