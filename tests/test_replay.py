@@ -151,3 +151,59 @@ def test_percentile_of() -> None:
     assert percentile_of([], 90) == 0.0
     assert percentile_of([3.0, 1.0, 2.0], 50) == 2.0
     assert percentile_of(list(range(1, 101)), 90) == 90
+
+
+def test_replay_against_kvpool_serve_with_conductor(tmp_path) -> None:
+    """End to end: ``kvpool serve --router conductor`` answers a replayed trace."""
+    pytest.importorskip("torch")
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from kvpool.serve.replay import replay
+
+    popen = subprocess.Popen(
+        [
+            *(sys.executable, "-m", "kvpool", "serve", "--model", "tiny", "--port", "0"),
+            *("--block-tokens", "16", "--dram", "64MiB", "--kv-tokens", "4096"),
+            *("--threads", "1", "--router", "conductor", "--router-opt", "rejection=predicted"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+    )
+    try:
+        assert popen.stdout is not None
+        url = None
+        deadline = time.monotonic() + 90
+        while url is None and time.monotonic() < deadline:
+            line = popen.stdout.readline()
+            if not line:
+                break
+            m = re.search(r"ready on (http://[\d.]+:\d+)", line)
+            url = m.group(1) if m else None
+        assert url, "kvpool serve did not start"
+        assert "router conductor" in line
+        recs = synthesize(requests=12, seed=4, rate=20.0, think_time_s=0.2, system_prompts=2)
+        result = replay(
+            url,
+            recs,
+            speed=1.0,
+            block_tokens=16,
+            scale_output=0.01,
+            max_output=4,
+            progress=False,
+            timeout=60.0,
+        )
+        assert result["requests"] == 12 and result["failed"] == 0
+        assert result["completed"] + result["rejected"] == 12 and result["completed"] > 0
+        assert result["hit_ratio"] is not None and result["hit_ratio"] > 0  # shared prefixes
+        assert result["ttft_p50_s"] > 0
+    finally:
+        popen.terminate()
+        try:
+            popen.wait(30)
+        except subprocess.TimeoutExpired:
+            popen.kill()
