@@ -11,6 +11,7 @@ from typing import Any
 SUITES = [
     ("remote", "register_remote"),
     ("layerwise", "register_layerwise"),
+    ("hot", "register_hot"),
     ("serve", "register_serve"),
     ("policy_cost", "register"),
 ]
