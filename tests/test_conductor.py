@@ -227,4 +227,7 @@ def test_factory_loads_cost_model_and_bandwidth(tmp_path) -> None:
     assert router.conductor.transfer.bandwidth_Bps == 5e9
     assert router.rejection == "now" and router.pool is None
     ctx.options["bandwidth_gbps"] = "2"
-    assert routing.make_router("conductor", ctx).conductor.transfer.bandwidth_Bps == 2e9
+    ctx.options["nodes"] = "p0:nodeA, p1:nodeB"
+    router = routing.make_router("conductor", ctx)
+    assert router.conductor.transfer.bandwidth_Bps == 2e9
+    assert router.node_of == {"p0": "nodeA", "p1": "nodeB"}

@@ -566,7 +566,9 @@ def conductor_from_context(ctx: Any) -> ConductorRouter:
     ``--router-opt`` keys: ``cost_model`` (a ``kvpool calibrate`` JSON),
     ``rejection`` (none|now|early|predicted), ``ttft_mult``, ``tbt_mult``,
     ``balance_threshold``, ``headroom`` (share of the decode capacity
-    admitted, 0.9), ``bandwidth_gbps`` (pool transfer bandwidth, GB/s;
+    admitted, 0.9), ``nodes`` (``p0:NODE,p1:NODE``: the pool node next to
+    each prefill worker, for per-node prefixes on a multi-node pool),
+    ``bandwidth_gbps`` (pool transfer bandwidth, GB/s;
     default: the one in the cost model file, else 1.6, the design brief's
     2-process TCP get_into at 4 MiB).
     """
@@ -596,9 +598,16 @@ def conductor_from_context(ctx: Any) -> ConductorRouter:
             pool = kvpool.connect(ctx.pool_url)
         except Exception:
             pool = None
+    node_of = {}
+    for item in filter(None, opts.get("nodes", "").split(",")):
+        worker, sep, node = item.partition(":")
+        if not sep or not worker or not node:
+            raise ValueError(f"router option nodes wants WORKER:NODE pairs, got {item!r}")
+        node_of[worker.strip()] = node.strip()
     return ConductorRouter(
         conductor,
         pool=pool,
         rejection=opts.get("rejection", "predicted"),
+        node_of=node_of,
         headroom=float(opts.get("headroom", 0.9)),
     )
