@@ -137,3 +137,26 @@ def test_sim_report_tables(tmp_path, trace) -> None:
     assert [len(res[k]) for k in ("split", "router", "reject", "capacity")] == [3, 4, 8, 4]
     text = markdown(res)
     assert "| speed | cluster |" in text and "coupled 20" in text
+
+
+def test_decode_engine_stall_counts_one_long_gap() -> None:
+    cost = DecodeCostModel(
+        base_s=0.01, per_request_s=0.0, per_token_s=0.0, kv_capacity_tokens=10**9
+    )
+    eng = DecodeEngine(cost)
+    eng.join(0, context=10, steps=10)  # first token at t = 0, steps of 10 ms
+    end = eng.add_stall(0.035, 0.5)  # a prefill arrives mid step 3: runs at t = 0.04
+    assert end == pytest.approx(0.54)
+    assert eng.s == 4
+    assert eng.next_wake() == pytest.approx(0.54 + 6 * 0.01)
+    assert eng.finish_due() == [0]
+    over, first = eng.gaps_over(0, 10, 0.0, slo=0.05)
+    assert first == pytest.approx(0.01)
+    assert over == 1  # the gap of step 4 holds the 0.5 s prefill
+    # the coupled request that was prefilled joins after its own stall
+    eng2 = DecodeEngine(cost)
+    t = eng2.add_stall(0.0, 0.2)
+    j = eng2.join(1, context=10, steps=3)
+    eng2.finish_due()
+    over, first = eng2.gaps_over(j, j + 3, t, slo=0.05)
+    assert over == 0 and first == pytest.approx(0.01)
