@@ -334,6 +334,24 @@ def test_killed_worker_fails_its_requests_then_serving_resumes(
     assert r.json()["choices"][0]["token_ids"] == generate(model, ids, 5)
 
 
+def test_killed_worker_mid_stream_ends_it_with_an_error_event(server: Server) -> None:
+    pid = int(_health(server.url)["d0"]["pid"])  # type: ignore[call-overload]
+    body = {"prompt": [6] * 20, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+    events: list[str] = []
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            events.append(line[6:])
+            if len(events) == 5:
+                os.kill(pid, signal.SIGKILL)
+    assert events[-1] == "[DONE]"
+    error = json.loads(events[-2])["error"]
+    assert "d0" in error["message"] and error["type"] == "server_error"
+    assert 5 <= len(events) - 2 < 1000  # some tokens, then the error
+
+
 def test_sigterm_stops_every_child_and_frees_shared_memory(server: Server) -> None:
     kids = _descendants(server.popen.pid)
     assert len(kids) >= 4  # master, node, p0, d0
