@@ -292,7 +292,9 @@ class RemotePool(LayerwiseMethods):
         check_key(key)
         self._check_open()
         with self._lock:
-            self._cache.forget(key)
+            done = self._cache.forget(key)
+        if done is not None:
+            self._hand_back([done], wait=False)  # before the remove, on the same connection
         return bool(self._rpc.call(REMOVE, KeysRequest([key]))[0])
 
     def stats(self) -> dict[str, Any]:
@@ -375,8 +377,11 @@ class RemotePool(LayerwiseMethods):
         self._counts["misses"] += len(keys) - len(held)
         with self._lock:
             lease = self._cache.add(reply.lease_id, held, reply.ttl, pin)
+            superseded = self._cache.superseded
             for index, alloc_id, node_id, offset in reply.replicate:
                 self._orders[keys[index]] = (alloc_id, Placement(node_id, offset))
+        if superseded:
+            self._hand_back(superseded, wait=False)
         return lease, held
 
     def _read_range(

@@ -47,6 +47,7 @@ class LeaseCache:
         self._blocks: dict[bytes, tuple[Any, int, CachedLease]] = {}
         self._leases: OrderedDict[int, CachedLease] = OrderedDict()  # oldest first
         self._bytes = 0
+        self.superseded: list[CachedLease] = []  # set by add(): older leases now idle
 
     def add(
         self, lease_id: int, blocks: Sequence[tuple[bytes, Any, int]], ttl: float, pin: bool
@@ -61,10 +62,12 @@ class LeaseCache:
             now + 0.9 * ttl,
             pins=int(pin),
         )
+        older = {id(f[2]): f[2] for k, _, _ in blocks if (f := self._blocks.get(k)) is not None}
         for key, placements, size in blocks:
             self._blocks[key] = (placements, size, lease)  # the newest lease wins
         self._leases[lease_id] = lease
         self._bytes += lease.nbytes
+        self.superseded = [self._drop(old) for old in older.values() if self._idle(old)]
         return lease
 
     def lookup(self, key: bytes, count: bool = True) -> tuple[Any, int, CachedLease] | None:
@@ -83,9 +86,21 @@ class LeaseCache:
     def unpin(self, lease: CachedLease) -> None:
         lease.pins -= 1
 
-    def forget(self, key: bytes) -> None:
-        """Stop serving ``key`` from the cache (this client removed it)."""
-        self._blocks.pop(key, None)
+    def forget(self, key: bytes) -> CachedLease | None:
+        """Stop serving ``key`` (this client removed it); returns its lease if that lease
+        now serves nothing and nobody pins it, so the caller hands it back at once
+        (a removed block's range is freed only when its last lease ends)."""
+        found = self._blocks.pop(key, None)
+        if found is None:
+            return None
+        lease = found[2]
+        return self._drop(lease) if self._idle(lease) else None
+
+    def _idle(self, lease: CachedLease) -> bool:
+        """Unpinned, still held, and serving no key (newer leases or forgets took them)."""
+        if lease.pins or lease.lease_id not in self._leases:
+            return False
+        return not any((f := self._blocks.get(k)) is not None and f[2] is lease for k in lease.keys)
 
     def due(self, everything: bool = False, unpinned: bool = False) -> list[CachedLease]:
         """Leases to hand back now: expired and unpinned, oldest first, plus the

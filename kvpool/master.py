@@ -143,8 +143,12 @@ class Master:
             (LOCATE, self._locate, KeysRequest),
             (STATS, self._stats, None),
         ]
+        # Handlers are short critical sections under one lock: running them on the
+        # connection's reader thread saves a thread hop (~50 us) per call.
         for method, fn, request_type in routes:
-            self._server.register(method, self.metrics.wrap(method, fn), request_type=request_type)
+            self._server.register(
+                method, self.metrics.wrap(method, fn), request_type=request_type, inline=True
+            )
 
     def _register(self, msg: RegisterNode) -> dict[str, Any]:
         region = msg.region

@@ -37,10 +37,22 @@ def test_forget_and_release_all_unpinned() -> None:
     a, b = make_keys(2)
     cache.add(1, [(a, "pa", 10)], ttl=30, pin=False)
     cache.add(2, [(b, "pb", 10)], ttl=30, pin=True)
-    cache.forget(a)
+    forgotten = cache.forget(a)  # its lease serves nothing else: hand it back now
+    assert forgotten is not None and forgotten.lease_id == 1
     assert cache.lookup(a) is None
-    assert [d.lease_id for d in cache.due(unpinned=True)] == [1]
+    assert cache.forget(b) is None  # pinned: stays until unpinned
+    assert cache.due(unpinned=True) == []
     assert [d.lease_id for d in cache.due(everything=True)] == [2]
+
+
+def test_a_newer_lease_supersedes_an_idle_older_one() -> None:
+    cache = LeaseCache(hold_s=10)
+    a, b = make_keys(2)
+    cache.add(1, [(a, "pa", 10)], ttl=30, pin=False)
+    cache.add(2, [(a, "pa", 10), (b, "pb", 10)], ttl=30, pin=False)
+    assert [d.lease_id for d in cache.superseded] == [1]
+    cache.add(3, [(b, "pb", 10)], ttl=30, pin=False)
+    assert cache.superseded == []  # lease 2 still serves a
 
 
 def test_repeated_reads_skip_the_master_and_removes_show_within_the_hold_time() -> None:
