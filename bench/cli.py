@@ -14,6 +14,7 @@ SUITES = [
     ("hot", "register_hot"),
     ("serve", "register_serve"),
     ("policy_cost", "register"),
+    ("cpp", "register_cpp"),
 ]
 
 

@@ -25,6 +25,7 @@ SUBCOMMANDS: list[str] = [
     "kvpool.serve.sim",
     "kvpool.serve.calibrate",
     "kvpool.serve.replay",
+    "kvpool.serve.sim_cpp",
 ]
 
 

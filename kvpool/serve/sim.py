@@ -655,6 +655,10 @@ def simulate(
     cfg = config or SimConfig()
     if keys is None:
         keys = trace_keys(records, cfg.block_tokens)
+    if cfg.cpp_group != 1:  # issue 8: pipeline prefill groups (kvpool.serve.sim_cpp)
+        from kvpool.serve.sim_cpp import CppCluster
+
+        return CppCluster(records, keys, cfg, cost).run()
     return Cluster(records, keys, cfg, cost).run()
 
 
@@ -696,7 +700,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--model", default="llama2-70b")
     p.add_argument("--limit", type=int, default=0, help="first N requests only")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cpp-group", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--cpp-group", type=int, default=1, help="pipeline prefill over k nodes")
     p.add_argument("--json", default=None, help="write the result object here")
     p.set_defaults(func=_run_cli)
 
