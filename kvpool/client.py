@@ -152,13 +152,16 @@ class RemotePool(LayerwiseMethods):
         self._learn(reply.nodes)
         written, failed = [], []
         stored = [False] * len(keys)
+        by_node: dict[str, list[tuple[int, int, int]]] = {}
         for i, placements in enumerate(reply.placements):
             for alloc_id, node_id, offset in placements or ():
-                try:
-                    self._write(node_id, offset, regions[i])
-                    written.append((i, alloc_id))
-                except _READ_ERRORS:
-                    failed.append(alloc_id)
+                by_node.setdefault(node_id, []).append((i, alloc_id, offset))
+        for node_id, items in by_node.items():
+            try:  # one pipelined exchange per node
+                self._transport(node_id).write_many([(off, regions[i]) for i, _, off in items])
+                written += [(i, alloc_id) for i, alloc_id, _ in items]
+            except _READ_ERRORS:
+                failed += [alloc_id for _, alloc_id, _ in items]
         if failed:
             self._rpc.submit(REVOKE, IdsRequest(failed))
         if written:
@@ -223,10 +226,25 @@ class RemotePool(LayerwiseMethods):
         check_keys(keys)
         regions = [as_region(o, writable=True, what="out") for o in outs]
         found = self._resolve(keys)
-        return [
-            self._read_range(k, found[k], r, 0, None) if k in found else None
-            for k, r in zip(keys, regions, strict=True)
-        ]
+        sizes: list[int | None] = [found[k][1] if k in found else None for k in keys]
+        for size, region in zip(sizes, regions, strict=True):
+            if size is not None and region_nbytes(region) < size:
+                raise BufferSpecError(f"out has {region_nbytes(region)} bytes but {size} are asked")
+        by_node: dict[str, list[int]] = {}
+        for i, key in enumerate(keys):
+            if key in found:
+                by_node.setdefault(self._preferred(found[key][0]).node_id, []).append(i)
+        for node_id, items in by_node.items():
+            plan = [
+                (self._preferred(found[keys[i]][0]).offset, regions[i][: sizes[i]]) for i in items
+            ]
+            try:  # one pipelined exchange per node
+                self._transport(node_id).read_many(plan)
+                self._counts["hits"] += len(items)
+            except _READ_ERRORS:  # that node failed: each block tries its other replicas
+                for i in items:
+                    sizes[i] = self._read_range(keys[i], found[keys[i]], regions[i], 0, None)
+        return sizes
 
     def lease(self, keys: Sequence[bytes], *, prefix: bool = True) -> RemoteLease:
         """Pin the stored prefix of ``keys`` (or every stored key) until released."""
@@ -406,8 +424,7 @@ class RemotePool(LayerwiseMethods):
         """Read from the best replica, falling back to the others; None if none serves."""
         ordered = placements
         if len(placements) > 1:  # same host first
-            here = host_identity()
-            ordered = sorted(placements, key=lambda p: self._regions[p.node_id].host_id != here)
+            ordered = sorted(placements, key=lambda p: p is not self._preferred(placements))
         for placement in ordered:
             try:
                 self._read_from(placement, dst, start, want)
@@ -417,6 +434,16 @@ class RemotePool(LayerwiseMethods):
             return want
         self._counts["misses"] += 1
         return None
+
+    def _preferred(self, placements: list[Placement]) -> Placement:
+        """The replica to read first: one on this host, else the master's first
+        (least loaded)."""
+        if len(placements) > 1:
+            here = host_identity()
+            for placement in placements:
+                if self._regions[placement.node_id].host_id == here:
+                    return placement
+        return placements[0]
 
     def _fulfil_order(self, order: tuple[int, Placement], block: Region) -> None:
         """Copy a just-read hot block to the replica the master asked for (or give it back)."""
