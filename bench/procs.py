@@ -7,9 +7,10 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from kvpool.procutil import wait_for_ready
 
 READY = re.compile(r"(?:ready on|on) ([\d.]+):(\d+)")
 
@@ -58,18 +59,8 @@ def spawn_kvpool(
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
         preexec_fn=_pin(cpus),
     )
-    assert popen.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = popen.stdout.readline()
-        if not line:
-            break
-        match = READY.search(line)
-        if match:
-            return Proc(popen, match.group(1), int(match.group(2)), line.strip())
-    popen.kill()
-    popen.wait(10)
-    raise RuntimeError(f"kvpool {' '.join(args)} did not start")
+    match = wait_for_ready(popen, READY, timeout)
+    return Proc(popen, match.group(1), int(match.group(2)), match.string.strip())
 
 
 def _pin(cpus: set[int] | None) -> Callable[[], None] | None:

@@ -35,6 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvpool.bench.common import write_json
+from kvpool.procutil import wait_for_ready
 
 READY = re.compile(r"ready on (http://[\w.\[\]:-]+)")
 
@@ -327,17 +328,11 @@ def start_server(extra: list[str], timeout: float = 120.0) -> tuple[subprocess.P
         text=True,
         env=dict(os.environ, PYTHONUNBUFFERED="1"),
     )
-    assert popen.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = popen.stdout.readline()
-        if not line:
-            break
-        m = READY.search(line)
-        if m:
-            return popen, m.group(1)
-    stop_server(popen)
-    raise RuntimeError("kvpool serve did not start")
+    try:
+        return popen, wait_for_ready(popen, READY, timeout).group(1)
+    except RuntimeError:
+        stop_server(popen)
+        raise
 
 
 def stop_server(popen: subprocess.Popen[str]) -> None:

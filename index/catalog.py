@@ -206,13 +206,8 @@ class BlockCatalog:
         gone = []
         for key, block in list(self.blocks.items()):
             block.replicas = [r for r in block.replicas if r.node_id != node_id]
-            if not block.replicas:
-                del self.blocks[key]
-                self._with_extras.discard(key)
-                block.removed = True
+            if not self._after_replica_loss(block):
                 gone.append(key)
-            elif not any(r.primary for r in block.replicas):
-                self._make_primary(block, block.replicas[0])
         return gone
 
     def touch_node(self, node_id: str) -> bool:
@@ -481,12 +476,7 @@ class BlockCatalog:
         block.replicas = [
             r for r in block.replicas if not (r.node_id == node.node_id and r.tier == "ssd")
         ]
-        if not block.replicas:
-            del self.blocks[key]
-            self._with_extras.discard(key)
-            block.removed = True
-        elif not any(r.primary for r in block.replicas):
-            self._make_primary(block, block.replicas[0])
+        self._after_replica_loss(block)
 
     def release(self, lease_id: int) -> None:
         record = self.leases.pop(lease_id, None)
@@ -563,12 +553,7 @@ class BlockCatalog:
         block.replicas = [r for r in block.replicas if r.node_id != node.node_id]
         for replica in mine:
             self._free_replica(node, replica)
-        if not block.replicas:
-            del self.blocks[key]
-            self._with_extras.discard(key)
-            block.removed = True
-        elif not any(r.primary for r in block.replicas):
-            self._make_primary(block, block.replicas[0])
+        self._after_replica_loss(block)
 
     def _add_replica(
         self,
@@ -630,6 +615,18 @@ class BlockCatalog:
     def _policy_of(self, replica: Replica) -> EvictionPolicy:
         node = self.nodes[replica.node_id]
         return node.policy if replica.primary else node.extras
+
+    def _after_replica_loss(self, block: BlockMeta) -> bool:
+        """A block just lost replicas: forget it if none is left, else make sure one is
+        primary. Returns whether the block is still stored."""
+        if not block.replicas:
+            del self.blocks[block.key]
+            self._with_extras.discard(block.key)
+            block.removed = True
+            return False
+        if not any(r.primary for r in block.replicas):
+            self._make_primary(block, block.replicas[0])
+        return True
 
     def _make_primary(self, block: BlockMeta, replica: Replica) -> None:
         node = self.nodes[replica.node_id]

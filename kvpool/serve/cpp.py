@@ -51,6 +51,7 @@ import numpy as np
 
 import kvpool
 from kvpool.index.keys import block_keys, root_key, token_array
+from kvpool.procutil import wait_for_ready
 from kvpool.rpc import RpcClient
 from kvpool.serve.cpp_stage import MAX_FRAME, READY_PREFIX
 from kvpool.serve.kv_io import tail_key, tail_layout
@@ -129,20 +130,9 @@ def spawn_stage(
         env=env,
         preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
     )
-    assert popen.stdout is not None
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        line = popen.stdout.readline()
-        if not line:
-            break
-        match = _READY.search(line)
-        if match:
-            address = f"{match.group(1)}:{match.group(2)}"
-            client = RpcClient(address, timeout=600.0, max_frame=MAX_FRAME)
-            return StageProc(popen, address, layers, client)
-    popen.kill()
-    popen.wait(10)
-    raise RuntimeError(f"cpp stage {layers} did not start")
+    match = wait_for_ready(popen, _READY, timeout)
+    address = f"{match.group(1)}:{match.group(2)}"
+    return StageProc(popen, address, layers, RpcClient(address, timeout=600.0, max_frame=MAX_FRAME))
 
 
 class CppGroup:
