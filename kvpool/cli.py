@@ -26,6 +26,7 @@ SUBCOMMANDS: list[str] = [
     "kvpool.serve.calibrate",
     "kvpool.serve.replay",
     "kvpool.serve.sim_cpp",
+    "kvpool.serve.plan",
 ]
 
 
