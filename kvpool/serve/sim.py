@@ -101,7 +101,7 @@ class SimConfig:
         if not 0.0 < self.decode_headroom <= 1.0:
             raise ValueError("decode_headroom must be in (0, 1]")
         if self.cpp_group != 1:
-            raise ValueError("--cpp-group > 1 (pipeline prefill) arrives with issue 8")
+            raise ValueError("cpp_group > 1: use simulate() (kvpool.serve.sim_cpp.CppCluster)")
 
 
 class DecodeEngine:
