@@ -299,7 +299,9 @@ class CppGroup:
 
     @staticmethod
     def _write_spec(writer: Any, start: int, rows: int) -> dict[str, Any]:
+        deadline = getattr(writer, "deadline", None)
         return {
+            "ttl_s": None if deadline is None else deadline - time.monotonic(),
             "key": writer.key,
             "start": start,
             "rows": rows,

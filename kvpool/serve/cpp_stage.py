@@ -81,6 +81,18 @@ class _Request:
     sends: list[Future[Any]] = field(default_factory=list)
 
 
+def _remote_writer(
+    pool: Any, key: bytes, size: int, placements: list[Placement], ids: list[int], ttl: Any
+) -> RemoteBlockWriter:
+    """A writer onto the coordinator's reservation. ``ttl``: seconds left before
+    the master revokes it (the coordinator's writer deadline, re-based on this
+    process's clock); None where the pool's writers carry no deadline."""
+    if ttl is None:
+        return RemoteBlockWriter(pool, key, size, placements, ids)  # type: ignore[call-arg,unused-ignore]
+    deadline = time.monotonic() + float(ttl)
+    return RemoteBlockWriter(pool, key, size, placements, ids, deadline)  # type: ignore[call-arg,unused-ignore]
+
+
 class Stage:
     """A pipeline stage: layers ``[first, last)`` of ``model`` plus the pool it writes to."""
 
@@ -122,7 +134,7 @@ class Stage:
             placements = [Placement(node, off) for _, node, off in w["alloc"]]
             ids = [a for a, _, _ in w["alloc"]]
             size = 2 * w["rows"] * cfg.num_layers * cfg.kv_dim * cfg.dtype_bytes
-            writer = RemoteBlockWriter(self.pool, w["key"], size, placements, ids)
+            writer = _remote_writer(self.pool, w["key"], size, placements, ids, w.get("ttl_s"))
             writes.append(_Write(w["start"], w["rows"], writer))
         tokens = params.get("tokens")
         ids_t = None if tokens is None else torch.from_numpy(np.frombuffer(tokens, "<i4").copy())
