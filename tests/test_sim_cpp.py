@@ -62,3 +62,12 @@ def test_sim_cpp_group_pipelines_long_prompts() -> None:
         simulate(records, SimConfig(prefill=3, decode=4, cpp_group=2), keys=keys)
     with pytest.raises(ValueError, match="coupled"):
         simulate(records, SimConfig(coupled=4, cpp_group=2), keys=keys)
+
+
+def test_choose_pipeline_rule() -> None:
+    from kvpool.serve.sim_cpp import choose_pipeline
+
+    assert not choose_pipeline(1.0, 0.5, 2.0, 1000, 16384)  # fits: never split
+    assert choose_pipeline(3.0, 2.0, 2.0, 1000, 16384)  # misses the SLO, group faster
+    assert not choose_pipeline(3.0, 3.5, 2.0, 1000, 16384)  # group not faster
+    assert choose_pipeline(1.0, 0.6, 2.0, 20000, 16384)  # long: pipeline when faster

@@ -98,6 +98,22 @@ def cpp_seconds(
     return best
 
 
+def choose_pipeline(
+    single_ttft_s: float,
+    group_ttft_s: float,
+    ttft_slo_s: float,
+    new_tokens: int,
+    min_tokens: int = DEFAULT_MIN_TOKENS,
+) -> bool:
+    """The conductor's per-request CPP rule: pipeline over a group when one node's
+    TTFT estimate misses the SLO or the tokens to compute reach ``min_tokens``,
+    and only if the group's estimate (its busiest member's queue + transfer +
+    ``cpp_seconds``) is lower. Prompts that fit one node are never split."""
+    if single_ttft_s <= ttft_slo_s and new_tokens < min_tokens:
+        return False
+    return group_ttft_s < single_ttft_s
+
+
 def tp_seconds(cost: ClusterCostModel, new: int, cached: int, nodes: int) -> float:
     """Cross-node tensor parallelism over ``nodes`` nodes: compute / k + 2 all-reduces per layer."""
     pm, cfg = cost.prefill, cost.config
@@ -175,15 +191,16 @@ class CppCluster(Cluster):
         bubble = 0.0
         bt = self.cost.config.block_tokens
         cached = min(plan.reused_blocks * bt, r.input - 1)
-        if plan.ttft_s > r.ttft_slo or r.input - cached >= self.min_tokens:
-            pipe_s, bubble, _ = cpp_seconds(self.cost, r.input - cached, cached, self.k)
+        new = r.input - cached
+        if plan.ttft_s > r.ttft_slo or new >= self.min_tokens:
+            pipe_s, bubble, _ = cpp_seconds(self.cost, new, cached, self.k)
             best_g, best_q = 0, math.inf
             for g in range(len(nodes) // self.k):
                 q = max(views[m].queue_s for m in range(g * self.k, (g + 1) * self.k))
                 if q < best_q:
                     best_g, best_q = g, q
             cpp_ttft = best_q + plan.transfer_s + pipe_s
-            if cpp_ttft < ttft:
+            if choose_pipeline(ttft, cpp_ttft, r.ttft_slo, new, self.min_tokens):
                 ttft, seconds = cpp_ttft, plan.transfer_s + pipe_s
                 members = list(range(best_g * self.k, (best_g + 1) * self.k))
         if self.rejection != "none" and ttft > r.ttft_slo:
