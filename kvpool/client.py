@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -195,6 +196,7 @@ class RemotePool(LayerwiseMethods):
             size,
             [Placement(n, o) for _, n, o in placements],
             [a for a, _, _ in placements],
+            deadline=time.monotonic() + 0.9 * reply.ttl,
         )
 
     # -- reads --------------------------------------------------------------------

@@ -27,6 +27,7 @@ from kvpool.metrics import Metrics
 from kvpool.protocol import (
     ALLOCATE,
     COMMIT,
+    DEFAULT_ALLOC_TTL,
     EXISTS,
     HEARTBEAT,
     LEASE,
@@ -70,7 +71,7 @@ class MasterConfig:
     policy: str = "lru"
     node_ttl: float = 5.0  # a node silent this long is dead
     lease_ttl: float = 30.0
-    alloc_ttl: float = 30.0
+    alloc_ttl: float = DEFAULT_ALLOC_TTL
     reap_interval: float = 0.5
     metrics_port: int | None = None  # None: no /metrics server; 0: any free port
     replication: ReplicationConfig = field(default_factory=ReplicationConfig)
@@ -218,7 +219,9 @@ class Master:
             self.metrics.evictions.inc(self.catalog.evictions - evictions)
             nodes = self._regions_of(p[1] for ps in placements if ps for p in ps)
             self._refresh_gauges()
-        return AllocateReply(placements=placements, nodes=nodes, error=error, full=full)
+        return AllocateReply(
+            placements=placements, nodes=nodes, error=error, full=full, ttl=self.config.alloc_ttl
+        )
 
     def _commit(self, msg: IdsRequest) -> list[bool]:
         with self._lock:

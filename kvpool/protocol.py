@@ -13,6 +13,8 @@ from typing import Any
 from kvpool.rpc_messages import WireMessage
 from kvpool.transport.base import RegionInfo
 
+DEFAULT_ALLOC_TTL = 120.0  # seconds a put (or a layer-by-layer block) has to commit
+
 # Master RPC method names.
 REGISTER = "node.register"
 HEARTBEAT = "node.heartbeat"
@@ -71,6 +73,7 @@ class AllocateReply(WireMessage):
     nodes: dict[str, RegionInfo]
     error: str = ""  # set when some key could not be placed anywhere (cluster full)
     full: list[int] = field(default_factory=list)  # indices of those keys
+    ttl: float = 0.0  # an allocation not committed within this many seconds is revoked
 
 
 @dataclass

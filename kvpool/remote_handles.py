@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -9,7 +10,7 @@ from typing import TYPE_CHECKING
 from kvpool.bindings.buffers import Region
 from kvpool.errors import KVPoolError
 from kvpool.pool_handles import PiecewiseWriter
-from kvpool.protocol import COMMIT, REVOKE, IdsRequest
+from kvpool.protocol import COMMIT, DEFAULT_ALLOC_TTL, REVOKE, IdsRequest
 
 if TYPE_CHECKING:
     from kvpool.client import RemotePool
@@ -26,19 +27,32 @@ class Placement:
 class RemoteBlockWriter(PiecewiseWriter):
     """A block allocated on the master, filled on its node(s), visible after ``commit``.
 
-    Every write goes to every replica; a failed write aborts the block.
+    Every write goes to every replica; a failed write aborts the block. The
+    master revokes allocations not committed within its TTL and may then hand
+    the range to another block, so a writer refuses to write past
+    ``deadline`` (a little before that TTL) rather than risk it.
     """
 
     def __init__(
-        self, pool: RemotePool, key: bytes, size: int, placements: list[Placement], ids: list[int]
+        self,
+        pool: RemotePool,
+        key: bytes,
+        size: int,
+        placements: list[Placement],
+        ids: list[int],
+        deadline: float | None = None,
     ) -> None:
         self._pool, self.key, self.size = pool, key, size
         self._placements, self._ids = placements, ids
+        # Without a deadline from the allocation reply, assume the default TTL.
+        self.deadline = deadline or time.monotonic() + 0.9 * DEFAULT_ALLOC_TTL
         self.done = False
 
     def _write(self, offset: int, src: Region) -> None:
         if self.done:
             raise KVPoolError("this block writer is already committed or aborted")
+        if time.monotonic() > self.deadline:
+            raise KVPoolError("this block's reservation expired before it was written; retry")
         for placement in self._placements:
             self._pool._write(placement.node_id, placement.offset + offset, src)
 

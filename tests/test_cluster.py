@@ -284,3 +284,15 @@ def test_a_client_can_lend_its_own_memory(cluster: Cluster) -> None:
             other.put_batch(keys, [payload(i) for i in range(300)])
             assert sum(n["blocks"] for n in other.stats()["nodes"].values()) == 300
             assert min(n["blocks"] for n in other.stats()["nodes"].values()) > 0
+
+
+def test_a_writer_refuses_to_write_past_its_reservation(pool: RemotePool) -> None:
+    key = make_keys(1)[0]
+    writer = pool.reserve(key, 1000)
+    assert writer is not None
+    writer.write(0, b"x" * 10)
+    writer.deadline = 0.0  # as if the master's allocation TTL had run out
+    with pytest.raises(kvpool.KVPoolError, match="expired"):
+        writer.write(10, b"y" * 10)
+    writer.abort()
+    assert pool.exists([key]) == [False]
