@@ -28,8 +28,11 @@ best single node and its TTFT estimate; the request is pipelined over the
 group with the lowest estimate (queue = the group's busiest member) when
 the single-node estimate misses its TTFT SLO or the tokens to compute
 (prompt minus reused prefix) are at least ``min_tokens``, and only if
-that lowers the estimate. A pipelined request occupies every member of
-its group for its whole duration (bubble included). Prompts that fit one node pay nothing.
+that lowers the estimate and does not leave the group's other members idle
+for more than ``max_idle`` of the pipeline's node-seconds
+(``choose_pipeline``). A pipelined request occupies every member of
+its group for its whole duration (bubble included). Prompts that fit one
+node pay nothing.
 
 ``kvpool sim-cpp`` prints the TTFT-vs-prompt-length table (8k -> 128k).
 """
@@ -51,6 +54,7 @@ CHUNK_OVERHEAD_S = 0.5e-3  # per chunk per stage: one more forward's launches/sc
 NET_BPS = 100e9  # between nodes (cost_model.HardwareSpec.net_Bps)
 NET_LATENCY_S = 50e-6  # per message / per ring step (HardwareSpec.net_latency_s)
 DEFAULT_MIN_TOKENS = 16384
+DEFAULT_MAX_IDLE = 0.1  # of a pipeline's node-seconds, see choose_pipeline
 PROMPT_LENGTHS = (8192, 16384, 32768, 65536, 131072)
 
 
@@ -104,12 +108,23 @@ def choose_pipeline(
     ttft_slo_s: float,
     new_tokens: int,
     min_tokens: int = DEFAULT_MIN_TOKENS,
+    *,
+    idle_s: float = 0.0,
+    work_s: float = 0.0,
+    max_idle: float = DEFAULT_MAX_IDLE,
 ) -> bool:
     """The conductor's per-request CPP rule: pipeline over a group when one node's
     TTFT estimate misses the SLO or the tokens to compute reach ``min_tokens``,
     and only if the group's estimate (its busiest member's queue + transfer +
-    ``cpp_seconds``) is lower. Prompts that fit one node are never split."""
+    ``cpp_seconds``) is lower. Prompts that fit one node are never split.
+
+    ``idle_s``: node-seconds the group's less busy members would sit idle
+    waiting for the busiest (``sum(max(queues) - queue)``); the pipeline is
+    refused when that exceeds ``max_idle`` of its work (``k x seconds``):
+    under load, lining up k queues wastes capacity that other requests need."""
     if single_ttft_s <= ttft_slo_s and new_tokens < min_tokens:
+        return False
+    if idle_s > max_idle * work_s:
         return False
     return group_ttft_s < single_ttft_s
 
@@ -156,6 +171,7 @@ class CppCluster(Cluster):
         cost: ClusterCostModel | None = None,
         *,
         min_tokens: int = DEFAULT_MIN_TOKENS,
+        max_idle: float = DEFAULT_MAX_IDLE,
     ) -> None:
         k = config.cpp_group
         if k < 1:
@@ -168,6 +184,7 @@ class CppCluster(Cluster):
         self.cfg = config
         self.k = k
         self.min_tokens = min_tokens
+        self.max_idle = max_idle
         self.cpp_requests = 0
         self.cpp_bubble_sum = 0.0
 
@@ -194,13 +211,23 @@ class CppCluster(Cluster):
         new = r.input - cached
         if plan.ttft_s > r.ttft_slo or new >= self.min_tokens:
             pipe_s, bubble, _ = cpp_seconds(self.cost, new, cached, self.k)
-            best_g, best_q = 0, math.inf
+            best_g, best_q, best_idle = 0, math.inf, 0.0
             for g in range(len(nodes) // self.k):
-                q = max(views[m].queue_s for m in range(g * self.k, (g + 1) * self.k))
+                queues = [views[m].queue_s for m in range(g * self.k, (g + 1) * self.k)]
+                q = max(queues)
                 if q < best_q:
-                    best_g, best_q = g, q
+                    best_g, best_q, best_idle = g, q, sum(q - x for x in queues)
             cpp_ttft = best_q + plan.transfer_s + pipe_s
-            if choose_pipeline(ttft, cpp_ttft, r.ttft_slo, new, self.min_tokens):
+            if choose_pipeline(
+                ttft,
+                cpp_ttft,
+                r.ttft_slo,
+                new,
+                self.min_tokens,
+                idle_s=best_idle,
+                work_s=self.k * pipe_s,
+                max_idle=self.max_idle,
+            ):
                 ttft, seconds = cpp_ttft, plan.transfer_s + pipe_s
                 members = list(range(best_g * self.k, (best_g + 1) * self.k))
         if self.rejection != "none" and ttft > r.ttft_slo:
