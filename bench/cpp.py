@@ -12,15 +12,19 @@ pool, so TTFT includes the KV store.
 2. the chosen (TTFT-minimising) chunk size of each configuration is re-run
    ``--rounds`` times, interleaved (1 worker, pipeline, 1 worker, ...), and
    the best of each is reported (a shared machine's neighbours only add time);
-3. speedup = single TTFT / pipeline TTFT; pipeline bubble = the stages' idle
-   share of the pipeline's span, ``1 - sum(busy) / (k * span)`` (measured),
-   next to the equal-chunk ideal ``(k - 1) / (n + k - 1)`` for n chunks.
+3. speedup = best single TTFT / best pipeline TTFT, and the median of the
+   per-round ratios (each round's two runs back to back); pipeline bubble =
+   the stages' idle share of the pipeline's span, ``1 - sum(busy) / (k *
+   span)`` (measured), next to the equal-chunk ideal ``(k - 1) / (n + k - 1)``
+   for n chunks. The load average before and after is recorded: the machine
+   is shared, and other processes slow the two stages unevenly.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import time
 from typing import Any
 
@@ -66,6 +70,7 @@ def run_cpp(
 ) -> dict[str, Any]:
     from kvpool.serve.cpp import CppGroup
 
+    load_before = list(os.getloadavg())  # a shared machine: say how busy it was
     rng = np.random.default_rng(2026)
     procs = _cluster(dram)
     url = f"kvpool://{procs[0].address}"
@@ -116,6 +121,7 @@ def run_cpp(
             proc.stop()
     best = {k: min(rows, key=lambda r: r["ttft_s"]) for k, rows in final.items()}
     one, pipe_best = best[1], best[stages]
+    paired = sorted(a["ttft_s"] / b["ttft_s"] for a, b in zip(final[1], final[stages], strict=True))
     return {
         "tokens": tokens,
         "preset": preset,
@@ -126,6 +132,10 @@ def run_cpp(
         "ttft_single_s": one["ttft_s"],
         "ttft_pipeline_s": pipe_best["ttft_s"],
         "speedup": one["ttft_s"] / pipe_best["ttft_s"],
+        "paired_speedups": paired,
+        "median_paired_speedup": paired[len(paired) // 2],
+        "loadavg_before": load_before,
+        "loadavg_after": list(os.getloadavg()),
         "bubble": pipe_best["bubble"],
         "ideal_bubble": pipe_best["ideal_bubble"],
         "stage_busy_s": pipe_best["busy_s"],

@@ -13,6 +13,7 @@ def test_bench_cpp_small() -> None:
     assert res["chunk_single"] in (64, 128) and res["chunk_pipeline"] in (64, 128)
     assert res["ttft_single_s"] > 0 and res["ttft_pipeline_s"] > 0
     assert res["speedup"] == res["ttft_single_s"] / res["ttft_pipeline_s"]
+    assert len(res["paired_speedups"]) == 1 and res["median_paired_speedup"] > 0
     assert 0 <= res["bubble"] < 1 and len(res["stage_busy_s"]) == 2
     phases = [r["phase"] for r in res["runs"]]
     assert phases.count("sweep") == 4 and phases.count("final") == 2
