@@ -18,13 +18,15 @@ most ``hold_s`` (the bytes read meanwhile are the block's correct bytes).
 
 from __future__ import annotations
 
+import os
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-DEFAULT_HOLD_S = 1.0
+# Overridable per process (0 turns the cache off: every read asks the master).
+DEFAULT_HOLD_S = float(os.environ.get("KVPOOL_LEASE_CACHE_S", "1.0"))
 DEFAULT_MAX_BYTES = 1 << 30
 
 
