@@ -15,7 +15,8 @@ import contextlib
 import threading
 import time
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any
 from urllib.parse import urlparse
 
@@ -87,7 +88,8 @@ class RemotePool(LayerwiseMethods):
         self._peers = PeerTransports(token=token, timeout=timeout, override=transport)
         self._lock = threading.Lock()  # guards the lease cache and the replica orders
         self._cache = LeaseCache(lease_cache_s, lease_cache_bytes)
-        self._orders: dict[bytes, tuple[int, Placement]] = {}  # hot blocks to replicate
+        # hot blocks to copy to a new replica: key -> (alloc id, target, lease that asked)
+        self._orders: dict[bytes, tuple[int, Placement, int]] = {}
         self._counts: Counter[str] = Counter()
         self._closed = False
         self._stop = threading.Event()
@@ -204,11 +206,12 @@ class RemotePool(LayerwiseMethods):
     def get(self, key: bytes) -> bytes | None:
         """A copy of the block's bytes, or None on a miss."""
         check_key(key)
-        found = self._resolve([key]).get(key)
-        if found is None:
-            return None
-        out = np.empty(found[1], np.uint8)
-        return None if self._read_range(key, found, out, 0, None) is None else out.tobytes()
+        with self._reading([key]) as found:
+            if key not in found:
+                return None
+            out = np.empty(found[key][1], np.uint8)
+            got = self._read_range(key, found[key], out, 0, None)
+        return None if got is None else out.tobytes()
 
     def get_into(
         self, key: bytes, out: Any, *, offset: int = 0, length: int | None = None
@@ -218,8 +221,10 @@ class RemotePool(LayerwiseMethods):
         dst = as_region(out, writable=True, what="out")
         if offset < 0 or (length is not None and length <= 0):
             raise BufferSpecError(f"bad range: offset={offset}, length={length}")
-        found = self._resolve([key]).get(key)
-        return None if found is None else self._read_range(key, found, dst, offset, length)
+        with self._reading([key]) as found:
+            if key not in found:
+                return None
+            return self._read_range(key, found[key], dst, offset, length)
 
     def get_into_batch(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
         """``get_into`` for each pair; at most one lease round trip for the whole batch."""
@@ -227,7 +232,12 @@ class RemotePool(LayerwiseMethods):
             raise ValueError("keys and outs must have the same length")
         check_keys(keys)
         regions = [as_region(o, writable=True, what="out") for o in outs]
-        found = self._resolve(keys)
+        with self._reading(keys) as found:
+            return self._read_batch(keys, regions, found)
+
+    def _read_batch(
+        self, keys: Sequence[bytes], regions: list[Region], found: dict[bytes, Any]
+    ) -> list[int | None]:
         sizes: list[int | None] = [found[k][1] if k in found else None for k in keys]
         for size, region in zip(sizes, regions, strict=True):
             if size is not None and region_nbytes(region) < size:
@@ -252,7 +262,7 @@ class RemotePool(LayerwiseMethods):
         """Pin the stored prefix of ``keys`` (or every stored key) until released."""
         check_keys(keys)
         self._check_open()
-        lease, held = self._take_lease(keys, prefix, pin=True)
+        lease, held = self._take_lease(keys, prefix, pins=1)
         return RemoteLease(
             self,
             lease,
@@ -276,9 +286,23 @@ class RemotePool(LayerwiseMethods):
         request = ReplicateRequest(list(keys), node or "")
         reply = self._rpc.call(REPLICATE, request, response_type=ReplicateReply)
         self._learn(reply.nodes)
-        added, failed = [], []
-        found = self._resolve(keys)
-        for key, alloc in zip(keys, reply.allocations, strict=True):
+        added: list[int] = []
+        failed: list[int] = []
+        with self._reading(keys) as found:
+            self._copy_replicas(keys, reply.allocations, found, added, failed)
+        if failed:
+            self._rpc.submit(REVOKE, IdsRequest(failed))
+        return sum(self._rpc.call(COMMIT, IdsRequest(added))) if added else 0
+
+    def _copy_replicas(
+        self,
+        keys: Sequence[bytes],
+        allocations: list[list[Any] | None],
+        found: dict[bytes, Any],
+        added: list[int],
+        failed: list[int],
+    ) -> None:
+        for key, alloc in zip(keys, allocations, strict=True):
             if alloc is None:
                 continue
             alloc_id, node_id, offset = alloc
@@ -292,9 +316,6 @@ class RemotePool(LayerwiseMethods):
                 added.append(alloc_id)
             except _READ_ERRORS:
                 failed.append(alloc_id)
-        if failed:
-            self._rpc.submit(REVOKE, IdsRequest(failed))
-        return sum(self._rpc.call(COMMIT, IdsRequest(added))) if added else 0
 
     # -- keys -----------------------------------------------------------------------
 
@@ -359,29 +380,41 @@ class RemotePool(LayerwiseMethods):
         """Bytes to a node's range (CUDA buffers: the transport stages them)."""
         self._transport(node_id).write(offset, src)
 
+    @contextmanager
+    def _reading(self, keys: Sequence[bytes]) -> Iterator[dict[bytes, tuple[Any, int, Any]]]:
+        """Where each stored key can be read, its lease pinned until the block exits
+        (so the cache never hands a lease back while one of its blocks is copied)."""
+        found = self._resolve(keys)
+        try:
+            yield found
+        finally:
+            with self._lock:
+                for _, _, lease in found.values():
+                    self._cache.unpin(lease)
+
     def _resolve(self, keys: Sequence[bytes]) -> dict[bytes, tuple[Any, int, Any]]:
-        """Where each stored key can be read: from the lease cache, else from one
-        LEASE round trip for all the rest (their leases then join the cache)."""
+        """From the lease cache, else from one LEASE round trip for all the rest (their
+        lease then joins the cache); every entry returned pins its lease once."""
         self._check_open()
         found: dict[bytes, tuple[Any, int, Any]] = {}
         with self._lock:
             for key in keys:
                 hit = self._cache.lookup(key)
                 if hit is not None:
+                    hit[2].pins += 1
                     found[key] = hit
         missing = [k for k in keys if k not in found]
         if missing:
-            _, held = self._take_lease(missing, prefix=False, pin=False)
-            with self._lock:
-                for key, _, _ in held:
-                    hit = self._cache.lookup(key, count=False)
-                    if hit is not None:
-                        found[key] = hit
+            lease, held = self._take_lease(missing, prefix=False, pins=-1)
+            for key, placements, size in held:
+                found[key] = (placements, size, lease)
         return found
 
     def _take_lease(
-        self, keys: Sequence[bytes], prefix: bool, pin: bool
+        self, keys: Sequence[bytes], prefix: bool, pins: int
     ) -> tuple[CachedLease, list[tuple[bytes, list[Placement], int]]]:
+        """LEASE round trip; the lease joins the cache with ``pins`` holders (-1: one
+        per block held, for readers that unpin block by block)."""
         request = LeaseRequest(list(keys), prefix)
         self._counts["lease_round_trips"] += 1
         reply = self._rpc.call(LEASE, request, response_type=LeaseReply)
@@ -396,10 +429,12 @@ class RemotePool(LayerwiseMethods):
         ]
         self._counts["misses"] += len(keys) - len(held)
         with self._lock:
-            lease = self._cache.add(reply.lease_id, held, reply.ttl, pin)
+            lease = self._cache.add(
+                reply.lease_id, held, reply.ttl, len(held) if pins < 0 else pins
+            )
             superseded = self._cache.superseded
             for index, alloc_id, node_id, offset in reply.replicate:
-                self._orders[keys[index]] = (alloc_id, Placement(node_id, offset))
+                self._orders[keys[index]] = (alloc_id, Placement(node_id, offset), reply.lease_id)
         if superseded:
             self._hand_back(superseded, wait=False)
         return lease, held
@@ -447,9 +482,9 @@ class RemotePool(LayerwiseMethods):
                     return placement
         return placements[0]
 
-    def _fulfil_order(self, order: tuple[int, Placement], block: Region) -> None:
+    def _fulfil_order(self, order: tuple[int, Placement, int], block: Region) -> None:
         """Copy a just-read hot block to the replica the master asked for (or give it back)."""
-        alloc_id, target = order
+        alloc_id, target, _ = order
         try:
             self._write(target.node_id, target.offset, block)
         except _READ_ERRORS:
@@ -494,7 +529,13 @@ class RemotePool(LayerwiseMethods):
         whose block was never read whole. Without ``wait`` nothing blocks: if the master
         is unreachable the leases expire there anyway."""
         with self._lock:
-            orphans = [self._orders.pop(k)[0] for d in due for k in d.keys if k in self._orders]
+            # Replica orders that came with these leases and were never fulfilled.
+            orphans = [
+                self._orders.pop(k)[0]
+                for d in due
+                for k in d.keys
+                if k in self._orders and self._orders[k][2] == d.lease_id
+            ]
         if orphans:
             self._rpc.submit(REVOKE, IdsRequest(orphans))
         ids = [d.lease_id for d in due if d.lease_id]

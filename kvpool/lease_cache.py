@@ -52,9 +52,10 @@ class LeaseCache:
         self.superseded: list[CachedLease] = []  # set by add(): older leases now idle
 
     def add(
-        self, lease_id: int, blocks: Sequence[tuple[bytes, Any, int]], ttl: float, pin: bool
+        self, lease_id: int, blocks: Sequence[tuple[bytes, Any, int]], ttl: float, pins: int
     ) -> CachedLease:
-        """Remember a fresh lease (master TTL ``ttl``) over (key, placements, size) blocks."""
+        """Remember a fresh lease (master TTL ``ttl``) over (key, placements, size) blocks,
+        held by ``pins`` users until they ``unpin``."""
         now = time.monotonic()
         lease = CachedLease(
             lease_id,
@@ -62,7 +63,7 @@ class LeaseCache:
             sum(s for _, _, s in blocks),
             now + self.hold_s,
             now + 0.9 * ttl,
-            pins=int(pin),
+            pins=pins,
         )
         older = {id(f[2]): f[2] for k, _, _ in blocks if (f := self._blocks.get(k)) is not None}
         for key, placements, size in blocks:

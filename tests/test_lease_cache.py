@@ -15,11 +15,11 @@ from kvpool.lease_cache import LeaseCache
 def test_hold_time_pins_and_byte_bound() -> None:
     cache = LeaseCache(hold_s=0.05, max_bytes=300)
     a, b, c = make_keys(3)
-    first = cache.add(1, [(a, "pa", 100), (b, "pb", 100)], ttl=30, pin=False)
-    pinned = cache.add(2, [(c, "pc", 100)], ttl=30, pin=True)
+    first = cache.add(1, [(a, "pa", 100), (b, "pb", 100)], ttl=30, pins=0)
+    pinned = cache.add(2, [(c, "pc", 100)], ttl=30, pins=1)
     assert cache.lookup(a) == ("pa", 100, first)
     assert cache.due() == []  # nothing expired, 300 bytes is within the bound
-    cache.add(3, [(a, "pa2", 100)], ttl=30, pin=False)  # 400 bytes: over
+    cache.add(3, [(a, "pa2", 100)], ttl=30, pins=0)  # 400 bytes: over
     assert [d.lease_id for d in cache.due()] == [1]  # oldest unpinned first
     assert cache.lookup(a)[0] == "pa2"  # type: ignore[index]  # the newer lease serves it
     assert cache.lookup(b) is None
@@ -35,8 +35,8 @@ def test_hold_time_pins_and_byte_bound() -> None:
 def test_forget_and_release_all_unpinned() -> None:
     cache = LeaseCache(hold_s=10)
     a, b = make_keys(2)
-    cache.add(1, [(a, "pa", 10)], ttl=30, pin=False)
-    cache.add(2, [(b, "pb", 10)], ttl=30, pin=True)
+    cache.add(1, [(a, "pa", 10)], ttl=30, pins=0)
+    cache.add(2, [(b, "pb", 10)], ttl=30, pins=1)
     forgotten = cache.forget(a)  # its lease serves nothing else: hand it back now
     assert forgotten is not None and forgotten.lease_id == 1
     assert cache.lookup(a) is None
@@ -48,10 +48,10 @@ def test_forget_and_release_all_unpinned() -> None:
 def test_a_newer_lease_supersedes_an_idle_older_one() -> None:
     cache = LeaseCache(hold_s=10)
     a, b = make_keys(2)
-    cache.add(1, [(a, "pa", 10)], ttl=30, pin=False)
-    cache.add(2, [(a, "pa", 10), (b, "pb", 10)], ttl=30, pin=False)
+    cache.add(1, [(a, "pa", 10)], ttl=30, pins=0)
+    cache.add(2, [(a, "pa", 10), (b, "pb", 10)], ttl=30, pins=0)
     assert [d.lease_id for d in cache.superseded] == [1]
-    cache.add(3, [(b, "pb", 10)], ttl=30, pin=False)
+    cache.add(3, [(b, "pb", 10)], ttl=30, pins=0)
     assert cache.superseded == []  # lease 2 still serves a
 
 
