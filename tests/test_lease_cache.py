@@ -75,3 +75,20 @@ def test_repeated_reads_skip_the_master_and_removes_show_within_the_hold_time() 
             assert wait_until(lambda: reader.get_into(keys[0], out) is None, timeout=4)
     finally:
         cluster.stop()
+
+
+def test_cache_off_every_read_asks_the_master_and_still_reads_right() -> None:
+    cluster = start_cluster(["4MiB"])
+    try:
+        with kvpool.connect(cluster.url, lease_cache_s=0) as pool:
+            assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
+            keys = make_keys(4)
+            pool.put_batch(keys, [payload(i) for i in range(4)])
+            out = np.empty(BLOCK, np.uint8)
+            for _ in range(3):
+                for i, key in enumerate(keys):
+                    assert pool.get_into(key, out) == BLOCK and np.array_equal(out, payload(i))
+            assert pool.stats()["client"]["lease_round_trips"] == 12
+            assert pool.get_into_batch(keys, [np.empty(BLOCK, np.uint8)] * 4) == [BLOCK] * 4
+    finally:
+        cluster.stop()
