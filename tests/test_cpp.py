@@ -83,3 +83,25 @@ def test_two_stage_pipeline_is_exact(cluster: Cluster) -> None:
 
     # and the no-cache reference agrees on the first token
     assert got.first_token == int(torch.argmax(model(prompt)[0][-1]))
+
+
+def test_a_dead_stage_fails_the_prefill_and_frees_every_reservation(cluster: Cluster) -> None:
+    prompt = np.random.default_rng(9).integers(0, 256, 6 * BT + 3).tolist()
+    with kvpool.connect(cluster.url, timeout=10) as pool:
+        with CppGroup(cluster.url, stages=2, block_tokens=BT, chunk_tokens=CHUNK) as group:
+            group.stages[1].popen.kill()
+            group.stages[1].popen.wait(10)
+            with pytest.raises(Exception):  # noqa: B017 - connection loss or remote error
+                group.prefill(prompt)
+            keys = kvpool.block_keys(prompt, group.namespace, BT)
+        assert pool.prefix_match(keys) == 0  # nothing half-written became visible
+        layout = group.layout
+
+        def free() -> bool:  # the aborted reservation is gone: the key can be reserved again
+            writer = pool.reserve(keys[0], layout.block_bytes)
+            if writer is None:
+                return False
+            writer.abort()
+            return True
+
+        assert wait_until(free, timeout=10)
