@@ -49,6 +49,7 @@ from kvpool.serve.model import Transformer, build_model
 
 READY_PREFIX = "kvpool cpp stage ready on"
 MAX_FRAME = 256 * 1024 * 1024
+DEFAULT_TTL_S = 30.0  # when the coordinator names no deadline
 
 
 @dataclass
@@ -86,11 +87,9 @@ def _remote_writer(
 ) -> RemoteBlockWriter:
     """A writer onto the coordinator's reservation. ``ttl``: seconds left before
     the master revokes it (the coordinator's writer deadline, re-based on this
-    process's clock); None where the pool's writers carry no deadline."""
-    if ttl is None:
-        return RemoteBlockWriter(pool, key, size, placements, ids)  # type: ignore[call-arg,unused-ignore]
-    deadline = time.monotonic() + float(ttl)
-    return RemoteBlockWriter(pool, key, size, placements, ids, deadline)  # type: ignore[call-arg,unused-ignore]
+    process's clock, since monotonic clocks are per host)."""
+    deadline = time.monotonic() + (DEFAULT_TTL_S if ttl is None else float(ttl))
+    return RemoteBlockWriter(pool, key, size, placements, ids, deadline)
 
 
 class Stage:
