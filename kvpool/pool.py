@@ -277,15 +277,21 @@ class Pool(LayerwiseMethods):
     # -- put path ---------------------------------------------------------
 
     def _put_region(self, key: bytes, src: Region, parent: bytes | None) -> bool:
-        writer = self._reserve(key, region_nbytes(src), parent, region_is_device(src))
+        """put's fast path: reserve (already counted as copying), copy, commit: two
+        trips through the lock, since the writer never escapes."""
+        writer = self._reserve(key, region_nbytes(src), parent, region_is_device(src), True)
         if writer is None:
             return False
-        with writer:
-            writer.write(0, src)
+        copied = False
+        try:
+            copy_region(writer.tier.region(writer.offset, writer.size), src)
+            copied = True
+        finally:
+            self._finish(writer, commit=copied, copying=True)
         return True
 
     def _reserve(
-        self, key: bytes, size: int, parent: bytes | None, device: bool
+        self, key: bytes, size: int, parent: bytes | None, device: bool, copying: bool = False
     ) -> BlockWriter | None:
         with self._lock:
             self._check_open()
@@ -298,6 +304,9 @@ class Pool(LayerwiseMethods):
             offset = self._make_room(tier, size)
             writer = BlockWriter(self, key, tier, offset, size, parent)
             self._writing[key] = writer
+            if copying:
+                writer.copies += 1
+                self._active += 1
             return writer
 
     def _write_reserved(self, writer: BlockWriter, offset: int, src: Region) -> None:
@@ -315,31 +324,33 @@ class Pool(LayerwiseMethods):
                 self._active -= 1
                 self._lock.notify_all()
 
-    def _finish(self, writer: BlockWriter, commit: bool) -> None:
-        """Make a reserved block visible (commit) or give its space back (abort)."""
+    def _finish(self, writer: BlockWriter, commit: bool, copying: bool = False) -> None:
+        """Make a reserved block visible (commit) or give its space back (abort).
+
+        ``copying``: the caller's own copy (counted by ``_reserve``) just ended.
+        """
         with self._lock:
+            if copying:
+                writer.copies -= 1
+                self._active -= 1
+                self._lock.notify_all()
             self._lock.wait_for(lambda: writer.copies == 0)
             if writer.done:
                 if commit:
                     raise KVPoolError("this block writer is already committed or aborted")
                 return
             writer.done = True
-            if self._closed:
-                raise PoolClosedError("the pool was closed before this block was committed")
             del self._writing[writer.key]
             if not commit:
                 writer.tier.free(writer.offset)
                 return
+            if self._closed:
+                raise PoolClosedError("the pool was closed before this block was committed")
             self._entries[writer.key] = _Entry(
                 writer.tier, writer.offset, writer.size, writer.parent
             )
             writer.tier.policy.on_insert(writer.key, writer.parent)
             self._stats.count_put(writer.tier.name, writer.size)
-
-    def _landing_tier(self, src: Region) -> MemoryTier:
-        if region_is_device(src) and self._tiers.gpu is not None:
-            return self._tiers.gpu
-        return self._tiers.dram
 
     def _make_room(self, tier: Tier, size: int) -> int:
         """Allocate ``size`` bytes in ``tier``, evicting unpinned blocks as needed."""
