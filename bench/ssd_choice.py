@@ -65,7 +65,9 @@ def main(root: str | None = None) -> None:
         t = time.perf_counter()
         with env.begin(buffers=True) as txn:
             for key in keys:
-                np.copyto(out, np.frombuffer(txn.get(key), np.uint8))
+                value = txn.get(key)
+                assert value is not None
+                np.copyto(out, np.frombuffer(value, np.uint8))
         lmdb_get = _gbps(time.perf_counter() - t)
         env.close()
 
