@@ -83,7 +83,7 @@ def format_table(rows: list[dict[str, Any]]) -> str:
 def run(args: argparse.Namespace) -> int:
     from kvpool.eviction import ONLINE_POLICIES, POLICIES
     from kvpool.eviction.cachesim import run_cachesim, trace_keys
-    from kvpool.traces import TraceError, load_trace
+    from kvpool.traces import load_for_command
 
     policies = args.policy if args.policy is not None else list(ONLINE_POLICIES)
     unknown = [p for p in policies if p not in POLICIES]
@@ -97,10 +97,8 @@ def run(args: argparse.Namespace) -> int:
     if "belady" in policies:
         policies = [p for p in policies if p != "belady"]
         want_belady = True
-    try:
-        records = load_trace(args.trace, block_tokens=args.block_tokens)
-    except (OSError, TraceError) as exc:
-        print(f"kvpool cachesim: {exc}", file=sys.stderr)
+    records = load_for_command(args.trace, "cachesim", block_tokens=args.block_tokens)
+    if records is None:
         return 2
     requests = trace_keys(records, block_tokens=args.block_tokens)
     rows = run_cachesim(requests, args.capacity_blocks, policies, belady=want_belady)

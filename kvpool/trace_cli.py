@@ -113,12 +113,11 @@ def trace_stats(records: Any, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> dict[
 
 
 def _run_stats(args: argparse.Namespace) -> int:
-    from kvpool.traces import TraceError, load_trace
 
-    try:
-        records = load_trace(args.trace, block_tokens=args.block_tokens)
-    except (OSError, TraceError) as exc:
-        print(f"kvpool trace stats: {exc}", file=sys.stderr)
+    from kvpool.traces import load_for_command
+
+    records = load_for_command(args.trace, "trace stats", block_tokens=args.block_tokens)
+    if records is None:
         return 2
     print(json.dumps(trace_stats(records, args.block_tokens), indent=2))
     return 0

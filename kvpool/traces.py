@@ -29,6 +29,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import IO, Any
@@ -166,6 +167,29 @@ def load_trace(
 ) -> list[TraceRecord]:
     """All records of a trace file, validated (see ``iter_trace``)."""
     return list(iter_trace(source, block_tokens))
+
+
+def load_for_command(
+    source: str | os.PathLike[str],
+    command: str,
+    *,
+    block_tokens: int | None = DEFAULT_BLOCK_TOKENS,
+    limit: int = 0,
+    allow_empty: bool = True,
+) -> list[TraceRecord] | None:
+    """A trace for a ``kvpool`` subcommand: the first ``limit`` records (0: all), or
+    None after printing ``kvpool COMMAND: why`` (unreadable, malformed, or empty when
+    ``allow_empty`` is False) to stderr; commands then exit with status 2."""
+    try:
+        records = load_trace(source, block_tokens)
+    except (OSError, TraceError) as exc:
+        print(f"kvpool {command}: {exc}", file=sys.stderr)
+        return None
+    records = records[:limit] if limit else records
+    if not records and not allow_empty:
+        print(f"kvpool {command}: the trace is empty", file=sys.stderr)
+        return None
+    return records
 
 
 def write_trace(

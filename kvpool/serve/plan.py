@@ -377,17 +377,13 @@ def _fractions(unique: int, divisors: Sequence[int]) -> list[int]:
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    from kvpool.traces import TraceError, load_trace
 
-    try:
-        records = load_trace(args.trace, block_tokens=args.block_tokens)
-    except (OSError, TraceError) as exc:
-        print(f"kvpool plan: {exc}", file=sys.stderr)
-        return 2
-    if args.limit:
-        records = records[: args.limit]
-    if not records:
-        print("kvpool plan: the trace is empty", file=sys.stderr)
+    from kvpool.traces import load_for_command
+
+    records = load_for_command(
+        args.trace, "plan", block_tokens=args.block_tokens, limit=args.limit, allow_empty=False
+    )
+    if records is None:
         return 2
     try:
         out = plan(args, records)

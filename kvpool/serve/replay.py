@@ -484,17 +484,16 @@ def register(subparsers: Any) -> None:
 
 def _run_cli(args: argparse.Namespace) -> int:
     from kvpool.serve.cost_model import PrefillCostModel
-    from kvpool.traces import TraceError, load_trace
+    from kvpool.traces import load_for_command
 
-    try:
-        records = load_trace(args.trace, block_tokens=args.trace_block_tokens)
-    except (OSError, TraceError) as exc:
-        print(f"kvpool replay: {exc}", file=sys.stderr)
-        return 2
-    if args.limit:
-        records = records[: args.limit]
-    if not records:
-        print("kvpool replay: empty trace", file=sys.stderr)
+    records = load_for_command(
+        args.trace,
+        "replay",
+        block_tokens=args.trace_block_tokens,
+        limit=args.limit,
+        allow_empty=False,
+    )
+    if records is None:
         return 2
     model = PrefillCostModel.load(args.cost_model) if args.cost_model else None
     try:

@@ -706,15 +706,12 @@ def register(subparsers: Any) -> None:
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    from kvpool.traces import TraceError, load_trace
 
-    try:
-        records = load_trace(args.trace, block_tokens=args.block_tokens)
-    except (OSError, TraceError) as exc:
-        print(f"kvpool sim: {exc}", file=sys.stderr)
+    from kvpool.traces import load_for_command
+
+    records = load_for_command(args.trace, "sim", block_tokens=args.block_tokens, limit=args.limit)
+    if records is None:
         return 2
-    if args.limit:
-        records = records[: args.limit]
     cfg = SimConfig(
         prefill=args.prefill,
         decode=args.decode,
