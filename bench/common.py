@@ -105,6 +105,38 @@ def interleaved(
     return timings
 
 
+def paired(
+    size: int,
+    base: Callable[[int], object],
+    ours: Callable[[int], object],
+    n: int,
+    rounds: int,
+    reset: Callable[[], object] | None = None,
+) -> tuple[Timing, Timing]:
+    """(baseline, ours), alternated op by op after one untimed warm-up round.
+
+    Op i of ours touches item (i + n/2) mod n, never the one the baseline just
+    touched, so neither side reads the other's cache-warm data. ``reset`` runs
+    untimed before every round (e.g. removing the keys the previous puts stored).
+    """
+    b, o = Timing(size, []), Timing(size, [])
+    clock = time.perf_counter
+    half = n // 2
+    for r in range(rounds + 1):
+        if reset is not None:
+            reset()
+        for i in range(n):
+            t0 = clock()
+            base(i)
+            t1 = clock()
+            ours((i + half) % n)
+            t2 = clock()
+            if r:
+                b.latencies.append(t1 - t0)
+                o.latencies.append(t2 - t1)
+    return b, o
+
+
 @dataclass
 class Row:
     """One result line: ours against the baseline measured in the same run."""

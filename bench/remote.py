@@ -51,9 +51,9 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bench.common import count_for, faulted, parse_sizes, write_json
+from kvpool.bench.common import Timing, count_for, faulted, paired, parse_sizes, write_json
 from kvpool.bench.procs import spawn_kvpool
-from kvpool.bench.remote_transport import MedianTiming, _cpus, _RawClient
+from kvpool.bench.remote_transport import _cpus, _RawClient
 from kvpool.config import format_size, parse_size
 
 WORKING_SET = 64 << 20
@@ -78,7 +78,7 @@ class RemoteRow:
     store: str = "kvpool"
 
 
-def _row(op: str, transport: str, size: int, ours: MedianTiming, base: MedianTiming,
+def _row(op: str, transport: str, size: int, ours: Timing, base: Timing,
          baseline: str, batch: int = 1, store: str = "kvpool") -> RemoteRow:  # fmt: skip
     return RemoteRow(
         op=op,
@@ -93,38 +93,6 @@ def _row(op: str, transport: str, size: int, ours: MedianTiming, base: MedianTim
         batch=batch,
         store=store,
     )
-
-
-def _paired(
-    nbytes: int,
-    base: Callable[[int], object],
-    ours: Callable[[int], object],
-    n: int,
-    rounds: int,
-    reset: Callable[[], object] | None = None,
-) -> tuple[MedianTiming, MedianTiming]:
-    """Alternate baseline and ours op by op, after one untimed warm-up round.
-
-    Op i of ours touches item (i + n/2) mod n, never the one the baseline just
-    touched. ``reset`` runs untimed before every round (e.g. removing the keys
-    the previous round's puts stored).
-    """
-    b, o = MedianTiming(nbytes, []), MedianTiming(nbytes, [])
-    clock = time.perf_counter
-    half = n // 2
-    for r in range(rounds + 1):
-        if reset is not None:
-            reset()
-        for i in range(n):
-            t0 = clock()
-            base(i)
-            t1 = clock()
-            ours((i + half) % n)
-            t2 = clock()
-            if r:
-                b.latencies.append(t1 - t0)
-                o.latencies.append(t2 - t1)
-    return b, o
 
 
 # --- processes ------------------------------------------------------------------------
@@ -286,9 +254,9 @@ def _kvpool_rows(
 
     rows = []
     remove_all()
-    base, ours = _paired(size, b_put, put, count, rounds, remove_all)
+    base, ours = paired(size, b_put, put, count, rounds, remove_all)
     rows.append(_row("put", transport, size, ours, base, what))
-    base, ours = _paired(size, b_get, get, count, rounds)
+    base, ours = paired(size, b_get, get, count, rounds)
     rows.append(_row("get_into", transport, size, ours, base, what))
     # The same reads inside one lease held over the whole working set (as a
     # layer-wise reader holds its prefix): no master round trip per call, so
@@ -296,12 +264,12 @@ def _kvpool_rows(
     with pool.lease(keys, prefix=False) as lease:
         if len(lease.keys) != count:
             raise RuntimeError("a stored key could not be leased")
-        base, ours = _paired(size, b_get, get, count, rounds)
+        base, ours = paired(size, b_get, get, count, rounds)
     rows.append(_row("get_into_leased", transport, size, ours, base, what))
     n = len(groups)
-    base, ours = _paired(size * batch, b_put_batch, put_batch, n, rounds, remove_all)
+    base, ours = paired(size * batch, b_put_batch, put_batch, n, rounds, remove_all)
     rows.append(_row("put_batch", transport, size, ours, base, what_put_b, batch))
-    base, ours = _paired(size * batch, b_get_batch, get_batch, n, rounds)
+    base, ours = paired(size * batch, b_get_batch, get_batch, n, rounds)
     rows.append(_row("get_into_batch", transport, size, ours, base, what_get_b, batch))
     remove_all()
     used = pool.stats()["transport"]
@@ -605,16 +573,16 @@ def _mooncake_rows(
     rows = []
     remove_all()
     what = "raw socket req/resp"
-    base, ours = _paired(size, lambda i: raw.put(offs[i], srcs[i]), put, count, rounds,
+    base, ours = paired(size, lambda i: raw.put(offs[i], srcs[i]), put, count, rounds,
                          remove_all)  # fmt: skip
     rows.append(_row("put", "tcp", size, ours, base, what, store="mooncake"))
-    base, ours = _paired(size, lambda i: raw.get(offs[i], outs[i]), get, count, rounds)
+    base, ours = paired(size, lambda i: raw.get(offs[i], outs[i]), get, count, rounds)
     rows.append(_row("get_into", "tcp", size, ours, base, what, store="mooncake"))
     n = len(groups)
-    base, ours = _paired(size * batch, b_put_batch, put_batch, n, rounds, remove_all)
+    base, ours = paired(size * batch, b_put_batch, put_batch, n, rounds, remove_all)
     rows.append(_row("put_batch", "tcp", size, ours, base, f"{what} (x{batch})", batch,
                      "mooncake"))  # fmt: skip
-    base, ours = _paired(
+    base, ours = paired(
         size * batch,
         lambda g: raw.stream(offs[groups[g][0]], [outs[i] for i in groups[g]]),
         get_batch,

@@ -29,17 +29,16 @@ import struct
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Callable, Sequence
 
 import numpy as np
 
 from kvpool.bench.common import (
     Row,
-    Timing,
     count_for,
     faulted,
     make_row,
+    paired,
     parse_sizes,
     print_table,
     write_json,
@@ -131,38 +130,6 @@ class _RawClient:
             w.recv_into_exact(self.sock, memoryview(out))  # type: ignore[arg-type]
 
 
-class MedianTiming(Timing):
-    """GB/s from the median op latency: robust to bursts from other tenants."""
-
-    @property
-    def gbps(self) -> float:
-        return self.size / float(np.median(self.latencies)) / 1e9
-
-
-def _paired(
-    size: int, base: Callable[[int], object], ours: Callable[[int], object], n: int, rounds: int
-) -> tuple[Timing, Timing]:
-    """Alternate baseline and ours op by op (after a warm-up round) so noise hits both.
-
-    Op i of ours touches buffer (i + n/2) mod n, never the one the baseline just
-    touched, so neither side reads the other's cache-warm data.
-    """
-    b, o = MedianTiming(size, []), MedianTiming(size, [])
-    clock = time.perf_counter
-    half = n // 2
-    for r in range(rounds + 1):
-        for i in range(n):
-            t0 = clock()
-            base(i)
-            t1 = clock()
-            ours((i + half) % n)
-            t2 = clock()
-            if r:
-                b.latencies.append(t1 - t0)
-                o.latencies.append(t2 - t1)
-    return b, o
-
-
 def _sizes_rows(
     size: int, info: RegionInfo, raw: _RawClient, transports: Sequence[str], rounds: int
 ) -> list[Row]:
@@ -174,7 +141,7 @@ def _sizes_rows(
 
     def row(op: str, kind: str, base: Callable[[int], object], ours: Callable[[int], object],
             what: str, n: int = count, nbytes: int = size) -> None:  # fmt: skip
-        b, o = _paired(nbytes, base, ours, n, rounds)
+        b, o = paired(nbytes, base, ours, n, rounds)
         r = make_row(op, kind, o, b, what)
         r.size = size
         rows.append(r)
