@@ -36,6 +36,7 @@ processes.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -44,6 +45,7 @@ import sys
 import time
 import uuid
 from collections.abc import Sequence
+from concurrent.futures import FIRST_EXCEPTION, wait
 from dataclasses import dataclass
 from typing import Any
 
@@ -156,6 +158,7 @@ class CppGroup:
     ) -> None:
         self.cfg: ModelConfig = get_preset(preset, block_tokens=block_tokens)
         self.layout = self.cfg.kv_layout()
+        self.seed = seed
         self.namespace = self.cfg.namespace(seed)
         self.chunk_tokens = chunk_tokens
         self.pool = kvpool.connect(pool_url, timeout=30.0)
@@ -202,111 +205,160 @@ class CppGroup:
         """Prefill ``tokens`` through the pipeline; the result is what a
         single-worker prefill returns (``timings`` adds the pipeline's:
         ``ttft_s``, ``bubble``, per-stage ``busy_s``)."""
-        ids = token_array(tokens)
-        total = int(ids.size)
-        if total == 0:
-            raise ValueError("empty prompt")
-        if total > self.cfg.max_context:
-            raise ValueError(f"{total} tokens exceed the model's context of {self.cfg.max_context}")
-        chunk = chunk_tokens or self.chunk_tokens
-        rid = request_id or uuid.uuid4().hex
-        bt = self.layout.block_tokens
-        t0 = time.perf_counter()
-        keys = block_keys(ids, self.namespace, bt)
-        hit = self.pool.prefix_match(keys) if keys else 0
-        cached = min(hit * bt, total - 1)
-        writers: list[Any] = []
-        writes: list[dict[str, Any]] = []
-        nodes: set[str] = set()
-        tail = None
-        try:
-            for i in range(hit, len(keys)):
-                parent = keys[i - 1] if i else None
-                w = self.pool.reserve(keys[i], self.layout.block_bytes, parent=parent)
-                if w is not None:
-                    writers.append(w)
-                    writes.append(self._write_spec(w, i * bt, bt))
-                    nodes.update(p.node_id for p in w._placements)
-            if store_tail and total % bt:
-                start = (total // bt) * bt
-                parent = keys[-1] if keys else root_key(self.namespace, bt)
-                tkey = tail_key(self.namespace, rid, parent, ids[start:])
-                size = tail_layout(self.layout, total - start).block_bytes
-                tail = self.pool.reserve(tkey, size)
-                if tail is not None:
-                    writers.append(tail)
-                    writes.append(self._write_spec(tail, start, total - start))
-                    nodes.update(p.node_id for p in tail._placements)
-            regions = {n: self.pool._regions[n].to_dict() for n in nodes}
-            begin = {
-                "rid": rid,
-                "total": total,
-                "cached": cached,
-                "cached_keys": keys[:hit],
-                "chunk": chunk,
-                "writes": writes,
-                "nodes": regions,
-            }
-            # later stages first, so they expect chunks before the first stage sends any
-            for stage in reversed(self.stages[1:]):
-                stage.client.call("begin", begin)
-            t_start = time.perf_counter()
-            self.stages[0].client.call("begin", {**begin, "tokens": ids.astype("<i4").tobytes()})
-            futs = [s.client.submit("result", {"rid": rid}) for s in self.stages]
-            results = [
-                s.client.wait(f, timeout=600.0) for s, f in zip(self.stages, futs, strict=True)
-            ]
-            t_first_token = time.perf_counter()
-            errors = [r["error"] for r in results if r["error"]]
-            if errors:
-                raise RuntimeError(f"pipeline prefill failed: {errors[0]}")
-            for w in writers:
-                w.commit()
-            t_end = time.perf_counter()
-        except BaseException:
-            for w in writers:
-                if not w.done:
-                    w.abort()
-            raise
-        span = max(r["t_last"] for r in results) - min(r["t_first"] for r in results)
-        busy = [float(r["busy_s"]) for r in results]
-        bubble = 1.0 - sum(busy) / (len(busy) * span) if span > 0 else 0.0
-        first = results[-1]["first_token"]
-        assert first is not None
-        n_tail = 1 if tail is not None else 0
-        return PrefillResult(
-            request_id=rid,
-            tokens=[int(t) for t in ids],
-            first_token=int(first),
-            block_keys=keys,
-            tail_key=None if tail is None else tail.key,
-            cached_tokens=cached,
-            computed_tokens=total - cached,
-            cached_blocks=hit,
-            stored_blocks=len(writers) - n_tail,
-            timings={
-                "match_s": t_start - t0,
-                "compute_s": t_first_token - t_start,
-                "store_wait_s": t_end - t_first_token,
-                "total_s": t_end - t0,
-                "ttft_s": t_first_token - t0,
-                "span_s": span,
-                "bubble": bubble,
-                "busy_s": busy,  # type: ignore[dict-item]
-                "chunks": float(results[0]["chunks"]),
-            },
+        return pipeline_prefill(
+            self.pool,
+            self.cfg,
+            [s.client for s in self.stages],
+            tokens,
+            chunk_tokens=chunk_tokens or self.chunk_tokens,
+            request_id=request_id,
+            store_tail=store_tail,
+            seed=self.seed,
         )
 
-    @staticmethod
-    def _write_spec(writer: Any, start: int, rows: int) -> dict[str, Any]:
-        deadline = getattr(writer, "deadline", None)
-        return {
-            "ttl_s": None if deadline is None else deadline - time.monotonic(),
-            "key": writer.key,
-            "start": start,
-            "rows": rows,
-            "alloc": [
-                [aid, p.node_id, p.offset]
-                for aid, p in zip(writer._ids, writer._placements, strict=True)
-            ],
+
+def pipeline_prefill(
+    pool: Any,
+    cfg: ModelConfig,
+    clients: Sequence[RpcClient],
+    tokens: Sequence[int] | np.ndarray,
+    *,
+    chunk_tokens: int = 512,
+    request_id: str | None = None,
+    store_tail: bool = True,
+    timeout: float = 600.0,
+    seed: int = 0,
+) -> PrefillResult:
+    """Coordinate one pipeline prefill over stage RPC clients (``clients[i]`` runs
+    stage i, already ``link``-ed to stage i+1), with ``pool`` reserving and
+    committing the blocks (see the module docstring). Used by ``CppGroup`` and
+    by ``kvpool serve --cpp-group`` (where the front end is the coordinator
+    and the stages are prefill workers). When a stage fails (an error reply or
+    a lost connection) every other stage is told to ``abort`` the request,
+    every reservation is aborted and the error is raised."""
+    layout = cfg.kv_layout()
+    namespace = cfg.namespace(seed)
+    ids = token_array(tokens)
+    total = int(ids.size)
+    if total == 0:
+        raise ValueError("empty prompt")
+    if total > cfg.max_context:
+        raise ValueError(f"{total} tokens exceed the model's context of {cfg.max_context}")
+    chunk = chunk_tokens
+    rid = request_id or uuid.uuid4().hex
+    bt = layout.block_tokens
+    t0 = time.perf_counter()
+    keys = block_keys(ids, namespace, bt)
+    hit = pool.prefix_match(keys) if keys else 0
+    cached = min(hit * bt, total - 1)
+    writers: list[Any] = []
+    writes: list[dict[str, Any]] = []
+    nodes: set[str] = set()
+    tail = None
+    try:
+        for i in range(hit, len(keys)):
+            parent = keys[i - 1] if i else None
+            w = pool.reserve(keys[i], layout.block_bytes, parent=parent)
+            if w is not None:
+                writers.append(w)
+                writes.append(_write_spec(w, i * bt, bt))
+                nodes.update(p.node_id for p in w._placements)
+        if store_tail and total % bt:
+            start = (total // bt) * bt
+            parent = keys[-1] if keys else root_key(namespace, bt)
+            tkey = tail_key(namespace, rid, parent, ids[start:])
+            size = tail_layout(layout, total - start).block_bytes
+            tail = pool.reserve(tkey, size)
+            if tail is not None:
+                writers.append(tail)
+                writes.append(_write_spec(tail, start, total - start))
+                nodes.update(p.node_id for p in tail._placements)
+        regions = {n: pool._regions[n].to_dict() for n in nodes}
+        begin = {
+            "rid": rid,
+            "total": total,
+            "cached": cached,
+            "cached_keys": keys[:hit],
+            "chunk": chunk,
+            "writes": writes,
+            "nodes": regions,
         }
+        # later stages first, so they expect chunks before the first stage sends any
+        for client in reversed(clients[1:]):
+            client.call("begin", begin, timeout=60.0)
+        t_start = time.perf_counter()
+        clients[0].call("begin", {**begin, "tokens": ids.astype("<i4").tobytes()}, timeout=60.0)
+        results = _results(clients, rid, timeout)
+        t_first_token = time.perf_counter()
+        errors = [r["error"] for r in results if r["error"]]
+        if errors:
+            raise RuntimeError(f"pipeline prefill failed: {errors[0]}")
+        for w in writers:
+            w.commit()
+        t_end = time.perf_counter()
+    except BaseException:
+        for w in writers:
+            if not w.done:
+                w.abort()
+        raise
+    span = max(r["t_last"] for r in results) - min(r["t_first"] for r in results)
+    busy = [float(r["busy_s"]) for r in results]
+    bubble = 1.0 - sum(busy) / (len(busy) * span) if span > 0 else 0.0
+    first = results[-1]["first_token"]
+    assert first is not None
+    n_tail = 1 if tail is not None else 0
+    return PrefillResult(
+        request_id=rid,
+        tokens=[int(t) for t in ids],
+        first_token=int(first),
+        block_keys=keys,
+        tail_key=None if tail is None else tail.key,
+        cached_tokens=cached,
+        computed_tokens=total - cached,
+        cached_blocks=hit,
+        stored_blocks=len(writers) - n_tail,
+        timings={
+            "match_s": t_start - t0,
+            "compute_s": t_first_token - t_start,
+            "store_wait_s": t_end - t_first_token,
+            "total_s": t_end - t0,
+            "ttft_s": t_first_token - t0,
+            "span_s": span,
+            "bubble": bubble,
+            "busy_s": busy,  # type: ignore[dict-item]
+            "chunks": float(results[0]["chunks"]),
+        },
+    )
+
+
+def _results(clients: Sequence[RpcClient], rid: str, timeout: float) -> list[dict[str, Any]]:
+    """Every stage's ``result`` for ``rid``. On the first failure (error reply,
+    lost connection, timeout) the other stages are told to ``abort`` so none
+    waits for chunks that will never come, and the failure is raised."""
+    futs = [c.submit("result", {"rid": rid, "timeout": timeout}) for c in clients]
+    done, pending = wait(futs, timeout=timeout, return_when=FIRST_EXCEPTION)
+    failed = [f for f in done if f.exception() is not None]
+    if failed or pending:
+        for c in clients:
+            with contextlib.suppress(Exception):
+                c.submit("abort", {"rid": rid, "error": "the coordinator gave up"})
+        for f in pending:
+            f.cancel()
+        if failed:
+            raise failed[0].exception()  # type: ignore[misc]
+        raise TimeoutError(f"pipeline prefill {rid} timed out after {timeout} s")
+    return [f.result() for f in futs]
+
+
+def _write_spec(writer: Any, start: int, rows: int) -> dict[str, Any]:
+    deadline = getattr(writer, "deadline", None)
+    return {
+        "ttl_s": None if deadline is None else deadline - time.monotonic(),
+        "key": writer.key,
+        "start": start,
+        "rows": rows,
+        "alloc": [
+            [aid, p.node_id, p.offset]
+            for aid, p in zip(writer._ids, writer._placements, strict=True)
+        ],
+    }

@@ -30,6 +30,7 @@ RPC connection (msgpack frames, raw bytes), never through the master.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import queue
 import signal
 import sys
@@ -230,8 +231,10 @@ class Stage:
     def _fail(self, req: _Request, exc: BaseException) -> None:
         req.error = f"{type(exc).__name__}: {exc}"
         if self.next is not None:
-            # let later stages finish (with the error) instead of waiting forever
-            self.next.submit("abort", {"rid": req.rid, "error": req.error})
+            # let later stages finish (with the error) instead of waiting forever;
+            # the next stage may be the one that died
+            with contextlib.suppress(Exception):
+                self.next.submit("abort", {"rid": req.rid, "error": req.error})
         req.done.set()
 
     def abort(self, params: dict[str, Any]) -> bool:
@@ -240,7 +243,8 @@ class Stage:
         if req is not None and not req.done.is_set():
             req.error = req.error or f"an earlier stage failed: {params['error']}"
             if self.next is not None:
-                self.next.submit("abort", params)
+                with contextlib.suppress(Exception):
+                    self.next.submit("abort", params)
             req.done.set()
         return True
 
@@ -291,6 +295,15 @@ class Stage:
             w.writer.write(base, k)
             w.writer.write(base + half, v)
 
+    def register(self, server: RpcServer) -> None:
+        """The stage's RPC methods (also served by a ``kvpool serve`` prefill worker
+        that is a stage of a pipeline group)."""
+        server.register("link", self.link)
+        server.register("begin", self.begin)
+        server.register("chunk", self.chunk, inline=True)
+        server.register("abort", self.abort, inline=True)
+        server.register("result", self.result)
+
     def close(self) -> None:
         self._work.put(("stop", None))
         self._copier.shutdown(wait=True)
@@ -324,11 +337,7 @@ def main(argv: list[str] | None = None) -> int:
     pool = kvpool.connect(args.pool, timeout=30.0)
     stage = Stage(model, pool, first, last)
     server = RpcServer(ServerConfig(host=args.host, port=args.port, max_frame=MAX_FRAME))
-    server.register("link", stage.link)
-    server.register("begin", stage.begin)
-    server.register("chunk", stage.chunk, inline=True)
-    server.register("abort", stage.abort, inline=True)
-    server.register("result", stage.result)
+    stage.register(server)
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
