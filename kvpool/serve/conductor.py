@@ -450,6 +450,14 @@ class ConductorRouter:
     Decode: the least-loaded decode worker; admission as in ``Rejection``
     (``after`` cannot be applied by the live front end before prefill, so
     it only applies the TTFT check here).
+
+    Pipeline groups (``kvpool serve --cpp-group k``): when the best single
+    worker's TTFT estimate misses the SLO or the tokens to compute reach
+    ``cpp_min_tokens``, each ready group is estimated (its busiest member's
+    queue + the plan's transfer + ``sim_cpp.pipeline_estimate`` with
+    ``cpp_chunk``-token chunks) and the simulator's rule
+    (``sim_cpp.choose_pipeline``) decides; the lowest qualifying group wins.
+    ``cpp_min_tokens`` 0: never pipeline.
     """
 
     conductor: Conductor
@@ -462,6 +470,10 @@ class ConductorRouter:
     decode_s: _Ewma = field(default_factory=lambda: _Ewma(5.0))
     mean_tokens: _Ewma = field(default_factory=lambda: _Ewma(1024.0))
     replicated: int = 0
+    cpp_min_tokens: int = 0
+    cpp_chunk: int = 512
+    hop_bytes: int = 0  # bytes per token crossing a stage boundary (hidden x dtype)
+    pipelined: int = 0
 
     def __post_init__(self) -> None:
         self.rejection = normalize_rejection(self.rejection)
@@ -498,9 +510,10 @@ class ConductorRouter:
             return RouteDecision(reject="no live worker of each kind")
         views, by_node = self._views(keys, prefill)
         plan = self.conductor.choose(prompt_tokens, views, by_node)
-        if self.rejection != "none" and not self.conductor.meets_ttft(plan, prompt_tokens):
+        group, ttft = self._pipeline(prompt_tokens, plan, prefill)
+        if self.rejection != "none" and ttft > self.conductor.ttft_slo(prompt_tokens):
             return RouteDecision(
-                reject=f"TTFT SLO: predicted {plan.ttft_s:.3f}s > "
+                reject=f"TTFT SLO: predicted {ttft:.3f}s > "
                 f"{self.conductor.ttft_slo(prompt_tokens):.3f}s"
             )
         load_now = sum(w.running + w.queued_requests for w in decode)
@@ -514,7 +527,7 @@ class ConductorRouter:
                 capacity += 1 << 30
         capacity = int(capacity * self.headroom)
         in_prefill = sum(w.queued_requests + w.running for w in prefill)
-        finishing = load_now * min(1.0, plan.ttft_s / max(self.decode_s.value, 1e-9))
+        finishing = load_now * min(1.0, ttft / max(self.decode_s.value, 1e-9))
         predicted = round(load_now - finishing + in_prefill)
         reason = admit_decode(
             self.rejection,
@@ -533,7 +546,56 @@ class ConductorRouter:
                 self.replicated += int(
                     self.pool.replicate(keys[: plan.reused_blocks], node=plan.node) or 0
                 )
+        if group is not None:
+            self.pipelined += 1
+            return RouteDecision(group=group, decode=d.worker_id)
         return RouteDecision(prefill=plan.worker_id, decode=d.worker_id)
+
+    def _pipeline(
+        self, prompt_tokens: int, plan: PrefillPlan, prefill: list[Any]
+    ) -> tuple[str | None, float]:
+        """(group, its TTFT estimate) when the request should be pipelined, else
+        (None, the single worker's estimate)."""
+        groups: dict[str, list[Any]] = {}
+        for w in prefill:
+            if getattr(w, "group", None):
+                groups.setdefault(w.group, []).append(w)
+        if not self.cpp_min_tokens or not groups:
+            return None, plan.ttft_s
+        from kvpool.serve.sim_cpp import choose_pipeline, pipeline_estimate
+
+        bt = self.conductor.block_tokens
+        cached = min(plan.reused_blocks * bt, prompt_tokens - 1)
+        new = prompt_tokens - cached
+        slo = self.conductor.ttft_slo(prompt_tokens)
+        if plan.ttft_s <= slo and new < self.cpp_min_tokens:
+            return None, plan.ttft_s  # fits one worker: never split
+        best: tuple[str | None, float] = (None, plan.ttft_s)
+        for g, members in sorted(groups.items()):
+            queues = [self._queue_s(m) for m in members]
+            q = max(queues)
+            pipe_s, _ = pipeline_estimate(
+                self.conductor.prefill,
+                self.conductor.transfer,
+                self.hop_bytes,
+                new,
+                cached,
+                len(members),
+                self.cpp_chunk,
+            )
+            ttft = q + plan.transfer_s + pipe_s
+            chosen = choose_pipeline(
+                plan.ttft_s,
+                ttft,
+                slo,
+                new,
+                self.cpp_min_tokens,
+                idle_s=sum(q - x for x in queues),
+                work_s=len(members) * pipe_s,
+            )
+            if chosen and ttft < best[1]:
+                best = (g, ttft)
+        return best
 
     def observe(self, obs: Any) -> None:
         if obs.kind == "prefill" and obs.seconds > 0 and not obs.error:
@@ -610,4 +672,7 @@ def conductor_from_context(ctx: Any) -> ConductorRouter:
         rejection=opts.get("rejection", "predicted"),
         node_of=node_of,
         headroom=float(opts.get("headroom", 0.9)),
+        cpp_min_tokens=int(getattr(ctx, "cpp_min_tokens", 0)),
+        cpp_chunk=int(getattr(ctx, "chunk_tokens", 512)),
+        hop_bytes=cfg.hidden_size * cfg.dtype_bytes,
     )

@@ -21,12 +21,25 @@ client at once) -> decode submit -> token events from the decode worker's
 long-poll pump, in order -> done. A worker that dies fails its in-flight
 requests with 502 (an ``error`` event mid-stream) and is restarted by the
 supervisor thread; requests route around it meanwhile.
+
+Pipeline groups (``--cpp-group k``, ``ServeSettings.groups``): prefill
+workers p0..p(k-1) are also stages 0..k-1 of group g0, and so on. The front
+end links each group's stages into a chain at start; a group is *ready* while
+every member is live and was linked in its current incarnation, and only
+then do its members carry ``WorkerState.group`` for the router. A decision
+naming a group makes this process the coordinator of a pipeline prefill
+(``kvpool.serve.cpp.pipeline_prefill``: reserve the blocks, start the stages,
+commit); decode then proceeds exactly as after a single-worker prefill. A
+member that dies fails the request with 502 (the other stages abort it, every
+reservation is aborted); the supervisor restarts the member and re-links the
+group, which is ready again once the chain is whole.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import json
 import logging
 import threading
@@ -111,6 +124,8 @@ class ServeSettings:
     page_tokens: int = 16
     restart: bool = True  # restart dead workers
     events_wait_s: float = 1.0
+    groups: dict[str, list[str]] = field(default_factory=dict)  # pipeline group -> stages
+    chunk_tokens: int = 512  # the pipeline's chunk
 
     @property
     def eos_id(self) -> int | None:
@@ -158,6 +173,7 @@ class ServeRequest:
     finished: bool = False
     error: str | None = None
     prefill_timings: dict[str, float] = field(default_factory=dict)
+    pipeline: list[str] = field(default_factory=list)  # the stages, when pipelined
 
     def push(self, item: tuple[Any, ...]) -> None:
         """Thread-safe: hand an event to the request's coroutine."""
@@ -193,6 +209,8 @@ class Frontend:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self.created = int(time.time())
+        self._group_of = {w: (g, i) for g, ms in settings.groups.items() for i, w in enumerate(ms)}
+        self._linked: dict[str, tuple[int, ...]] = {}  # group -> member generations linked
         self._metrics()
 
     # -- workers -----------------------------------------------------------------
@@ -219,7 +237,35 @@ class Frontend:
             )
             t.start()
 
+    def _generations(self, group: str) -> tuple[int, ...]:
+        return tuple(self.handles[w].generation for w in self.s.groups[group])
+
+    def group_ready(self, group: str) -> bool:
+        members = [self.handles.get(w) for w in self.s.groups[group]]
+        return all(h is not None and h.alive for h in members) and self._linked.get(
+            group
+        ) == self._generations(group)
+
+    def link_group(self, group: str) -> bool:
+        """Connect each stage of ``group`` to the next; the group is ready on success."""
+        gens = self._generations(group)
+        members = [self.handles[w] for w in self.s.groups[group]]
+        try:
+            for a, b in itertools.pairwise(members):
+                if a.client is None or b.child is None or not (a.alive and b.alive):
+                    return False
+                a.client.call("link", {"address": b.child.address}, timeout=10)
+        except KVPoolError as exc:
+            log.warning("linking pipeline group %s failed: %s", group, exc)
+            return False
+        with self._lock:
+            self._linked[group] = gens
+        return True
+
     def start(self) -> None:
+        for group in self.s.groups:
+            if not self.link_group(group):
+                raise RuntimeError(f"could not link pipeline group {group}")
         for target, name in ((self._supervise, "supervisor"), (self._poll_loads, "loads")):
             t = threading.Thread(target=target, name=f"kvpool-serve-{name}", daemon=True)
             t.start()
@@ -305,6 +351,11 @@ class Frontend:
                 self.m_restarts.labels(h.worker_id).inc()
                 self._attach(h, child)
                 log.warning("worker %s restarted (pid %d)", h.worker_id, child.pid)
+            for g in self.s.groups:  # re-form groups whose members came back
+                if not self.group_ready(g) and not self._stop.is_set():
+                    members = [self.handles.get(w) for w in self.s.groups[g]]
+                    if all(m is not None and m.alive for m in members) and self.link_group(g):
+                        log.warning("pipeline group %s re-linked", g)
 
     def _poll_loads(self) -> None:
         while not self._stop.wait(0.25):
@@ -317,6 +368,7 @@ class Frontend:
 
     def states(self) -> list[WorkerState]:
         out = []
+        ready = {g for g in self.s.groups if self.group_ready(g)}
         with self._lock:
             for h in self.handles.values():
                 rep = h.reported
@@ -330,6 +382,9 @@ class Frontend:
                     reported=rep,
                 )
                 if h.kind == PREFILL:
+                    g = self._group_of.get(h.worker_id)
+                    if g is not None and g[0] in ready:
+                        st.group, st.stage = g
                     st.queued_requests = len(reqs)
                     st.queued_tokens = sum(len(r.tokens) for r in reqs)
                     st.running = int(rep.get("running", 0))
@@ -417,7 +472,8 @@ class Frontend:
             "eos_id": None if ignore_eos else self.s.eos_id,
         }
 
-    def route(self, tokens: list[int]) -> tuple[WorkerHandle, WorkerHandle]:
+    def route(self, tokens: list[int]) -> tuple[list[WorkerHandle], WorkerHandle, str | None]:
+        """(prefill handles: one worker or a group's stages in order, decode handle, group)."""
         states = self.states()
         for kind in (PREFILL, DECODE):
             if not any(s.alive for s in states if s.kind == kind):
@@ -430,11 +486,16 @@ class Frontend:
         if decision.reject:
             self.m_rejected.inc()
             raise ApiError(429, decision.reject, "rate_limit_exceeded", code="rejected")
-        p = self.handles.get(decision.prefill or "")
         d = self.handles.get(decision.decode or "")
+        if decision.group is not None:
+            members = self.s.groups.get(decision.group)
+            if members is None or d is None or d.kind != DECODE:
+                raise ApiError(500, f"router chose unknown workers {decision}", "server_error")
+            return [self.handles[w] for w in members], d, decision.group
+        p = self.handles.get(decision.prefill or "")
         if p is None or d is None or p.kind != PREFILL or d.kind != DECODE:
             raise ApiError(500, f"router chose unknown workers {decision}", "server_error")
-        return p, d
+        return [p], d, None
 
     async def begin(self, fields: dict[str, Any]) -> ServeRequest:
         """Route, prefill and hand to decode; errors are ApiError with a status."""
@@ -451,9 +512,14 @@ class Frontend:
         self.m_inflight.inc()
         try:
             # off the event loop: a router may ask the pool (an RPC) where prefixes are
-            p, d = await run_in_threadpool(self.route, req.tokens)
-            req.prefill_worker, req.decode_worker = p.worker_id, d.worker_id
-            result = await self._prefill(req, p)
+            ps, d, group = await run_in_threadpool(self.route, req.tokens)
+            req.decode_worker = d.worker_id
+            if group is None:
+                req.prefill_worker = ps[0].worker_id
+                result = await self._prefill(req, ps[0])
+            else:
+                req.prefill_worker, req.pipeline = group, [p.worker_id for p in ps]
+                result = await self._prefill_pipeline(req, group, ps)
             self._first_token(req, result)
             if req.max_tokens > 1 and result["first_token"] != req.eos_id:
                 await self._submit_decode(req, d, result)
@@ -483,12 +549,7 @@ class Frontend:
         finally:
             with self._lock:
                 p.inflight.pop(req.id, None)
-        req.cached_tokens = int(result["cached_tokens"])
-        req.computed_tokens = int(result["computed_tokens"])
-        req.prefill_timings = dict(result.get("timings", {}))
-        self.m_prompt_tokens.inc(len(req.tokens))
-        self.m_cached_tokens.inc(req.cached_tokens)
-        self.m_computed_tokens.inc(req.computed_tokens)
+        self._account(req, result)
         self._observe(
             Observation(
                 "prefill",
@@ -499,6 +560,52 @@ class Frontend:
                 queue_seconds=req.prefill_timings.get("queue_s", 0.0),
             )
         )
+        return result
+
+    def _account(self, req: ServeRequest, result: dict[str, Any]) -> None:
+        req.cached_tokens = int(result["cached_tokens"])
+        req.computed_tokens = int(result["computed_tokens"])
+        req.prefill_timings = dict(result.get("timings", {}))
+        self.m_prompt_tokens.inc(len(req.tokens))
+        self.m_cached_tokens.inc(req.cached_tokens)
+        self.m_computed_tokens.inc(req.computed_tokens)
+
+    async def _prefill_pipeline(
+        self, req: ServeRequest, group: str, stages: list[WorkerHandle]
+    ) -> dict[str, Any]:
+        """Coordinate a pipeline prefill over ``stages`` (this process reserves and
+        commits the blocks); any failure is a 502 and nothing half-written stays."""
+        from kvpool.serve.cpp import pipeline_prefill
+
+        with self._lock:
+            clients = [h.client for h in stages]
+            if self.pool is None or not all(h.alive for h in stages) or None in clients:
+                raise ApiError(503, f"pipeline group {group} is not available", "server_error")
+            for h in stages:  # counts as queued work on every member (routing, /health)
+                h.inflight[req.id] = req
+        try:
+            res = await run_in_threadpool(
+                pipeline_prefill,
+                self.pool,
+                self.s.model,
+                clients,  # type: ignore[arg-type]
+                req.tokens,
+                chunk_tokens=self.s.chunk_tokens,
+                request_id=req.id,
+                seed=self.s.seed,
+            )
+        except Exception as exc:
+            self.m_pipeline_failures.labels(group).inc()
+            raise ApiError(
+                502, f"pipeline group {group} failed: {type(exc).__name__}: {exc}", "server_error"
+            ) from None
+        finally:
+            with self._lock:
+                for h in stages:
+                    h.inflight.pop(req.id, None)
+        result = res.to_dict()
+        self.m_pipeline.labels(group).inc()
+        self._account(req, result)
         return result
 
     def _first_token(self, req: ServeRequest, result: dict[str, Any]) -> None:
@@ -615,6 +722,7 @@ class Frontend:
             "ttft_s": req.ttft,
             "tbt_mean_s": (sum(req.tbt) / len(req.tbt)) if req.tbt else None,
             "prefill_timings": req.prefill_timings,
+            "pipeline": req.pipeline,  # the stages' workers when pipelined, else []
         }
 
     def chunk(self, req: ServeRequest, text: str, token: int | None, finish: str | None) -> str:
@@ -724,6 +832,18 @@ class Frontend:
         )
         self.m_generated = Counter(
             "kvpool_serve_generated_tokens", "Output tokens sent to clients", registry=r
+        )
+        self.m_pipeline = Counter(
+            "kvpool_serve_pipeline_requests",
+            "Requests prefilled by a pipeline group (--cpp-group)",
+            ["group"],
+            registry=r,
+        )
+        self.m_pipeline_failures = Counter(
+            "kvpool_serve_pipeline_failures",
+            "Pipeline prefills that failed (502)",
+            ["group"],
+            registry=r,
         )
         self.m_restarts = Counter(
             "kvpool_serve_worker_restarts", "Worker restarts", ["worker"], registry=r

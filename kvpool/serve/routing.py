@@ -9,6 +9,11 @@ and asks its ``Router``::
 same keys the pool stores, so a router can ask the pool which prefix is
 cached and where). The decision names one prefill and one decode worker, or
 carries a ``reject`` reason, which the front end answers with HTTP 429.
+With ``kvpool serve --cpp-group k`` the prefill workers also form pipeline
+groups of k (``WorkerState.group``/``stage``, set only while every member of
+the group is live and linked); a decision may then name a ``group`` instead of
+one prefill worker, and the prompt is prefilled by the group's stages
+(``kvpool.serve.cpp.pipeline_prefill``).
 Workers of a kind that has none alive never reach the router: the front end
 answers 503 itself.
 
@@ -60,16 +65,21 @@ class WorkerState:
     kv_capacity_tokens: int | None = None
     max_batch: int | None = None
     completed: int = 0  # requests this worker finished since it started
+    group: str | None = None  # prefill: the ready pipeline group it is a stage of
+    stage: int = 0  # ... and its position in it
     reported: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class RouteDecision:
-    """Where a request goes: both workers, or a reason to reject it (HTTP 429)."""
+    """Where a request goes: both workers, or a reason to reject it (HTTP 429).
+
+    ``group``: prefill through that pipeline group (``prefill`` is then ignored)."""
 
     prefill: str | None = None
     decode: str | None = None
     reject: str | None = None
+    group: str | None = None
 
 
 @dataclass
@@ -109,6 +119,17 @@ class RouterContext:
     pool_url: str
     seed: int = 0
     options: dict[str, str] = field(default_factory=dict)
+    cpp_min_tokens: int = 0  # --cpp-min-tokens (0: no pipeline groups)
+    chunk_tokens: int = 512  # --chunk-tokens, the pipeline's chunk
+
+
+def pipeline_groups(workers: list[WorkerState]) -> dict[str, list[WorkerState]]:
+    """Ready pipeline groups among ``workers``: id -> live members in stage order."""
+    groups: dict[str, list[WorkerState]] = {}
+    for w in workers:
+        if w.kind == PREFILL and w.alive and w.group:
+            groups.setdefault(w.group, []).append(w)
+    return {g: sorted(m, key=lambda w: w.stage) for g, m in sorted(groups.items())}
 
 
 class LeastLoadedRouter:
@@ -116,17 +137,24 @@ class LeastLoadedRouter:
 
     Ties go to the lower worker id. Options: ``max_queued_tokens`` (reject
     when every prefill worker already has at least this many tokens queued;
-    0, the default, never rejects).
+    0, the default, never rejects). ``cpp_min_tokens`` (``--cpp-min-tokens``):
+    prompts of at least this many tokens go to the ready pipeline group whose
+    busiest member has the fewest queued tokens (a plain token threshold: this
+    router has no TTFT estimate; 0 never pipelines).
     """
 
     name = "least-loaded"
 
-    def __init__(self, max_queued_tokens: int = 0) -> None:
+    def __init__(self, max_queued_tokens: int = 0, cpp_min_tokens: int = 0) -> None:
         self.max_queued_tokens = max_queued_tokens
+        self.cpp_min_tokens = cpp_min_tokens
 
     @classmethod
     def from_context(cls, ctx: RouterContext) -> LeastLoadedRouter:
-        return cls(max_queued_tokens=int(ctx.options.get("max_queued_tokens", 0)))
+        return cls(
+            max_queued_tokens=int(ctx.options.get("max_queued_tokens", 0)),
+            cpp_min_tokens=ctx.cpp_min_tokens,
+        )
 
     def route(
         self, prompt_tokens: int, keys: list[bytes], workers: list[WorkerState]
@@ -144,6 +172,17 @@ class LeastLoadedRouter:
             decode,
             key=lambda w: (w.running + w.queued_requests, w.queued_tokens, w.worker_id),
         )
+        groups = pipeline_groups(prefill)
+        if self.cpp_min_tokens and prompt_tokens >= self.cpp_min_tokens and groups:
+            g = min(
+                groups,
+                key=lambda g: (
+                    max(m.queued_tokens for m in groups[g]),
+                    sum(m.queued_tokens for m in groups[g]),
+                    g,
+                ),
+            )
+            return RouteDecision(group=g, decode=d.worker_id)
         return RouteDecision(prefill=p.worker_id, decode=d.worker_id)
 
 

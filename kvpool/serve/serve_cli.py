@@ -7,6 +7,7 @@ signal, so nothing outlives this process):
       +- kvpool master            (only without --pool)
       +- kvpool node --dram SIZE  (only without --pool)
       +- python -m kvpool.serve.workers prefill --worker-id p0 ... (x --prefill)
+         (with --cpp-group k also --stage A:B: p0..p(k-1) form pipeline group g0, ...)
       +- python -m kvpool.serve.workers decode  --worker-id d0 ... (x --decode)
 
 Prints ``kvpool serve ready on http://HOST:PORT ...`` once it answers. Stops
@@ -56,6 +57,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--block-tokens", type=int, default=None, help="pool block size (tokens)")
     p.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk (tokens)")
+    p.add_argument(
+        "--cpp-group",
+        type=int,
+        default=1,
+        metavar="K",
+        help="prefill workers also form pipeline groups of K stages for long prompts (1: none)",
+    )
+    p.add_argument(
+        "--cpp-min-tokens",
+        type=int,
+        default=None,
+        metavar="N",
+        help="prompts with at least N tokens to compute go to a pipeline group "
+        "(default 16384; the conductor also pipelines prompts that miss the TTFT SLO)",
+    )
     p.add_argument("--kv-tokens", type=int, default=32768, help="KV memory per decode worker")
     p.add_argument("--page-tokens", type=int, default=16, help="decode KV page (tokens)")
     p.add_argument("--max-batch", type=int, default=32, help="decode batch limit")
@@ -93,6 +109,10 @@ def run(args: argparse.Namespace) -> int:
     )
     if args.prefill < 1 or args.decode < 1:
         raise SystemExit("--prefill and --decode must be at least 1")
+    if args.cpp_group < 1 or args.prefill % args.cpp_group:
+        raise SystemExit(
+            f"--prefill {args.prefill} is not a multiple of --cpp-group {args.cpp_group}"
+        )
     state = {"stopping": False}
 
     def on_signal(_sig: int, _frame: Any) -> None:
@@ -134,6 +154,15 @@ class _Runtime:
         self.server: Any = None
         self.sock: socket.socket | None = None
         self.url = ""
+        k = args.cpp_group
+        if k > self.model.num_layers:
+            raise SystemExit(f"--cpp-group {k} exceeds the model's {self.model.num_layers} layers")
+        # pipeline groups: p0..p(k-1) are stages 0..k-1 of g0, pk..p(2k-1) of g1, ...
+        self.groups: dict[str, list[str]] = (
+            {f"g{j}": [f"p{j * k + i}" for i in range(k)] for j in range(args.prefill // k)}
+            if k > 1
+            else {}
+        )
 
     # -- startup -----------------------------------------------------------------
 
@@ -183,10 +212,24 @@ class _Runtime:
             decode_kv_tokens=args.kv_tokens,
             page_tokens=args.page_tokens,
             restart=not args.no_restart,
+            groups=self.groups,
+            chunk_tokens=args.chunk_tokens,
         )
+        cpp_min = 0
+        if self.groups:
+            from kvpool.serve.sim_cpp import DEFAULT_MIN_TOKENS
+
+            cpp_min = args.cpp_min_tokens if args.cpp_min_tokens is not None else DEFAULT_MIN_TOKENS
         router = make_router(
             args.router,
-            RouterContext(self.model, self.pool_url, args.seed, parse_options(args.router_opt)),
+            RouterContext(
+                self.model,
+                self.pool_url,
+                args.seed,
+                parse_options(args.router_opt),
+                cpp_min_tokens=cpp_min,
+                chunk_tokens=args.chunk_tokens,
+            ),
         )
         fe = self.frontend = Frontend(settings, router, self.launch, self.pool)
         ids = [("prefill", f"p{i}") for i in range(args.prefill)]
@@ -209,7 +252,8 @@ class _Runtime:
         self._make_server()
         print(
             f"kvpool serve ready on {self.url} (model {args.model}, prefill {args.prefill}, "
-            f"decode {args.decode}, pool {self.pool_url}, router {args.router}, "
+            f"decode {args.decode}, cpp groups {len(self.groups)} x {args.cpp_group}, "
+            f"pool {self.pool_url}, router {args.router}, "
             f"started in {time.perf_counter() - t0:.1f} s)",
             flush=True,
         )
@@ -245,6 +289,12 @@ class _Runtime:
             cmd += ["--block-tokens", str(a.block_tokens)]
         if kind == "prefill":
             cmd += ["--chunk-tokens", str(a.chunk_tokens)]
+            if self.groups:
+                from kvpool.serve.cpp import split_layers
+
+                i = int(worker_id[1:])
+                first, last = split_layers(self.model.num_layers, a.cpp_group)[i % a.cpp_group]
+                cmd += ["--stage", f"{first}:{last}"]
         else:
             cmd += [
                 "--kv-tokens",

@@ -46,7 +46,13 @@ from dataclasses import replace
 from typing import Any
 
 from kvpool.serve.conductor import AdmissionState, WorkerView, admit_decode
-from kvpool.serve.cost_model import ClusterCostModel, analytic_cluster, attention_pairs
+from kvpool.serve.cost_model import (
+    ClusterCostModel,
+    PrefillCostModel,
+    TransferModel,
+    analytic_cluster,
+    attention_pairs,
+)
 from kvpool.serve.sim import PREFILL_DONE, Cluster, SimConfig
 
 CHUNK_SIZES = (1024, 2048, 4096, 8192, 16384)
@@ -62,8 +68,24 @@ def pipeline_seconds(
     cost: ClusterCostModel, new: int, cached: int, stages: int, chunk: int
 ) -> tuple[float, float]:
     """(seconds, bubble) of a ``stages``-stage pipeline prefill with ``chunk``-token chunks."""
-    pm, cfg = cost.prefill, cost.config
-    hop_bytes = cfg.hidden_size * cfg.dtype_bytes
+    cfg = cost.config
+    return pipeline_estimate(
+        cost.prefill, cost.transfer, cfg.hidden_size * cfg.dtype_bytes, new, cached, stages, chunk
+    )
+
+
+def pipeline_estimate(
+    pm: PrefillCostModel,
+    transfer: TransferModel,
+    hop_bytes: int,
+    new: int,
+    cached: int,
+    stages: int,
+    chunk: int,
+) -> tuple[float, float]:
+    """``pipeline_seconds`` on an explicit prefill model, stage-to-stage transfer
+    model and bytes per token crossing a stage boundary (``hop_bytes``): what
+    the live conductor (``kvpool serve --router conductor --cpp-group k``) uses."""
     finish = [0.0] * stages  # finish time of the previous chunk on each stage
     busy = 0.0
     start = 0
@@ -77,7 +99,7 @@ def pipeline_seconds(
         for j in range(stages):
             begin = max(ready, finish[j])
             finish[j] = begin + t
-            ready = finish[j] + (cost.transfer.seconds(c * hop_bytes) if j < stages - 1 else 0)
+            ready = finish[j] + (transfer.seconds(c * hop_bytes) if j < stages - 1 else 0)
         busy += t * stages
         start += c
     span = finish[-1]

@@ -30,6 +30,12 @@ Decode worker methods (every reply goes to the connection that asked):
 - ``decode.cancel`` ``{"request_id": rid}``: drop a request (its client left).
 
 Both kinds answer ``load`` (their queue and batch, for routing) and ``info``.
+
+A prefill worker started with ``--stage A:B`` is also stage ``[A, B)`` of a
+pipeline group (``kvpool serve --cpp-group k``): it serves the stage methods
+of ``kvpool.serve.cpp_stage.Stage`` (``link``, ``begin``, ``chunk``,
+``abort``, ``result``) on the same RPC server, with its full model, so it
+prefills short prompts alone and long ones as one stage of the pipeline.
 """
 
 from __future__ import annotations
@@ -369,6 +375,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     p.add_argument("--chunk-tokens", type=int, default=512, help="prefill chunk size")
+    p.add_argument(
+        "--stage", default=None, metavar="A:B", help="prefill: also pipeline stage [A, B)"
+    )
     p.add_argument("--kv-tokens", type=int, default=32768, help="decode KV memory (tokens)")
     p.add_argument("--page-tokens", type=int, default=16)
     p.add_argument("--max-batch", type=int, default=32)
@@ -403,12 +412,19 @@ def main(argv: list[str] | None = None) -> int:
     pool = kvpool.connect(args.pool)
     service: PrefillService | DecodeService
     closers: list[Any] = []
+    stage: Any = None
     if args.kind == "prefill":
         from kvpool.serve.prefill import PrefillWorker
 
         pw = PrefillWorker(model, pool, chunk_tokens=args.chunk_tokens)
         closers.append(pw)
         service = PrefillService(pw, args.worker_id)
+        if args.stage:
+            from kvpool.serve.cpp_stage import Stage, parse_layers
+
+            first, last = parse_layers(args.stage)
+            stage = Stage(model, pool, first, last)
+            closers.append(stage)
     else:
         from kvpool.serve.decode import DecodeEngine
 
@@ -419,10 +435,15 @@ def main(argv: list[str] | None = None) -> int:
         closers.append(engine)
         service = DecodeService(engine, args.worker_id)
         service.start()
-    server = RpcServer(
-        ServerConfig(host=args.host, port=args.port, name=f"kvpool-{args.kind}", workers=64)
-    )
+    config = ServerConfig(host=args.host, port=args.port, name=f"kvpool-{args.kind}", workers=64)
+    if stage is not None:
+        from kvpool.serve.cpp_stage import MAX_FRAME
+
+        config.max_frame = MAX_FRAME  # a previous stage's hidden states
+    server = RpcServer(config)
     service.register(server)
+    if stage is not None:
+        stage.register(server)
     server.register(
         "info",
         lambda _p: {
@@ -431,6 +452,7 @@ def main(argv: list[str] | None = None) -> int:
             "model": args.model,
             "block_tokens": model.cfg.block_tokens,
             "pid": os.getpid(),
+            "stage": args.stage,
         },
         inline=True,
     )
