@@ -86,6 +86,7 @@ class RemotePool(LayerwiseMethods):
         self._rpc = RpcClient(master, token=token, timeout=timeout, name="kvpool-client")
         self._regions: dict[str, RegionInfo] = {}
         self._peers = PeerTransports(token=token, timeout=timeout, override=transport)
+        self._by_region: dict[str, tuple[RegionInfo, Transport]] = {}  # skips peers' lock
         self._lock = threading.Lock()  # guards the lease cache and the replica orders
         self._cache = LeaseCache(lease_cache_s, lease_cache_bytes)
         # hot blocks to copy to a new replica: key -> (alloc id, target, lease that asked)
@@ -221,10 +222,20 @@ class RemotePool(LayerwiseMethods):
         dst = as_region(out, writable=True, what="out")
         if offset < 0 or (length is not None and length <= 0):
             raise BufferSpecError(f"bad range: offset={offset}, length={length}")
-        with self._reading([key]) as found:
-            if key not in found:
-                return None
-            return self._read_range(key, found[key], dst, offset, length)
+        with self._lock:  # fast path: a cached lease, no generator, no dict of one
+            hit = self._cache.lookup(key)
+            if hit is not None:
+                hit[2].pins += 1
+        if hit is None:
+            with self._reading([key]) as found:
+                if key not in found:
+                    return None
+                return self._read_range(key, found[key], dst, offset, length)
+        try:
+            return self._read_range(key, hit, dst, offset, length)
+        finally:
+            with self._lock:
+                self._cache.unpin(hit[2])
 
     def get_into_batch(self, keys: Sequence[bytes], outs: Sequence[Any]) -> list[int | None]:
         """``get_into`` for each pair; at most one lease round trip for the whole batch."""
@@ -374,7 +385,13 @@ class RemotePool(LayerwiseMethods):
         self._regions.update(nodes)  # a restarted node's new region replaces its transport
 
     def _transport(self, node_id: str) -> Transport:
-        return self._peers.get(self._regions[node_id])
+        region = self._regions[node_id]
+        known = self._by_region.get(node_id)
+        if known is not None and known[0] is region:  # the common case: nothing changed
+            return known[1]
+        transport = self._peers.get(region)
+        self._by_region[node_id] = (region, transport)
+        return transport
 
     def _write(self, node_id: str, offset: int, src: Region) -> None:
         """Bytes to a node's range (CUDA buffers: the transport stages them)."""
