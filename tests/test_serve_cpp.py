@@ -146,6 +146,25 @@ def test_pipeline_reuses_a_cached_prefix(server: Server, model: Transformer) -> 
     assert _pipelined(server.url) == 2.0
 
 
+def test_concurrent_pipelined_prompts_are_exact(server: Server, model: Transformer) -> None:
+    prompts = [_prompt(10 + i, 250 + 40 * i) for i in range(3)]
+    results: dict[int, httpx.Response] = {}
+
+    def send(i: int) -> None:
+        results[i] = _complete(server.url, prompts[i], 5)
+
+    threads = [threading.Thread(target=send, args=(i,)) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for i, p in enumerate(prompts):
+        out = results[i].json()
+        assert out["kvpool"]["pipeline"] == ["p0", "p1"]
+        assert out["choices"][0]["token_ids"] == generate(model, p, 5)
+    assert _pipelined(server.url) == 5.0
+
+
 def test_a_dead_stage_fails_its_request_and_the_group_comes_back(
     server: Server, model: Transformer
 ) -> None:
@@ -174,6 +193,12 @@ def test_a_dead_stage_fails_its_request_and_the_group_comes_back(
     assert r.json()["kvpool"]["pipeline"] == ["p0", "p1"]
     assert r.json()["choices"][0]["token_ids"] == generate(model, ids, 8)
     assert _health(server.url)["p1"]["restarts"] == 1
+
+
+def test_prefill_must_be_a_multiple_of_the_group() -> None:
+    cmd = [sys.executable, "-m", "kvpool", "serve", "--prefill", "3", "--cpp-group", "2"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and "multiple of --cpp-group" in r.stderr
 
 
 # -- routing decisions (no server) ---------------------------------------------------

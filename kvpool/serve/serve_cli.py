@@ -69,8 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         metavar="N",
-        help="prompts with at least N tokens to compute go to a pipeline group "
-        "(default 16384; the conductor also pipelines prompts that miss the TTFT SLO)",
+        help="prompts of at least N tokens go to a pipeline group (default 16384; the "
+        "conductor counts tokens to compute and also pipelines prompts that miss the TTFT SLO)",
     )
     p.add_argument("--kv-tokens", type=int, default=32768, help="KV memory per decode worker")
     p.add_argument("--page-tokens", type=int, default=16, help="decode KV page (tokens)")
