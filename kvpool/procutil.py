@@ -14,10 +14,14 @@ import time
 
 
 def wait_for_ready(
-    popen: subprocess.Popen[str], pattern: re.Pattern[str], timeout: float
+    popen: subprocess.Popen[str],
+    pattern: re.Pattern[str],
+    timeout: float,
+    lines: list[str] | None = None,
 ) -> re.Match[str]:
     """The first stdout line matching ``pattern``; RuntimeError (child killed) if the
-    child exits, or ``timeout`` seconds pass, first."""
+    child exits, or ``timeout`` seconds pass, first. Every line read is appended to
+    ``lines`` when given (for diagnostics)."""
     assert popen.stdout is not None
     deadline = time.monotonic() + timeout
     with selectors.DefaultSelector() as selector:
@@ -28,9 +32,12 @@ def wait_for_ready(
             line = popen.stdout.readline()
             if not line:
                 break
+            if lines is not None:
+                lines.append(line)
             match = pattern.search(line)
             if match:
                 return match
     popen.kill()
     popen.wait(10)
-    raise RuntimeError(f"{popen.args!r} did not become ready within {timeout} s")
+    seen = "".join(lines or [])[-2000:]
+    raise RuntimeError(f"{popen.args!r} did not become ready within {timeout} s: {seen}")

@@ -14,12 +14,12 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import numpy as np
 import pytest
 import torch
+from servehelpers import Server, start_serve
 
 from kvpool.serve.model import Transformer, build_model, generate
 from kvpool.serve.presets import get_preset
@@ -35,48 +35,21 @@ from kvpool.serve.routing import (
 torch.set_num_threads(1)
 BT = 16
 MIN_TOKENS = 200
-READY = re.compile(r"ready on (http://[\d.]+:\d+)")
-
-
-@dataclass
-class Server:
-    popen: subprocess.Popen[str]
-    url: str
-    lines: list[str]
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    popen = subprocess.Popen(
+    server = start_serve(
         [
-            *(sys.executable, "-m", "kvpool", "serve", "--model", "tiny", "--port", "0"),
+            *("--model", "tiny", "--port", "0"),
             *("--prefill", "2", "--cpp-group", "2", "--cpp-min-tokens", str(MIN_TOKENS)),
             *("--block-tokens", str(BT), "--chunk-tokens", "64", "--dram", "64MiB"),
             *("--kv-tokens", "4096", "--max-tokens-limit", "256", "--page-tokens", "8"),
         ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        process_group=0,
+        own_group=True,
     )
-    assert popen.stdout is not None
-    lines: list[str] = []
-    url = None
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        line = popen.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = READY.search(line)
-        if m:
-            url = m.group(1)
-            break
-    if url is None:
-        popen.kill()
-        pytest.fail(f"kvpool serve did not start: {lines}")
-    threading.Thread(target=lambda: lines.extend(popen.stdout or []), daemon=True).start()
-    yield Server(popen, url, lines)
+    popen = server.popen
+    yield server
     if popen.poll() is None:
         popen.terminate()
         try:

@@ -9,32 +9,22 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
 
 import httpx
 import pytest
 import torch
+from servehelpers import Server, start_serve
 
 from kvpool.serve.model import Transformer, build_model, generate
 from kvpool.serve.tokenizer import EOS, ByteTokenizer
 
 torch.set_num_threads(1)
 BT = 16
-READY = re.compile(r"ready on (http://[\d.]+:\d+)")
-
-
-@dataclass
-class Server:
-    popen: subprocess.Popen[str]
-    url: str
-    lines: list[str]
 
 
 def _descendants(pid: int) -> set[int]:
@@ -69,34 +59,16 @@ def _alive(pid: int) -> bool:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[Server]:
-    popen = subprocess.Popen(
+    server = start_serve(
         [
-            *(sys.executable, "-m", "kvpool", "serve", "--model", "tiny", "--port", "0"),
+            *("--model", "tiny", "--port", "0"),
             *("--block-tokens", str(BT), "--dram", "64MiB", "--kv-tokens", "4096"),
             *("--max-tokens-limit", "1024", "--page-tokens", "8"),
         ],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        own_group=False,
     )
-    assert popen.stdout is not None
-    lines: list[str] = []
-    url = None
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        line = popen.stdout.readline()
-        if not line:
-            break
-        lines.append(line)
-        m = READY.search(line)
-        if m:
-            url = m.group(1)
-            break
-    if url is None:
-        popen.kill()
-        pytest.fail(f"kvpool serve did not start: {lines}")
-    threading.Thread(target=lambda: lines.extend(popen.stdout or []), daemon=True).start()
-    yield Server(popen, url, lines)
+    popen = server.popen
+    yield server
     if popen.poll() is None:
         kids = _descendants(popen.pid)
         popen.terminate()
