@@ -135,10 +135,7 @@ class Pool(LayerwiseMethods):
         parents = list(parents) if parents is not None else [None] * len(keys)
         if not len(keys) == len(datas) == len(parents):
             raise ValueError("keys, datas and parents must have the same length")
-        for key, parent in zip(keys, parents, strict=True):
-            check_key(key)
-            if parent is not None:
-                check_key(parent, what="parent")
+        check_keys(keys, parents)
         regions = [data_region(d) for d in datas]
         return [self._put_region(k, r, p) for k, r, p in zip(keys, regions, parents, strict=True)]
 
@@ -164,8 +161,7 @@ class Pool(LayerwiseMethods):
         Blocks found on SSD are promoted to DRAM first, so the pieces are
         memory copies. ``len(lease)`` is the number of blocks leased.
         """
-        for key in keys:
-            check_key(key)
+        check_keys(keys)
         pinned: list[tuple[bytes, _Entry]] = []
         for key in keys:
             entry = self._pin_for_lease(key)
@@ -211,23 +207,20 @@ class Pool(LayerwiseMethods):
         """``get_into`` for each pair; all keys and buffers are checked first."""
         if len(keys) != len(outs):
             raise ValueError("keys and outs must have the same length")
-        for key in keys:
-            check_key(key)
+        check_keys(keys)
         regions = [as_region(o, writable=True, what="out") for o in outs]
         return [self._get_into_region(k, r) for k, r in zip(keys, regions, strict=True)]
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """For each key, whether a committed block is stored under it."""
-        for key in keys:
-            check_key(key)
+        check_keys(keys)
         with self._lock:
             self._check_open()
             return [key in self._entries for key in keys]
 
     def prefix_match(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` that are stored (the reusable prefix, in blocks)."""
-        for key in keys:
-            check_key(key)
+        check_keys(keys)
         with self._lock:
             self._check_open()
             entries = self._entries
