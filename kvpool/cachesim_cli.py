@@ -5,7 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from kvpool.traces import TraceRecord
 
 
 def _int_list(text: str) -> list[int]:
@@ -50,6 +54,13 @@ def register(subparsers: Any) -> None:
     )
     parser.add_argument("--block-tokens", type=int, default=512)
     parser.add_argument("--no-belady", action="store_true", help="skip the oracle rows")
+    parser.add_argument(
+        "--bound",
+        action="store_true",
+        help="add the keep-for-H bound rows (keep-for-h, keep-for-h+oracle): the best "
+        "hit ratio of policies that keep each block a fixed time after each use "
+        "(optimistic; see kvpool.eviction.horizon)",
+    )
     parser.set_defaults(func=run)
 
 
@@ -80,6 +91,22 @@ def format_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def _bound_rows(
+    records: Sequence[TraceRecord], requests: list[list[bytes]], capacities: list[int]
+) -> list[dict[str, Any]]:
+    from kvpool.eviction.horizon import keep_for_h_bound
+
+    timestamps_s = [rec.timestamp / 1000.0 for rec in records]
+    rows: list[dict[str, Any]] = []
+    for name, oracle in (("keep-for-h", False), ("keep-for-h+oracle", True)):
+        ratios = keep_for_h_bound(requests, timestamps_s, capacities, reuse_oracle=oracle)
+        rows += [
+            {"policy": name, "capacity_blocks": cap, "hit_ratio": ratio}
+            for cap, ratio in zip(capacities, ratios, strict=True)
+        ]
+    return rows
+
+
 def run(args: argparse.Namespace) -> int:
     from kvpool.eviction import ONLINE_POLICIES, POLICIES
     from kvpool.eviction.cachesim import run_cachesim, trace_keys
@@ -102,6 +129,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     requests = trace_keys(records, block_tokens=args.block_tokens)
     rows = run_cachesim(requests, args.capacity_blocks, policies, belady=want_belady)
+    if args.bound:
+        try:
+            bound = _bound_rows(records, requests, args.capacity_blocks)
+        except ValueError as exc:
+            print(f"kvpool cachesim: --bound: {exc}", file=sys.stderr)
+            return 2
+        rows[-1:-1] = bound  # before the infinite row, which stays last
     unique = len({k for keys in requests for k in keys})
     total = sum(len(keys) for keys in requests)
     if args.json == "-":
