@@ -340,7 +340,9 @@ def run_remote(
         raise ValueError("--batch and --rounds must be at least 1")
     counts = {s: _count(s, batch, working_set) for s in sizes}
     region = max(counts[s] * _rounded(s) for s in sizes)
-    dram = region + region // 4 + (16 << 20)
+    # Headroom, plus room for the client's put grants: the master lends at most
+    # 1/16 of the DRAM as grants, and a client stocks up to 4 of the largest size.
+    dram = max(region + region // 4 + (16 << 20), 16 * 4 * max(_rounded(s) for s in sizes))
     split = _cpus() if pin else None
     client_cpus, server_cpus = split if split else (None, None)
     saved = os.sched_getaffinity(0)

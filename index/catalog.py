@@ -9,6 +9,11 @@ Invariants:
 - a key is visible (``exists``/``prefix_match``/``lease``) only once at
   least one of its replicas committed; allocations are invisible and expire
   after ``alloc_ttl`` (a client that died mid-put loses nothing but time);
+- a *grant* is an allocation with no key yet (``grant``): space a client may
+  fill and then bind to a key at commit (``commit_grant``), so a put costs
+  one master round trip instead of two. Grants expire after ``grant_ttl``
+  (shorter than ``alloc_ttl``); binding a key that is already stored or in
+  flight frees the grant's space instead;
 - every committed replica's extent is allocated in its node's allocator and
   tracked by that node's policy; a block with no replicas leaves the catalog;
 - a leased block (a reader is copying it) is never evicted; ``remove`` of a
@@ -65,7 +70,7 @@ class BlockMeta:
 @dataclass
 class Allocation:
     alloc_id: int
-    key: bytes
+    key: bytes | None  # None: a grant, bound to a key at commit
     node_id: str
     offset: int
     size: int
@@ -116,16 +121,19 @@ class BlockCatalog:
         lease_ttl: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
         replication: ReplicationConfig | None = None,
+        grant_ttl: float = 5.0,
     ) -> None:
         make_policy(policy)
         self.replication = replication or ReplicationConfig()
         self.policy_name, self.alignment = policy, alignment
         self.alloc_ttl, self.lease_ttl, self.clock = alloc_ttl, lease_ttl, clock
+        self.grant_ttl = min(grant_ttl, alloc_ttl)
         self.nodes: dict[str, NodeSpace] = {}
         self.blocks: dict[bytes, BlockMeta] = {}
         self.pending: dict[int, Allocation] = {}
         self.leases: dict[int, LeaseRecord] = {}
         self._pending_keys: dict[bytes, int] = {}  # key -> allocations in flight
+        self.granted_bytes = 0  # space held by grants (pending allocations with no key)
         self._ids = itertools.count(1)
         self._with_extras: set[bytes] = set()  # blocks that have extra replicas
         self.evictions = 0
@@ -252,6 +260,23 @@ class BlockCatalog:
             )
         return placed
 
+    def grant(self, size: int, count: int) -> list[Allocation]:
+        """Up to ``count`` keyless allocations of ``size`` bytes, spread by free space.
+
+        Grants evict like puts do (they are puts whose keys come later), but
+        never fail: a cluster without room yields fewer grants.
+        """
+        granted: list[Allocation] = []
+        while len(granted) < count:
+            for node in self._nodes_by_free_space():
+                offset = self._make_room(node, size)
+                if offset is not None:
+                    granted.append(self._pend(None, node, offset, size, None, ttl=self.grant_ttl))
+                    break
+            else:
+                break
+        return granted
+
     def allocate_replica(self, key: bytes, node_id: str | None = None) -> Allocation | None:
         """Room for one extra replica of a stored block, on ``node_id`` or the emptiest
         node not holding it. None if the block is missing, already on that node, or
@@ -272,9 +297,15 @@ class BlockCatalog:
         return None
 
     def commit(self, alloc_id: int) -> Allocation | None:
-        """Make an allocation's replica visible; None if it expired or its node left."""
+        """Make an allocation's replica visible; None if it expired or its node left.
+
+        A grant cannot be committed here (it has no key): see ``commit_grant``.
+        """
+        pending = self.pending.get(alloc_id)
+        if pending is None or pending.key is None:
+            return None
         alloc = self._forget_pending(alloc_id, free=False)
-        if alloc is None:
+        if alloc is None or alloc.key is None:
             return None
         if alloc.extra and alloc.key not in self.blocks:  # removed meanwhile
             self.nodes[alloc.node_id].allocator.free(alloc.offset)
@@ -282,6 +313,26 @@ class BlockCatalog:
         replica = Replica(alloc.node_id, alloc.offset, alloc.size, primary=not alloc.extra)
         self._add_replica(alloc.key, alloc.size, alloc.parent, replica)
         return alloc
+
+    def commit_grant(self, alloc_id: int, key: bytes, parent: bytes | None) -> bool | None:
+        """Bind a filled grant to ``key`` and make it visible.
+
+        True: committed. False: ``key`` is already stored or being put (the
+        grant's space is freed; the caller's bytes were simply not needed).
+        None: no such grant (expired, its node left, or not a grant).
+        """
+        alloc = self.pending.get(alloc_id)
+        if alloc is None or alloc.key is not None:
+            return None
+        if self._forget_pending(alloc_id, free=False) is None:
+            return None  # its node left
+        node = self.nodes[alloc.node_id]
+        if key in self.blocks or key in self._pending_keys:
+            node.allocator.free(alloc.offset)
+            return False
+        alloc.key, alloc.parent = key, parent
+        self._add_replica(key, alloc.size, parent, Replica(alloc.node_id, alloc.offset, alloc.size))
+        return True
 
     def revoke(self, alloc_id: int) -> None:
         """Give an allocation's space back (a failed or abandoned write)."""
@@ -581,20 +632,24 @@ class BlockCatalog:
 
     def _pend(
         self,
-        key: bytes,
+        key: bytes | None,
         node: NodeSpace,
         offset: int,
         size: int,
         parent: bytes | None,
         extra: bool = False,
+        ttl: float | None = None,
     ) -> Allocation:
         """Record an allocation in flight (invisible until commit, expires otherwise)."""
-        deadline = self.clock() + self.alloc_ttl
+        deadline = self.clock() + (self.alloc_ttl if ttl is None else ttl)
         alloc = Allocation(
             next(self._ids), key, node.node_id, offset, size, parent, deadline, extra
         )
         self.pending[alloc.alloc_id] = alloc
-        self._pending_keys[key] = self._pending_keys.get(key, 0) + 1
+        if key is not None:
+            self._pending_keys[key] = self._pending_keys.get(key, 0) + 1
+        else:
+            self.granted_bytes += size
         return alloc
 
     def _nodes_by_free_space(self, only: str | None = None) -> list[NodeSpace]:
@@ -663,11 +718,14 @@ class BlockCatalog:
         alloc = self.pending.pop(alloc_id, None)
         if alloc is None:
             return None
-        count = self._pending_keys[alloc.key] - 1
-        if count:
-            self._pending_keys[alloc.key] = count
+        if alloc.key is None:
+            self.granted_bytes -= alloc.size
         else:
-            del self._pending_keys[alloc.key]
+            count = self._pending_keys[alloc.key] - 1
+            if count:
+                self._pending_keys[alloc.key] = count
+            else:
+                del self._pending_keys[alloc.key]
         node = self.nodes.get(alloc.node_id)
         if free and node is not None:
             node.allocator.free(alloc.offset)

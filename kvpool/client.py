@@ -50,7 +50,9 @@ from kvpool.protocol import (
     ReplicateReply,
     ReplicateRequest,
 )
+from kvpool.put_grants import grant_budget
 from kvpool.remote_handles import Placement, RemoteBlockWriter, RemoteLease
+from kvpool.remote_put import RemotePutter
 from kvpool.rpc_client import RpcClient
 from kvpool.transport.base import RegionInfo, Transport, host_identity
 from kvpool.transport.peers import PeerTransports
@@ -81,6 +83,7 @@ class RemotePool(LayerwiseMethods):
         contribute_dram: int = 0,
         lease_cache_s: float = DEFAULT_HOLD_S,
         lease_cache_bytes: int = DEFAULT_MAX_BYTES,
+        put_grant_bytes: int | None = None,
     ) -> None:
         self.token, self.timeout = token, timeout
         self._rpc = RpcClient(master, token=token, timeout=timeout, name="kvpool-client")
@@ -98,6 +101,7 @@ class RemotePool(LayerwiseMethods):
             target=self._hand_back_loop, name="kvpool-lease-cache", daemon=True
         )
         self._janitor.start()
+        self._putter = RemotePutter(self, grant_budget(put_grant_bytes))
         self._node = self._contribute(master, contribute_dram) if contribute_dram else None
 
     # -- writes -------------------------------------------------------------------
@@ -114,7 +118,8 @@ class RemotePool(LayerwiseMethods):
         *,
         replicas: int = 1,
     ) -> list[bool]:
-        """Store each block; one allocation and one commit round trip for the whole batch.
+        """Store each block; one commit round trip for the whole batch, plus one
+        allocation round trip for blocks that found no grant (kvpool.remote_put).
 
         ``replicas`` > 1 places copies on distinct nodes (best effort).
         """
@@ -124,9 +129,9 @@ class RemotePool(LayerwiseMethods):
         check_keys(keys, parents)
         regions = [data_region(d) for d in datas]
         self._check_open()
-        stored, full, error = self._put_once(keys, regions, parents, replicas)
+        stored, full, error = self._putter.put_once(keys, regions, parents, replicas)
         if full and self._release_cached():  # our own cached leases may be what blocks it
-            again, still, error = self._put_once(
+            again, still, error = self._putter.put_once(
                 [keys[i] for i in full],
                 [regions[i] for i in full],
                 [parents[i] for i in full],
@@ -139,40 +144,6 @@ class RemotePool(LayerwiseMethods):
         if full:
             raise PoolFullError(error)
         return stored
-
-    def _put_once(
-        self,
-        keys: Sequence[bytes],
-        regions: Sequence[Region],
-        parents: Sequence[bytes | None],
-        replicas: int,
-    ) -> tuple[list[bool], list[int], str]:
-        """One allocate -> write -> commit pass: (stored per key, indices that found
-        no room, the master's reason)."""
-        request = AllocateRequest(
-            list(keys), [region_nbytes(r) for r in regions], list(parents), replicas
-        )
-        reply = self._rpc.call(ALLOCATE, request, response_type=AllocateReply)
-        self._learn(reply.nodes)
-        written, failed = [], []
-        stored = [False] * len(keys)
-        by_node: dict[str, list[tuple[int, int, int]]] = {}
-        for i, placements in enumerate(reply.placements):
-            for alloc_id, node_id, offset in placements or ():
-                by_node.setdefault(node_id, []).append((i, alloc_id, offset))
-        for node_id, items in by_node.items():
-            try:  # one pipelined exchange per node
-                self._transport(node_id).write_many([(off, regions[i]) for i, _, off in items])
-                written += [(i, alloc_id) for i, alloc_id, _ in items]
-            except _READ_ERRORS:
-                failed += [alloc_id for _, alloc_id, _ in items]
-        if failed:
-            self._rpc.submit(REVOKE, IdsRequest(failed))
-        if written:
-            done = self._rpc.call(COMMIT, IdsRequest([a for _, a in written]))
-            for (i, _), ok in zip(written, done, strict=True):
-                stored[i] = stored[i] or ok
-        return stored, reply.full, reply.error
 
     def reserve(
         self, key: bytes, size: int, *, parent: bytes | None = None, device: bool = False
@@ -352,7 +323,11 @@ class RemotePool(LayerwiseMethods):
     def stats(self) -> dict[str, Any]:
         self._check_open()
         stats = dict(self._rpc.call(STATS))
-        stats["client"] = dict(self._counts)
+        stats["client"] = {
+            **self._counts,
+            "put_grants_used": self._putter.grants.used,
+            "put_grant_refills": self._putter.grants.refills,
+        }
         stats["transports"] = self._peers.stats()
         stats["transport"] = ",".join(sorted(stats["transports"])) or "-"
         return stats
@@ -362,6 +337,7 @@ class RemotePool(LayerwiseMethods):
             return
         self._stop.set()
         with contextlib.suppress(KVPoolError):
+            self._putter.close()  # before the waited release: same connection, in order
             self._hand_back_due(everything=True)
         self._closed = True
         self._peers.close()
@@ -382,7 +358,12 @@ class RemotePool(LayerwiseMethods):
             raise PoolClosedError("the pool is closed")
 
     def _learn(self, nodes: dict[str, RegionInfo]) -> None:
-        self._regions.update(nodes)  # a restarted node's new region replaces its transport
+        regions = self._regions
+        for node_id, region in nodes.items():
+            old = regions.get(node_id)
+            regions[node_id] = region  # a restarted node's new region replaces its transport
+            if old is not None and old != region:
+                self._putter.forget_node(node_id)
 
     def _transport(self, node_id: str) -> Transport:
         region = self._regions[node_id]
@@ -532,6 +513,7 @@ class RemotePool(LayerwiseMethods):
         while not self._stop.wait(interval):
             with contextlib.suppress(KVPoolError, OSError):
                 self._hand_back_due()
+                self._putter.revoke_stale()
 
     def _hand_back_due(self, everything: bool = False) -> None:
         """Release the leases the cache is done with (all of them when closing)."""

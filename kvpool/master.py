@@ -43,6 +43,7 @@ from kvpool.protocol import (
     STATS,
     AllocateReply,
     AllocateRequest,
+    CommitRequest,
     Heartbeat,
     HeartbeatReply,
     IdsRequest,
@@ -61,6 +62,7 @@ from kvpool.transport.base import RegionInfo
 log = logging.getLogger("kvpool.master")
 DEFAULT_PORT = 7480
 SSD_CLEAN_BATCH = 256 << 20  # bytes per node per reaper pass
+MAX_GRANTS = 64  # keyless allocations one allocate call may hand out
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,11 @@ class MasterConfig:
     # this long, so ranges named in leases the old master granted are not reused
     # while clients may still read them (covers the client lease cache's hold).
     rejoin_grace_s: float = 2.0
+    # Keyless allocations handed to clients for their next puts expire after this;
+    # clients use them for at most half of it (and under rejoin_grace_s).
+    grant_ttl: float = 5.0
+    # Grants held by all clients together stay under this share of the cluster's DRAM.
+    grant_share: float = 1 / 16
 
 
 class Master:
@@ -94,6 +101,7 @@ class Master:
             lease_ttl=config.lease_ttl,
             alloc_ttl=config.alloc_ttl,
             replication=config.replication,
+            grant_ttl=config.grant_ttl,
         )
         self.regions: dict[str, RegionInfo] = {}
         self._node_clients: dict[str, RpcClient] = {}
@@ -133,7 +141,7 @@ class Master:
             (REGISTER, self._register, RegisterNode),
             (HEARTBEAT, self._heartbeat, Heartbeat),
             (ALLOCATE, self._allocate, AllocateRequest),
-            (COMMIT, self._commit, IdsRequest),
+            (COMMIT, self._commit, CommitRequest),
             (REVOKE, self._revoke, IdsRequest),
             (LEASE, self._lease, LeaseRequest),
             (RELEASE, self._release, ReleaseRequest),
@@ -193,6 +201,10 @@ class Master:
         check_keys(msg.keys, msg.parents)
         if any(not isinstance(size, int) or size <= 0 for size in msg.sizes):
             raise ValueError("block sizes must be positive integers")
+        if not isinstance(msg.spare, int) or not isinstance(msg.spare_size, int):
+            raise ValueError("spare and spare_size must be integers")
+        if msg.spare < 0 or (msg.spare and msg.spare_size <= 0):
+            raise ValueError("spare must be >= 0, and spare_size > 0 when spare > 0")
         with self._lock:
             grace = self.catalog.grace_left() if not self._usable_nodes() else 0.0
         if grace:  # every node is re-joining: wait for the first to become usable
@@ -216,17 +228,52 @@ class Master:
                 placements.append(
                     None if allocs is None else [[a.alloc_id, a.node_id, a.offset] for a in allocs]
                 )
+            spares = self._grant(msg) if msg.spare and msg.replicas <= 1 and not msg.node_id else []
             self.metrics.evictions.inc(self.catalog.evictions - evictions)
-            nodes = self._regions_of(p[1] for ps in placements if ps for p in ps)
+            nodes = self._regions_of(
+                [p[1] for ps in placements if ps for p in ps] + [g[1] for g in spares]
+            )
             self._refresh_gauges()
         return AllocateReply(
-            placements=placements, nodes=nodes, error=error, full=full, ttl=self.config.alloc_ttl
+            placements=placements,
+            nodes=nodes,
+            error=error,
+            full=full,
+            ttl=self.config.alloc_ttl,
+            spares=spares,
+            spare_ttl=self.catalog.grant_ttl,
         )
 
-    def _commit(self, msg: IdsRequest) -> list[bool]:
+    def _grant(self, msg: AllocateRequest) -> list[list[Any]]:
+        """Keyless allocations for a client's next puts: all clients' grants together
+        hold at most ``grant_share`` of the cluster's DRAM."""
+        dram = sum(n.allocator.capacity for n in self.catalog.nodes.values())
+        room = int(self.config.grant_share * dram) - self.catalog.granted_bytes
+        count = min(msg.spare, MAX_GRANTS, room // msg.spare_size)
+        grants = self.catalog.grant(msg.spare_size, count) if count > 0 else []
+        return [[g.alloc_id, g.node_id, g.offset] for g in grants]
+
+    def _commit(self, msg: CommitRequest) -> list[bool | None]:
+        ids, keys, parents = msg.ids, msg.keys, msg.parents
+        if keys and len(keys) != len(ids):
+            raise ValueError("commit: keys must be empty or one per id")
+        if parents and len(parents) != len(keys):
+            raise ValueError("commit: parents must be empty or one per key")
+        parents = parents or [None] * len(keys)
+        check_keys(
+            [k for k in keys if k is not None],
+            [p for k, p in zip(keys, parents, strict=True) if k is not None],
+        )
+        catalog = self.catalog
+        done: list[bool | None] = []
         with self._lock:
-            done = [self.catalog.commit(alloc_id) is not None for alloc_id in msg.ids]
-            self.metrics.blocks.set(len(self.catalog.blocks))
+            for i, alloc_id in enumerate(ids):
+                key = keys[i] if keys else None
+                if key is None:
+                    done.append(catalog.commit(alloc_id) is not None)
+                else:
+                    done.append(catalog.commit_grant(alloc_id, key, parents[i]))
+            self.metrics.blocks.set(len(catalog.blocks))
         return done
 
     def _revoke(self, msg: IdsRequest) -> None:
@@ -259,6 +306,7 @@ class Master:
             orders = [
                 [index[a.key], a.alloc_id, a.node_id, a.offset]
                 for a in self.catalog.hot_replicas([found[i] for i in index.values()])
+                if a.key is not None  # always: replicas of stored blocks have keys
             ]
             node_ids = [r[0] for b in blocks if b for r in b[1]] + [o[2] for o in orders]
             nodes = self._regions_of(node_ids)
@@ -336,6 +384,7 @@ class Master:
                 "policy": cat.policy_name,
                 "blocks": len(cat.blocks),
                 "pending_allocations": len(cat.pending),
+                "granted_bytes": cat.granted_bytes,
                 "leases": len(cat.leases),
                 "evictions": cat.evictions,
                 "nodes": {

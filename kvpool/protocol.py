@@ -64,6 +64,10 @@ class AllocateRequest(WireMessage):
     parents: list[bytes | None]
     replicas: int = 1
     node_id: str = ""  # place on this node only ("" = spread by free space)
+    # Also grant up to ``spare`` keyless allocations of ``spare_size`` bytes for
+    # later puts (bound to their keys at commit): one round trip per put after this.
+    spare: int = 0
+    spare_size: int = 0
 
 
 @dataclass
@@ -74,11 +78,27 @@ class AllocateReply(WireMessage):
     error: str = ""  # set when some key could not be placed anywhere (cluster full)
     full: list[int] = field(default_factory=list)  # indices of those keys
     ttl: float = 0.0  # an allocation not committed within this many seconds is revoked
+    spares: list[list[Any]] = field(default_factory=list)  # [alloc_id, node_id, offset]
+    spare_ttl: float = 0.0  # a grant not committed within this many seconds is revoked
 
 
 @dataclass
 class IdsRequest(WireMessage):
     ids: list[int]
+
+
+@dataclass
+class CommitRequest(WireMessage):
+    """Allocations to make visible. ``keys`` is empty, or one entry per id: None
+    for an allocation made for a key, the key (and its parent) for a grant.
+
+    Reply: one entry per id: True (visible), False (an allocation expired, or a
+    grant's key was already stored: its space is freed), None (no such grant).
+    """
+
+    ids: list[int]
+    keys: list[bytes | None] = field(default_factory=list)
+    parents: list[bytes | None] = field(default_factory=list)
 
 
 @dataclass

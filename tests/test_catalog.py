@@ -155,6 +155,62 @@ def test_node_outbox_and_restore_after_master_restart() -> None:
     assert fresh.nodes["a"].outbox == []
 
 
+def test_a_grant_holds_space_invisibly_until_bound_to_a_key() -> None:
+    cat, _ = catalog({"a": 4, "b": 8})
+    grants = cat.grant(PAGE, 3)
+    assert [g.node_id for g in grants] == ["b", "b", "b"]  # spread by free space
+    assert all(g.key is None for g in grants) and cat.granted_bytes == 3 * PAGE
+    assert cat.nodes["b"].allocator.used_bytes == 3 * PAGE and not cat.blocks
+    key, parent = make_keys(2)
+    assert cat.commit(grants[0].alloc_id) is None  # a grant needs its key
+    assert cat.commit_grant(grants[0].alloc_id, key, parent) is True
+    assert cat.exists([key]) == [True] and cat.blocks[key].parent == parent
+    assert cat.blocks[key].replicas[0].offset == grants[0].offset
+    assert cat.granted_bytes == 2 * PAGE
+    assert cat.nodes["b"].outbox[-1] == ("commit", key, grants[0].offset, PAGE, parent)
+    assert cat.commit_grant(grants[0].alloc_id, key, None) is None  # used up
+
+
+def test_binding_a_stored_key_frees_the_grant() -> None:
+    cat, _ = catalog({"a": 4})
+    key = make_keys(1)[0]
+    put(cat, key)
+    grant = cat.grant(PAGE, 1)[0]
+    assert cat.commit_grant(grant.alloc_id, key, None) is False
+    assert cat.nodes["a"].allocator.used_bytes == PAGE and cat.granted_bytes == 0
+    allocs = cat.allocate(make_keys(2)[1], PAGE, None)
+    assert allocs is not None
+    grant = cat.grant(PAGE, 1)[0]
+    assert cat.commit_grant(grant.alloc_id, make_keys(2)[1], None) is False  # in flight
+    assert cat.commit_grant(allocs[0].alloc_id, key, None) is None  # not a grant
+
+
+def test_grants_expire_sooner_than_allocations_and_leave_with_their_node() -> None:
+    cat, clock = catalog({"a": 4, "b": 4}, alloc_ttl=30, grant_ttl=5)
+    grants = cat.grant(PAGE, 2)
+    key = make_keys(1)[0]
+    assert cat.allocate(key, PAGE, None) is not None
+    clock.now = 6
+    assert cat.expire() == (2, 0)  # the grants, not the allocation
+    assert cat.commit_grant(grants[0].alloc_id, key, None) is None
+    assert cat.granted_bytes == 0 and len(cat.pending) == 1
+    more = cat.grant(PAGE, 2)
+    assert {g.node_id for g in more} == {"a", "b"}
+    cat.remove_node("a")
+    assert cat.granted_bytes == PAGE
+
+
+def test_grants_evict_like_puts_and_stop_when_nothing_is_evictable() -> None:
+    cat, _ = catalog({"a": 2})
+    keys = make_keys(2)
+    for key in keys:
+        put(cat, key)
+    lease_id, _ = cat.lease(keys[1:])
+    assert len(cat.grant(PAGE, 3)) == 1  # evicts keys[0]; keys[1] is leased
+    assert cat.exists(keys) == [False, True] and cat.evictions == 1
+    cat.release(lease_id)
+
+
 class CatalogMachine(RuleBasedStateMachine):
     """Random puts, leases, releases, removes and node loss keep space accounting exact."""
 
@@ -163,6 +219,16 @@ class CatalogMachine(RuleBasedStateMachine):
         self.cat, self.clock = catalog({"a": 6, "b": 4})
         self.keys = make_keys(12)
         self.leases: list[int] = []
+        self.grants: list[int] = []
+
+    @rule(pages=st.integers(1, 2), count=st.integers(1, 3))
+    def grant(self, pages: int, count: int) -> None:
+        self.grants += [g.alloc_id for g in self.cat.grant(pages * PAGE, count)]
+
+    @precondition(lambda self: self.grants)
+    @rule(i=st.integers(0, 11))
+    def bind_grant(self, i: int) -> None:
+        self.cat.commit_grant(self.grants.pop(0), self.keys[i], None)
 
     @rule(i=st.integers(0, 11), pages=st.integers(1, 3), replicas=st.integers(1, 2))
     def put(self, i: int, pages: int, replicas: int) -> None:
@@ -225,7 +291,12 @@ class CatalogMachine(RuleBasedStateMachine):
                 for r in b.replicas
                 if r.node_id == node.node_id
             )
-            assert node.allocator.used_bytes == live + hidden
+            pending = sum(
+                -(-a.size // PAGE) * PAGE
+                for a in self.cat.pending.values()
+                if a.node_id == node.node_id
+            )
+            assert node.allocator.used_bytes == live + hidden + pending
             mine = [
                 r for b in self.cat.blocks.values() for r in b.replicas if r.node_id == node.node_id
             ]
@@ -233,6 +304,8 @@ class CatalogMachine(RuleBasedStateMachine):
             assert len(node.extras) == sum(not r.primary for r in mine)
         for block in self.cat.blocks.values():
             assert len({r.node_id for r in block.replicas}) == len(block.replicas)
+        grants = [a for a in self.cat.pending.values() if a.key is None]
+        assert self.cat.granted_bytes == sum(a.size for a in grants)
 
 
 TestCatalogMachine = CatalogMachine.TestCase

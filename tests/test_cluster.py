@@ -103,7 +103,10 @@ def test_same_api_as_embedded(pool: RemotePool) -> None:
     assert pool.get_into_batch([keys[1], keys[2]], [bytearray(1000), bytearray(10)]) == [1000, None]
 
 
-def test_eviction_under_pressure_across_two_nodes(pool: RemotePool) -> None:
+def test_eviction_under_pressure_across_two_nodes(cluster: Cluster) -> None:
+    # No put grants: they would hold (and pre-evict) up to 1/16 of the space.
+    pool = kvpool.connect(cluster.url, timeout=5, put_grant_bytes=0)
+    assert nodes_up(pool, 2)
     keys = make_keys(300)
     for i in range(0, 300, 50):
         pool.put_batch(keys[i : i + 50], [payload(j) for j in range(i, i + 50)])
@@ -115,6 +118,7 @@ def test_eviction_under_pressure_across_two_nodes(pool: RemotePool) -> None:
     out = np.empty(BLOCK, np.uint8)
     for i in (299, 150, 100):
         assert pool.get_into(keys[i], out) == BLOCK and np.array_equal(out, payload(i))
+    pool.close()
 
 
 def test_a_leased_block_is_not_evicted_or_freed(pool: RemotePool) -> None:

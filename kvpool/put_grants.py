@@ -1,0 +1,147 @@
+"""Client-side stock of put grants: space the master handed out before the keys.
+
+A put normally costs two master round trips: allocate (where do the bytes
+go?) and commit (make them visible). A grant answers the first question in
+advance: the master reserves a range of a given size on some node, with no
+key; the client writes a block there and binds the key in its commit. So a
+put that finds a grant costs one round trip. Grants ride on allocate calls
+the client makes anyway (``AllocateRequest.spare``) and are topped up in the
+background before they run out.
+
+Invariants:
+- a grant is handed out by ``take`` at most once, and only while it is fresh:
+  younger than ``use_s`` (at most half the master's grant TTL, so the commit
+  arrives before the master expires it; and under the master's re-join grace,
+  so a master restart cannot hand the same range to another writer while a
+  stale grant is being filled);
+- grants on a node are dropped as soon as the client learns that node's region
+  changed (a restarted node) or a write to it failed;
+- ``stale``/``drain`` return every grant that will never be used, so the
+  caller can revoke them (they would expire anyway).
+Thread-safe: one lock guards the stock.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+DEFAULT_GRANT_BYTES = 64 << 20  # per client and block size
+MAX_STOCK = 16  # grants per block size
+MAX_USE_S = 1.0  # below the master's default re-join grace (2 s)
+
+
+@dataclass(frozen=True)
+class Grant:
+    alloc_id: int
+    node_id: str
+    offset: int
+    region: Any  # the node's RegionInfo when granted (identity-compared)
+    expires: float  # monotonic time after which it is not used
+
+
+class GrantStock:
+    """Grants per block size, refilled by background allocate calls."""
+
+    def __init__(self, budget_bytes: int = DEFAULT_GRANT_BYTES) -> None:
+        if budget_bytes < 0:
+            raise ValueError("put grant budget must be >= 0 bytes")
+        self.budget_bytes = budget_bytes
+        self._lock = threading.Lock()
+        self._stock: dict[int, deque[Grant]] = {}
+        self._refills: dict[int, Future[Any]] = {}
+        self._dead: list[int] = []  # dropped before use, not yet revoked
+        self.used = self.refills = 0
+
+    def target(self, size: int) -> int:
+        """How many grants of ``size`` bytes to keep in stock (0: grants off)."""
+        return min(MAX_STOCK, self.budget_bytes // size) if size > 0 else 0
+
+    def take(self, size: int) -> Grant | None:
+        """A fresh grant for a block of ``size`` bytes, or None."""
+        now = time.monotonic()
+        with self._lock:
+            stock = self._stock.get(size)
+            while stock:
+                grant = stock.popleft()
+                if grant.expires > now:
+                    self.used += 1
+                    return grant
+        return None
+
+    def wants_refill(self, size: int) -> int:
+        """How many grants to ask for now (0 if stocked enough or a refill is on its way)."""
+        want = self.target(size)
+        with self._lock:
+            if size in self._refills:
+                return 0
+            have = len(self._stock.get(size, ()))
+        return want - have if have <= want // 2 else 0
+
+    def refilling(self, size: int, fut: Future[Any], absorb: Callable[[Future[Any]], None]) -> None:
+        """Track an in-flight refill; ``absorb`` runs when it completes."""
+        with self._lock:
+            self._refills[size] = fut
+        fut.add_done_callback(absorb)
+
+    def add(self, size: int, grants: list[Grant], refill: Future[Any] | None = None) -> None:
+        with self._lock:
+            if refill is not None and self._refills.get(size) is refill:
+                del self._refills[size]
+            if grants:
+                self.refills += 1
+                self._stock.setdefault(size, deque()).extend(grants)
+
+    def forget_node(self, node_id: str) -> None:
+        """Drop every grant on ``node_id`` (``stale`` returns them for revoking)."""
+        with self._lock:
+            for stock in self._stock.values():
+                keep = [g for g in stock if g.node_id != node_id]
+                self._dead += [g.alloc_id for g in stock if g.node_id == node_id]
+                stock.clear()
+                stock.extend(keep)
+
+    def stale(self) -> list[int]:
+        """Remove and return the ids of grants dropped or too old to use."""
+        now = time.monotonic()
+        with self._lock:
+            gone, self._dead = self._dead, []
+            for stock in self._stock.values():
+                while stock and stock[0].expires <= now:
+                    gone.append(stock.popleft().alloc_id)
+        return gone
+
+    def drain(self) -> list[int]:
+        """Remove and return every grant's id (the client is closing)."""
+        with self._lock:
+            gone = self._dead + [g.alloc_id for stock in self._stock.values() for g in stock]
+            self._stock.clear()
+            self._dead = []
+        return gone
+
+    def __len__(self) -> int:
+        with self._lock:
+            return sum(len(s) for s in self._stock.values())
+
+
+def use_window(spare_ttl: float) -> float:
+    """Seconds a grant may be used after it was granted."""
+    return min(MAX_USE_S, 0.5 * spare_ttl)
+
+
+def grant_budget(explicit: int | None = None) -> int:
+    """Bytes of grants a client keeps per block size: ``explicit``, else
+    ``$KVPOOL_PUT_GRANT_BYTES``, else 64 MiB (0 turns grants off)."""
+    if explicit is not None:
+        return explicit
+    raw = os.environ.get("KVPOOL_PUT_GRANT_BYTES", "")
+    try:
+        return int(raw) if raw else DEFAULT_GRANT_BYTES
+    except ValueError:
+        raise ValueError(f"KVPOOL_PUT_GRANT_BYTES must be an integer, got {raw!r}") from None

@@ -1,0 +1,192 @@
+"""Put grants: space granted before the key, so a put costs one master round trip.
+
+Unit tests of the client's grant stock, then a real master and nodes (separate
+processes) with clients that put through grants, lose them, and give them back.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+
+import numpy as np
+import pytest
+from clusterhelpers import Cluster, start_cluster, wait_until
+from poolhelpers import BLOCK, make_keys, payload
+
+import kvpool
+from kvpool.client import RemotePool
+from kvpool.errors import InvalidKeyError, RemoteError
+from kvpool.protocol import ALLOCATE, COMMIT, REVOKE, AllocateRequest, CommitRequest, IdsRequest
+from kvpool.put_grants import MAX_STOCK, Grant, GrantStock, grant_budget
+from kvpool.rpc_client import RpcClient
+
+DRAM = 8 << 20  # per node: 128 blocks of 64 KiB; the master lends 1/16 of 16 MiB
+
+
+def grant(alloc_id: int, node: str = "n1", expires_in: float = 10.0) -> Grant:
+    return Grant(alloc_id, node, alloc_id * BLOCK, None, time.monotonic() + expires_in)
+
+
+def test_stock_hands_out_fresh_grants_once_in_order() -> None:
+    stock = GrantStock(budget_bytes=4 * BLOCK)
+    assert stock.target(BLOCK) == 4 and stock.target(1) == MAX_STOCK
+    stock.add(BLOCK, [grant(1, expires_in=-1), grant(2), grant(3)])
+    assert stock.take(2 * BLOCK) is None  # another size
+    assert [stock.take(BLOCK).alloc_id, stock.take(BLOCK).alloc_id] == [2, 3]  # type: ignore[union-attr]
+    assert stock.take(BLOCK) is None and stock.used == 2
+
+
+def test_stock_refills_at_half_and_only_once_at_a_time() -> None:
+    stock = GrantStock(budget_bytes=4 * BLOCK)
+    assert stock.wants_refill(BLOCK) == 4
+    fut: Future[object] = Future()
+    stock.refilling(BLOCK, fut, lambda f: stock.add(BLOCK, [grant(7), grant(8), grant(9)], f))
+    assert stock.wants_refill(BLOCK) == 0  # one refill in flight
+    fut.set_result(None)
+    assert len(stock) == 3 and stock.wants_refill(BLOCK) == 0  # above half
+    stock.take(BLOCK)
+    assert stock.wants_refill(BLOCK) == 2
+    assert GrantStock(0).wants_refill(BLOCK) == 0  # grants off
+
+
+def test_stock_gives_back_dropped_stale_and_remaining_grants() -> None:
+    stock = GrantStock()
+    stock.add(BLOCK, [grant(1, "a"), grant(2, "b"), grant(3, "a", expires_in=-1)])
+    stock.forget_node("a")
+    assert sorted(stock.stale()) == [1, 3] and len(stock) == 1
+    assert stock.drain() == [2] and len(stock) == 0 and stock.stale() == []
+
+
+def test_grant_budget_from_argument_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_PUT_GRANT_BYTES", "1048576")
+    assert grant_budget() == 1 << 20 and grant_budget(0) == 0
+    monkeypatch.setenv("KVPOOL_PUT_GRANT_BYTES", "lots")
+    with pytest.raises(ValueError, match="KVPOOL_PUT_GRANT_BYTES"):
+        grant_budget()
+    with pytest.raises(ValueError, match=">= 0"):
+        GrantStock(-1)
+
+
+# -- a real cluster ----------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = start_cluster(["8MiB", "8MiB"])
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def pool(cluster: Cluster) -> Iterator[RemotePool]:
+    with kvpool.connect(cluster.url, timeout=5) as p:
+        assert wait_until(lambda: len(p.stats()["nodes"]) == 2, timeout=15)
+        yield p
+        for key in list(_stored):
+            p.remove(key)
+        _stored.clear()
+
+
+_stored: list[bytes] = []
+
+
+def put_all(pool: RemotePool, keys: list[bytes], first: int = 0) -> list[bool]:
+    _stored.extend(keys)
+    return [pool.put(k, payload(first + i)) for i, k in enumerate(keys)]
+
+
+def check_bytes(pool: RemotePool, keys: list[bytes], first: int = 0) -> None:
+    out = np.empty(BLOCK, np.uint8)
+    for i, key in enumerate(keys):
+        assert pool.get_into(key, out) == BLOCK and np.array_equal(out, payload(first + i))
+
+
+def granted(pool: RemotePool) -> int:
+    return int(pool.stats()["granted_bytes"])
+
+
+def test_puts_after_the_first_ride_on_grants(pool: RemotePool) -> None:
+    keys = make_keys(40, seed=11)
+    assert put_all(pool, keys) == [True] * 40
+    client = pool.stats()["client"]
+    assert client["put_grants_used"] >= 30 and client["put_grant_refills"] >= 1
+    assert 0 < granted(pool) <= 2 * DRAM // 16  # the master's cap on all grants
+    assert pool.exists(keys) == [True] * 40 and pool.prefix_match(keys) == 40
+    check_bytes(pool, keys)
+    assert put_all(pool, keys[:3]) == [False] * 3  # already stored, through grants too
+
+
+def test_grants_go_back_when_idle_and_on_close(cluster: Cluster, pool: RemotePool) -> None:
+    put_all(pool, make_keys(5, seed=12))
+    assert granted(pool) > 0
+    assert wait_until(lambda: granted(pool) == 0, timeout=5)  # janitor revokes stale ones
+    with kvpool.connect(cluster.url, timeout=5) as other:
+        other.put(make_keys(1, seed=13)[0], payload(0))
+        _stored.append(make_keys(1, seed=13)[0])
+        assert granted(pool) > 0
+    assert granted(pool) == 0  # close() revoked them
+
+
+def test_a_grant_the_master_forgot_falls_back_to_a_classic_put(
+    cluster: Cluster, pool: RemotePool
+) -> None:
+    keys = make_keys(3, seed=14)
+    put_all(pool, keys[:1])
+    stock = pool._putter.grants
+    held = [g.alloc_id for q in stock._stock.values() for g in q]
+    assert held
+    with RpcClient(cluster.master.address) as admin:  # the grants expire behind its back
+        admin.call(REVOKE, IdsRequest(held))
+    used = pool.stats()["client"]["put_grants_used"]
+    assert put_all(pool, keys[1:], first=1) == [True, True]
+    assert pool.stats()["client"]["put_grants_used"] > used  # it tried a grant first
+    check_bytes(pool, keys)
+
+
+def test_zero_budget_turns_grants_off(cluster: Cluster) -> None:
+    with kvpool.connect(cluster.url, timeout=5, put_grant_bytes=0) as p:
+        keys = make_keys(5, seed=15)
+        assert put_all(p, keys) == [True] * 5
+        assert p.stats()["client"]["put_grants_used"] == 0 and granted(p) == 0
+        for key in keys:
+            p.remove(key)
+        _stored.clear()
+
+
+def test_a_changed_node_region_drops_its_grants(pool: RemotePool) -> None:
+    put_all(pool, make_keys(2, seed=16))
+    stock = pool._putter.grants
+    node_id, region = next(iter(pool._regions.items()))
+    mine = [g.alloc_id for q in stock._stock.values() for g in q if g.node_id == node_id]
+    assert mine
+    restarted = type(region).from_dict({**region.to_dict(), "shm_name": "kvpool-new-arena"})
+    pool._learn({node_id: restarted})
+    assert all(g.node_id != node_id for q in stock._stock.values() for g in q)
+    assert set(mine) <= set(stock.stale())
+    pool._learn({node_id: region})
+
+
+def test_bad_grant_requests_are_refused_and_change_nothing(
+    cluster: Cluster, pool: RemotePool
+) -> None:
+    before = pool.stats()
+    with RpcClient(cluster.master.address) as rpc:
+        for bad in (
+            AllocateRequest([], [], [], spare=-1, spare_size=BLOCK),
+            AllocateRequest([], [], [], spare=2, spare_size=0),
+        ):
+            with pytest.raises(RemoteError, match="spare"):
+                rpc.call(ALLOCATE, bad)
+        reply = rpc.call(ALLOCATE, AllocateRequest([], [], [], spare=1, spare_size=BLOCK))
+        alloc_id = reply["spares"][0][0]
+        with pytest.raises(RemoteError, match="one per id"):
+            rpc.call(COMMIT, CommitRequest([alloc_id], [None, None]))
+        with pytest.raises(InvalidKeyError):
+            rpc.call(COMMIT, CommitRequest([alloc_id], [b"short"]))
+        assert rpc.call(COMMIT, CommitRequest([alloc_id])) == [False]  # a grant needs a key
+        rpc.call(REVOKE, IdsRequest([alloc_id]))
+    after = pool.stats()
+    assert after["blocks"] == before["blocks"]
+    assert after["granted_bytes"] == before["granted_bytes"]
