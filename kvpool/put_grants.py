@@ -57,6 +57,7 @@ class GrantStock:
         self._stock: dict[int, deque[Grant]] = {}
         self._refills: dict[int, Future[Any]] = {}
         self._dead: list[int] = []  # dropped before use, not yet revoked
+        self._reached: dict[int, int] = {}  # size -> stock level after the last refill
         self.used = self.refills = 0
 
     def target(self, size: int) -> int:
@@ -76,13 +77,16 @@ class GrantStock:
         return None
 
     def wants_refill(self, size: int) -> int:
-        """How many grants to ask for now (0 if stocked enough or a refill is on its way)."""
+        """How many grants to ask for now: when the stock is down to half of what
+        the last refill reached (the master may lend fewer than the target), and
+        no refill is on its way; else 0."""
         want = self.target(size)
         with self._lock:
             if size in self._refills:
                 return 0
             have = len(self._stock.get(size, ()))
-        return want - have if have <= want // 2 else 0
+            level = min(want, self._reached.get(size, want))
+        return want - have if have <= level // 2 else 0
 
     def refilling(self, size: int, fut: Future[Any], absorb: Callable[[Future[Any]], None]) -> None:
         """Track an in-flight refill; ``absorb`` runs when it completes."""
@@ -94,9 +98,11 @@ class GrantStock:
         with self._lock:
             if refill is not None and self._refills.get(size) is refill:
                 del self._refills[size]
-            if grants:
-                self.refills += 1
-                self._stock.setdefault(size, deque()).extend(grants)
+            stock = self._stock.setdefault(size, deque())
+            stock.extend(grants)
+            if refill is not None or grants:
+                self._reached[size] = len(stock)
+            self.refills += bool(grants)
 
     def forget_node(self, node_id: str) -> None:
         """Drop every grant on ``node_id`` (``stale`` returns them for revoking)."""

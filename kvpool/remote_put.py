@@ -77,11 +77,11 @@ class RemotePutter:
         error = ""
         if rest:
             full, error = self._allocate(keys, sizes, parents, replicas, rest, use_grants, writes)
-        elif use_grants:
-            self._top_up(sizes[0])
         written = self._write(writes, regions)
         stored = [False] * len(keys)
         retry = self._commit(keys, parents, written, granted, stored)
+        if use_grants and not rest:  # after the commit: the master is not kept from it
+            self._top_up(sizes[0])
         if retry:
             again, still, error2 = self.put_once(
                 [keys[i] for i in retry],

@@ -47,7 +47,9 @@ def test_stock_refills_at_half_and_only_once_at_a_time() -> None:
     fut.set_result(None)
     assert len(stock) == 3 and stock.wants_refill(BLOCK) == 0  # above half
     stock.take(BLOCK)
-    assert stock.wants_refill(BLOCK) == 2
+    assert stock.wants_refill(BLOCK) == 0  # 2 left: above half of the 3 it reached
+    stock.take(BLOCK)
+    assert stock.wants_refill(BLOCK) == 3
     assert GrantStock(0).wants_refill(BLOCK) == 0  # grants off
 
 
