@@ -15,6 +15,7 @@ SUITES = [
     ("serve", "register_serve"),
     ("policy_cost", "register"),
     ("cpp", "register_cpp"),
+    ("idle_rtt", "register_idle_rtt"),
 ]
 
 
