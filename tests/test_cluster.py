@@ -300,3 +300,38 @@ def test_a_writer_refuses_to_write_past_its_reservation(pool: RemotePool) -> Non
         writer.write(10, b"y" * 10)
     writer.abort()
     assert pool.exists([key]) == [False]
+
+
+def test_a_node_restarted_on_the_same_port_never_serves_stale_offsets() -> None:
+    # A node with a fixed id and data port dies and comes back empty; a client
+    # still holding a lease (and a TCP connection) for the old incarnation's
+    # offsets must get a miss, not the bytes another client stored there since.
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    fixed = ("--node-id", "steady", "--data-port", str(port))
+    cluster = start_cluster([])
+    try:
+        cluster.add_node("4MiB", *fixed)
+        olds, news = make_keys(3, seed=21), make_keys(3, seed=22)
+        with (
+            kvpool.connect(cluster.url, timeout=5, transport="tcp", lease_cache_s=60) as reader,
+            kvpool.connect(cluster.url, timeout=5, transport="tcp") as writer,
+        ):
+            assert nodes_up(reader, 1)
+            out = np.empty(BLOCK, np.uint8)
+            for i, key in enumerate(olds):
+                writer.put(key, payload(i))
+                assert reader.get_into(key, out) == BLOCK  # its lease is now cached
+            cluster.nodes.pop().kill()
+            assert wait_until(lambda: not reader.stats()["nodes"], timeout=10)
+            cluster.add_node("4MiB", *fixed)
+            assert nodes_up(reader, 1)
+            for i, key in enumerate(news):  # the fresh arena reuses the same offsets
+                writer.put(key, payload(10 + i))
+            # The first read finds the dead connection; later ones connect afresh.
+            assert [reader.get_into(key, out) for key in olds] == [None] * 3
+            for i, key in enumerate(news):
+                assert reader.get_into(key, out) == BLOCK and np.array_equal(out, payload(10 + i))
+    finally:
+        cluster.stop()

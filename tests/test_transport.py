@@ -39,7 +39,7 @@ os.ftruncate(fd, size)
 region = np.frombuffer(mmap.mmap(fd, size), np.uint8)
 region[:] = np.resize(np.arange(251, dtype=np.uint8), size)
 srv = TcpDataServer(region, host="127.0.0.1", port=0, token=token)
-print(srv.start()[1], host_identity(), flush=True)
+print(srv.start()[1], host_identity(), srv.instance, flush=True)
 try:
     sys.stdin.read()
 finally:
@@ -61,8 +61,8 @@ def _spawn(token: str = "") -> tuple[subprocess.Popen[str], RegionInfo]:
         text=True,
     )
     assert proc.stdout is not None
-    port, host_id = proc.stdout.readline().split()
-    info = RegionInfo("n1", REGION, host_id, "127.0.0.1", int(port), name)
+    port, host_id, instance = proc.stdout.readline().split()
+    info = RegionInfo("n1", REGION, host_id, "127.0.0.1", int(port), name, tcp_instance=instance)
     return proc, info
 
 
@@ -136,11 +136,21 @@ def test_ranges_refused(node: RegionInfo) -> None:
         assert np.array_equal(out, _pattern(5, 8))
 
 
+def test_a_restarted_data_server_refuses_clients_of_its_predecessor(node: RegionInfo) -> None:
+    stale = RegionInfo(**{**node.to_dict(), "tcp_instance": "0123456789abcdef"})
+    with TcpTransport(stale) as t, pytest.raises(HandshakeRefusedError, match="incarnation"):
+        t.read_into(0, np.empty(8, np.uint8))
+    with TcpTransport(node) as t:  # the right instance, or none at all, is served
+        t.read_into(0, np.empty(8, np.uint8))
+    with TcpTransport(RegionInfo(**{**node.to_dict(), "tcp_instance": ""})) as t:
+        t.read_into(0, np.empty(8, np.uint8))
+
+
 def test_server_refuses_out_of_range_from_raw_client(node: RegionInfo) -> None:
     from kvpool.transport import tcp_wire as w
 
     with socket.create_connection(("127.0.0.1", node.tcp_port), timeout=5) as s:
-        s.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, 0))
+        s.sendall(w.hello(None))
         assert w.HELLO_REPLY.unpack(s.recv(w.HELLO_REPLY.size))[1] == w.ST_OK
         s.sendall(w.REQ.pack(w.OP_READ, 9, REGION - 1, 2))
         status, rid, n = w.RESP.unpack(s.recv(w.RESP.size))
@@ -240,7 +250,7 @@ def test_data_server_survives_garbage() -> None:
     from kvpool.transport import tcp_wire as w
 
     proc, info = _spawn()
-    hello = w.HELLO.pack(w.MAGIC, w.VERSION, 0)
+    hello = w.hello(None)
     reqs = st.builds(
         w.REQ.pack,
         st.integers(0, 255),

@@ -74,6 +74,7 @@ class RegionInfo(WireMessage):
     ucx: UcxInfo | None = None
     control_port: int = 0  # the node's own RPC server (SSD tier commands), on tcp_host
     ssd_bytes: int = 0  # capacity of the node's SSD tier (0 = none)
+    tcp_instance: str = ""  # the TCP data server's incarnation id (checked in its handshake)
 
 
 class Transport(ABC):

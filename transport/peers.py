@@ -87,6 +87,7 @@ def expose_region(
         host_id=host_identity(),
         tcp_host=advertised_host(host),
         tcp_port=tcp_port,
+        tcp_instance=tcp.instance,
         shm_name=shm_name,
     )
     ucx_server = None

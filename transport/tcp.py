@@ -82,7 +82,8 @@ class TcpTransport(Transport):
                 return self._idle.pop()
             self._open += 1
         try:
-            return DataConn(self.info.tcp_host, self.info.tcp_port, self.token, self.timeout)
+            i = self.info
+            return DataConn(i.tcp_host, i.tcp_port, self.token, self.timeout, i.tcp_instance)
         except BaseException:
             with self._cond:
                 self._open -= 1

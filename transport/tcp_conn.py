@@ -19,7 +19,9 @@ from kvpool.transport import tcp_wire as w
 
 
 class DataConn:
-    def __init__(self, host: str, port: int, token: str | None, timeout: float) -> None:
+    def __init__(
+        self, host: str, port: int, token: str | None, timeout: float, instance: str = ""
+    ) -> None:
         addr = (host, port)
         try:
             sock = socket.create_connection(addr, timeout=timeout)
@@ -29,8 +31,7 @@ class DataConn:
             raise ConnectionLostError(f"cannot open data connection to {addr}: {exc}") from exc
         try:
             w.tune(sock)
-            tok = (token or "").encode()
-            sock.sendall(w.HELLO.pack(w.MAGIC, w.VERSION, len(tok)) + tok)
+            sock.sendall(w.hello(token, instance))
             head = bytearray(w.HELLO_REPLY.size)
             w.recv_into_exact(sock, memoryview(head))
             magic, status, rlen = w.HELLO_REPLY.unpack(head)

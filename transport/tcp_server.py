@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import secrets
 import socket
 import threading
 from typing import Any
@@ -52,6 +53,7 @@ class TcpDataServer:
         self._thread: threading.Thread | None = None
         self.bytes_read = 0
         self.bytes_written = 0
+        self.instance = secrets.token_hex(8)  # this incarnation (see tcp_wire)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -112,10 +114,11 @@ class TcpDataServer:
     def _handshake(self, sock: socket.socket, peer: Any) -> bool:
         head = bytearray(w.HELLO.size)
         w.recv_into_exact(sock, memoryview(head))
-        magic, version, tlen = w.HELLO.unpack(head)
-        token = bytearray(tlen)
-        if magic == w.MAGIC and tlen:
+        magic, version, tlen, ilen = w.HELLO.unpack(head)
+        token, instance = bytearray(tlen), bytearray(ilen)
+        if magic == w.MAGIC and version == w.VERSION:
             w.recv_into_exact(sock, memoryview(token))
+            w.recv_into_exact(sock, memoryview(instance))
         status, reason = w.ST_OK, ""
         if magic != w.MAGIC:
             status, reason = w.ST_BAD_VERSION, "not a kvpool data connection"
@@ -123,6 +126,9 @@ class TcpDataServer:
             status, reason = w.ST_BAD_VERSION, f"data protocol {version} unsupported"
         elif not token_matches(self.token, token.decode(errors="replace")):
             status, reason = w.ST_BAD_TOKEN, "wrong token" if tlen else "missing token"
+        elif instance and instance.decode(errors="replace") != self.instance:
+            status = w.ST_WRONG_INSTANCE
+            reason = "this data server is another incarnation of the node (it restarted)"
         if status != w.ST_OK:
             log.warning("refused data connection from %s: %s", peer, reason)
         msg = reason.encode()

@@ -1,9 +1,14 @@
 """Binary wire format of the TCP data path (payloads are raw bytes, not msgpack).
 
-Connection start: the client sends ``HELLO`` (magic, version, token length)
-followed by the token's UTF-8 bytes; the server answers ``HELLO_REPLY``
-(magic, status, reason length) + reason. Status 0 is ok; otherwise the
-server closes the connection.
+Connection start: the client sends ``HELLO`` (magic, version, token length,
+instance length) followed by the token's and the expected server instance's
+UTF-8 bytes; the server answers ``HELLO_REPLY`` (magic, status, reason
+length) + reason. Status 0 is ok; otherwise the server closes the
+connection. The instance is a random id each data server draws when it
+starts (advertised in ``RegionInfo.tcp_instance``): a client that learned a
+node's offsets from an earlier incarnation on the same host and port is
+refused (``ST_WRONG_INSTANCE``) instead of reading or writing someone
+else's bytes. An empty instance skips the check.
 
 Then any number of requests, answered strictly in order:
 
@@ -27,17 +32,23 @@ from kvpool.errors import ConnectionLostError
 from kvpool.rpc_frame import tune_socket
 
 MAGIC = b"KVDT"
-VERSION = 1
-HELLO = struct.Struct("!4sHH")
+VERSION = 2
+HELLO = struct.Struct("!4sHHH")
 HELLO_REPLY = struct.Struct("!4sBxH")
 REQ = struct.Struct("!BxxxIQQ")
 RESP = struct.Struct("!BxxxIQ")
 
 OP_READ, OP_WRITE, OP_PING = 1, 2, 3
-ST_OK, ST_BAD_VERSION, ST_BAD_TOKEN, ST_RANGE, ST_BAD_OP = 0, 1, 2, 3, 4
+ST_OK, ST_BAD_VERSION, ST_BAD_TOKEN, ST_RANGE, ST_BAD_OP, ST_WRONG_INSTANCE = 0, 1, 2, 3, 4, 5
 
 SOCK_BUF = 8 * 1024 * 1024
 MAX_CHUNK = 1 << 30  # per recv_into/send call; keeps counts well inside int limits
+
+
+def hello(token: str | None, instance: str = "") -> bytes:
+    """The client's opening bytes."""
+    tok, inst = (token or "").encode(), instance.encode()
+    return HELLO.pack(MAGIC, VERSION, len(tok), len(inst)) + tok + inst
 
 
 def tune(sock: socket.socket) -> None:
