@@ -9,9 +9,10 @@ then a put is write + one commit round trip, which the key binding rides on.
 Invariants:
 - a key's bytes are written before its commit is sent; a failed write's
   allocation or grant is revoked, never committed;
-- a grant the master no longer knows at commit (expired, master restarted)
-  is retried once the classic way (allocate, write, commit), so the caller
-  sees the same result as without grants;
+- a grant the master no longer knows at commit (expired, master restarted),
+  or whose write failed (its node restarted), is retried once the classic
+  way (allocate, write, commit), so the caller sees the same result as
+  without grants;
 - puts with ``replicas`` > 1 always allocate (grants are single placements).
 """
 
@@ -77,9 +78,10 @@ class RemotePutter:
         error = ""
         if rest:
             full, error = self._allocate(keys, sizes, parents, replicas, rest, use_grants, writes)
-        written = self._write(writes, regions)
+        written, lost = self._write(writes, regions)
         stored = [False] * len(keys)
         retry = self._commit(keys, parents, written, granted, stored)
+        retry += [i for i in lost if i in granted]  # e.g. its node restarted meanwhile
         if use_grants and not rest:  # after the commit: the master is not kept from it
             self._top_up(sizes[0])
         if retry:
@@ -177,9 +179,12 @@ class RemotePutter:
         grants = [Grant(a, n, o, regions.get(n), expires) for a, n, o in reply.spares]
         self.grants.add(size, grants, fut)
 
-    def _write(self, writes: Writes, regions: Sequence[Region]) -> list[tuple[int, int, int]]:
-        """Write every block (one pipelined exchange per node); what was written."""
-        written, failed = [], []
+    def _write(
+        self, writes: Writes, regions: Sequence[Region]
+    ) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """Write every block (one pipelined exchange per node): (what was written,
+        indices whose write failed; their allocations are revoked)."""
+        written, failed, lost = [], [], []
         for node_id, items in writes.items():
             try:
                 transport = self._pool._transport(node_id)
@@ -187,9 +192,10 @@ class RemotePutter:
                 written += items
             except WRITE_ERRORS:
                 failed += [alloc_id for _, alloc_id, _ in items]
+                lost += [i for i, _, _ in items]
                 self.forget_node(node_id)
         self._revoke(failed)
-        return written
+        return written, lost
 
     def _commit(
         self,

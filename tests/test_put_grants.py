@@ -17,7 +17,7 @@ from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool
 from kvpool.client import RemotePool
-from kvpool.errors import InvalidKeyError, RemoteError
+from kvpool.errors import ConnectionLostError, InvalidKeyError, RemoteError
 from kvpool.protocol import ALLOCATE, COMMIT, REVOKE, AllocateRequest, CommitRequest, IdsRequest
 from kvpool.put_grants import MAX_STOCK, Grant, GrantStock, grant_budget
 from kvpool.rpc_client import RpcClient
@@ -192,3 +192,29 @@ def test_bad_grant_requests_are_refused_and_change_nothing(
     after = pool.stats()
     assert after["blocks"] == before["blocks"]
     assert after["granted_bytes"] == before["granted_bytes"]
+
+
+def test_a_failed_grant_write_is_retried_the_classic_way(
+    pool: RemotePool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    keys = make_keys(2, seed=17)
+    put_all(pool, keys[:1])
+    real = pool._transport
+    failures = []
+
+    class Flaky:
+        def __init__(self, inner: object) -> None:
+            self.inner = inner
+
+        def write_many(self, plan: list) -> None:
+            if not failures:
+                failures.append(len(plan))
+                raise ConnectionLostError("node restarted")
+            self.inner.write_many(plan)  # type: ignore[attr-defined]
+
+    monkeypatch.setattr(pool, "_transport", lambda node_id: Flaky(real(node_id)))
+    used = pool.stats()["client"]["put_grants_used"]
+    assert put_all(pool, keys[1:], first=1) == [True]
+    assert failures == [1] and pool.stats()["client"]["put_grants_used"] == used + 1
+    monkeypatch.undo()
+    check_bytes(pool, keys)
