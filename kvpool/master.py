@@ -106,6 +106,7 @@ class Master:
         self.regions: dict[str, RegionInfo] = {}
         self._node_clients: dict[str, RpcClient] = {}
         self.metrics = Metrics("master")
+        self.metrics.granted.set_function(lambda: self.catalog.granted_bytes)  # read at scrape
         self.metrics_port: int | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -410,6 +411,7 @@ class Master:
     def _refresh_gauges(self) -> None:
         self.metrics.blocks.set(len(self.catalog.blocks))
         self.metrics.nodes.set(len(self.catalog.nodes))
+
         for node_id, node in self.catalog.nodes.items():
             self.metrics.capacity.labels(node_id).set(node.allocator.capacity)
             self.metrics.used.labels(node_id).set(node.allocator.used_bytes)

@@ -26,6 +26,9 @@ class Metrics:
         self.used = Gauge("kvpool_used_bytes", "Bytes in use", ["node"], registry=r)
         self.blocks = Gauge("kvpool_blocks", "Committed blocks", registry=r)
         self.nodes = Gauge("kvpool_nodes", "Live storage nodes", registry=r)
+        self.granted = Gauge(
+            "kvpool_granted_bytes", "Space lent to clients as put grants", registry=r
+        )
         self.hits = Counter("kvpool_hits", "Blocks found by lookups", registry=r)
         self.misses = Counter("kvpool_misses", "Blocks not found by lookups", registry=r)
         self.evictions = Counter("kvpool_evictions", "Replicas evicted", registry=r)
