@@ -107,8 +107,8 @@ class RemotePool(LayerwiseMethods):
     # -- writes -------------------------------------------------------------------
 
     def put(self, key: bytes, data: Any, *, parent: bytes | None = None, replicas: int = 1) -> bool:
-        """Store ``data`` under ``key``; False if it is already stored (or, rarely,
-        if the node died during the write: then nothing is visible either)."""
+        """Store ``data`` under ``key``; False if it is already stored (or if its
+        write failed twice, on the nodes the master chose: then nothing is visible)."""
         return self.put_batch([key], [data], [parent], replicas=replicas)[0]
 
     def put_batch(

@@ -10,9 +10,9 @@ Invariants:
 - a key's bytes are written before its commit is sent; a failed write's
   allocation or grant is revoked, never committed;
 - a grant the master no longer knows at commit (expired, master restarted),
-  or whose write failed (its node restarted), is retried once the classic
-  way (allocate, write, commit), so the caller sees the same result as
-  without grants;
+  and any block whose write failed (its node died or restarted), is retried
+  once the classic way (allocate, write, commit: the master places it on a
+  live node); only then does ``put`` answer False for it;
 - puts with ``replicas`` > 1 always allocate (grants are single placements).
 """
 
@@ -60,8 +60,13 @@ class RemotePutter:
         parents: Sequence[bytes | None],
         replicas: int,
         use_grants: bool = True,
+        again: bool = True,
     ) -> tuple[list[bool], list[int], str]:
-        """One pass: (stored per key, indices that found no room, the master's reason)."""
+        """(stored per key, indices that found no room, the master's reason).
+
+        ``again``: retry, once and without grants, what this pass could not
+        finish (a forgotten grant, or a write whose node failed).
+        """
         sizes = [region_nbytes(r) for r in regions]
         use_grants = use_grants and replicas == 1 and self.grants.budget_bytes > 0
         writes: Writes = {}
@@ -80,19 +85,19 @@ class RemotePutter:
             full, error = self._allocate(keys, sizes, parents, replicas, rest, use_grants, writes)
         written, lost = self._write(writes, regions)
         stored = [False] * len(keys)
-        retry = self._commit(keys, parents, written, granted, stored)
-        retry += [i for i in lost if i in granted]  # e.g. its node restarted meanwhile
+        retry = self._commit(keys, parents, written, granted, stored) + lost
         if use_grants and not rest:  # after the commit: the master is not kept from it
             self._top_up(sizes[0])
-        if retry:
-            again, still, error2 = self.put_once(
+        if retry and again:
+            redone, still, error2 = self.put_once(
                 [keys[i] for i in retry],
                 [regions[i] for i in retry],
                 [parents[i] for i in retry],
                 replicas,
                 use_grants=False,
+                again=False,
             )
-            for i, ok in zip(retry, again, strict=True):
+            for i, ok in zip(retry, redone, strict=True):
                 stored[i] = ok
             full += [retry[j] for j in still]
             error = error or error2

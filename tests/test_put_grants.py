@@ -218,3 +218,34 @@ def test_a_failed_grant_write_is_retried_the_classic_way(
     assert failures == [1] and pool.stats()["client"]["put_grants_used"] == used + 1
     monkeypatch.undo()
     check_bytes(pool, keys)
+
+
+def test_a_failed_classic_write_is_retried_once(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with kvpool.connect(cluster.url, timeout=5, put_grant_bytes=0) as p:
+        keys = make_keys(2, seed=18)
+        real = p._transport
+        calls: list[int] = []
+
+        class Failing:
+            def __init__(self, inner: object) -> None:
+                self.inner = inner
+
+            def write_many(self, plan: list) -> None:
+                calls.append(len(plan))
+                if len(calls) <= 1 or keys[1] in _stored:  # first try; then always
+                    raise ConnectionLostError("node died")
+                self.inner.write_many(plan)  # type: ignore[attr-defined]
+
+        pending = p.stats()["pending_allocations"]  # other clients' grants may be out
+        monkeypatch.setattr(p, "_transport", lambda node_id: Failing(real(node_id)))
+        assert p.put(keys[0], payload(0)) is True and calls == [1, 1]
+        _stored.append(keys[1])
+        assert p.put(keys[1], payload(1)) is False and len(calls) == 4  # failed twice
+        monkeypatch.undo()
+        assert p.exists(keys) == [True, False]
+        assert p.stats()["pending_allocations"] == pending  # the failed ones were revoked
+        check_bytes(p, keys[:1])
+        p.remove(keys[0])
+        _stored.clear()
