@@ -85,7 +85,7 @@ class MasterConfig:
     # while clients may still read them (covers the client lease cache's hold).
     rejoin_grace_s: float = 2.0
     # Keyless allocations handed to clients for their next puts expire after this;
-    # clients use them for at most half of it (and under rejoin_grace_s).
+    # clients use them for at most half of min(grant_ttl, rejoin_grace_s), and 1 s.
     grant_ttl: float = 5.0
     # Grants held by all clients together stay under this share of the cluster's DRAM.
     grant_share: float = 1 / 16
@@ -229,7 +229,8 @@ class Master:
                 placements.append(
                     None if allocs is None else [[a.alloc_id, a.node_id, a.offset] for a in allocs]
                 )
-            spares = self._grant(msg) if msg.spare and msg.replicas <= 1 and not msg.node_id else []
+            lend = msg.spare and msg.replicas <= 1 and not msg.node_id and self._grant_window()
+            spares = self._grant(msg) if lend else []
             self.metrics.evictions.inc(self.catalog.evictions - evictions)
             nodes = self._regions_of(
                 [p[1] for ps in placements if ps for p in ps] + [g[1] for g in spares]
@@ -242,8 +243,14 @@ class Master:
             full=full,
             ttl=self.config.alloc_ttl,
             spares=spares,
-            spare_ttl=self.catalog.grant_ttl,
+            spare_ttl=self._grant_window(),
         )
+
+    def _grant_window(self) -> float:
+        """What clients are told a grant lives (they use it for half of that): never
+        past the re-join grace, so a restarted master cannot hand its range to
+        another writer while a client still fills it."""
+        return min(self.catalog.grant_ttl, self.config.rejoin_grace_s)
 
     def _grant(self, msg: AllocateRequest) -> list[list[Any]]:
         """Keyless allocations for a client's next puts: all clients' grants together
