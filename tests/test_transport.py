@@ -146,6 +146,18 @@ def test_a_restarted_data_server_refuses_clients_of_its_predecessor(node: Region
         t.read_into(0, np.empty(8, np.uint8))
 
 
+def test_an_older_data_client_is_told_its_version_at_once(node: RegionInfo) -> None:
+    import struct
+
+    from kvpool.transport import tcp_wire as w
+
+    with socket.create_connection(("127.0.0.1", node.tcp_port), timeout=5) as s:
+        s.sendall(struct.pack("!4sHH", w.MAGIC, 1, 0))  # version 1: no instance field
+        magic, status, n = w.HELLO_REPLY.unpack(s.recv(w.HELLO_REPLY.size))
+        assert (magic, status) == (w.MAGIC, w.ST_BAD_VERSION)
+        assert b"data protocol 1 unsupported" in s.recv(n)
+
+
 def test_server_refuses_out_of_range_from_raw_client(node: RegionInfo) -> None:
     from kvpool.transport import tcp_wire as w
 

@@ -112,23 +112,26 @@ class TcpDataServer:
             sock.close()
 
     def _handshake(self, sock: socket.socket, peer: Any) -> bool:
-        head = bytearray(w.HELLO.size)
+        head = bytearray(w.HELLO_HEAD.size)
         w.recv_into_exact(sock, memoryview(head))
-        magic, version, tlen, ilen = w.HELLO.unpack(head)
-        token, instance = bytearray(tlen), bytearray(ilen)
-        if magic == w.MAGIC and version == w.VERSION:
-            w.recv_into_exact(sock, memoryview(token))
-            w.recv_into_exact(sock, memoryview(instance))
+        magic, version = w.HELLO_HEAD.unpack(head)
         status, reason = w.ST_OK, ""
         if magic != w.MAGIC:
             status, reason = w.ST_BAD_VERSION, "not a kvpool data connection"
-        elif version != w.VERSION:
+        elif version != w.VERSION:  # answered before reading a body we cannot parse
             status, reason = w.ST_BAD_VERSION, f"data protocol {version} unsupported"
-        elif not token_matches(self.token, token.decode(errors="replace")):
-            status, reason = w.ST_BAD_TOKEN, "wrong token" if tlen else "missing token"
-        elif instance and instance.decode(errors="replace") != self.instance:
-            status = w.ST_WRONG_INSTANCE
-            reason = "this data server is another incarnation of the node (it restarted)"
+        else:
+            lengths = bytearray(w.HELLO_LENGTHS.size)
+            w.recv_into_exact(sock, memoryview(lengths))
+            tlen, ilen = w.HELLO_LENGTHS.unpack(lengths)
+            token, instance = bytearray(tlen), bytearray(ilen)
+            w.recv_into_exact(sock, memoryview(token))
+            w.recv_into_exact(sock, memoryview(instance))
+            if not token_matches(self.token, token.decode(errors="replace")):
+                status, reason = w.ST_BAD_TOKEN, "wrong token" if tlen else "missing token"
+            elif instance and instance.decode(errors="replace") != self.instance:
+                status = w.ST_WRONG_INSTANCE
+                reason = "this data server is another incarnation of the node (it restarted)"
         if status != w.ST_OK:
             log.warning("refused data connection from %s: %s", peer, reason)
         msg = reason.encode()

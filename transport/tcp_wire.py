@@ -33,7 +33,9 @@ from kvpool.rpc_frame import tune_socket
 
 MAGIC = b"KVDT"
 VERSION = 2
-HELLO = struct.Struct("!4sHHH")
+HELLO = struct.Struct("!4sHHH")  # magic, version | token length, instance length
+HELLO_HEAD = struct.Struct("!4sH")  # what every version starts with
+HELLO_LENGTHS = struct.Struct("!HH")
 HELLO_REPLY = struct.Struct("!4sBxH")
 REQ = struct.Struct("!BxxxIQQ")
 RESP = struct.Struct("!BxxxIQ")
