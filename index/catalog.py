@@ -35,6 +35,7 @@ Invariants:
 from __future__ import annotations
 
 import itertools
+import secrets
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -134,7 +135,9 @@ class BlockCatalog:
         self.leases: dict[int, LeaseRecord] = {}
         self._pending_keys: dict[bytes, int] = {}  # key -> allocations in flight
         self.granted_bytes = 0  # space held by grants (pending allocations with no key)
-        self._ids = itertools.count(1)
+        # Allocation and lease ids start at a random point: ids a client still
+        # holds from a previous master (across a restart) never name this one's.
+        self._ids = itertools.count(1 + secrets.randbits(52))
         self._with_extras: set[bytes] = set()  # blocks that have extra replicas
         self.evictions = 0
 

@@ -155,6 +155,18 @@ def test_node_outbox_and_restore_after_master_restart() -> None:
     assert fresh.nodes["a"].outbox == []
 
 
+def test_ids_of_a_restarted_master_never_collide_with_the_old_ones() -> None:
+    old, _ = catalog({"a": 4})
+    new, _ = catalog({"a": 4})
+    key = make_keys(1)[0]
+    stale = old.allocate(key, PAGE, None)
+    fresh = new.allocate(key, PAGE, None)
+    assert stale is not None and fresh is not None
+    assert stale[0].alloc_id != fresh[0].alloc_id and fresh[0].alloc_id > 0
+    assert new.commit(stale[0].alloc_id) is None  # an old client's commit finds nothing
+    assert new.exists([key]) == [False] and len(new.pending) == 1
+
+
 def test_a_grant_holds_space_invisibly_until_bound_to_a_key() -> None:
     cat, _ = catalog({"a": 4, "b": 8})
     grants = cat.grant(PAGE, 3)
