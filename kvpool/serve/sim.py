@@ -58,6 +58,7 @@ from kvpool.serve.conductor import (
     AdmissionState,
     Conductor,
     DecodeLoadPredictor,
+    PrefillPlan,
     WorkerView,
     admit_decode,
     decode_capacity,
@@ -416,36 +417,13 @@ class Cluster:
 
     def _on_arrival(self, rid: int, now: float) -> None:
         r = self.reqs[rid]
-        self.admitted_n += 1
-        self.mean_tokens += (r.input + r.output - self.mean_tokens) / self.admitted_n
-        r.ttft_slo = self.conductor.ttft_slo(r.input)
-        r.tbt_slo = self.conductor.tbt_slo(r.input + r.output // 2)
-        views = [
-            WorkerView(n.name, self._queue_s(n, now), self._local_blocks(n, r.keys), n.name)
-            for n in self.prefill_nodes
-        ]
+        views = self._arrive(r, now)
         plan = self.route(self.conductor, r.input, views, self.rng)
-        if self.rejection != "none" and plan.ttft_s > r.ttft_slo:
-            r.rejected = "ttft"
-            self.rejected_ttft += 1
+        if self._rejects(r, now, plan.ttft_s):
             return
-        if self.rejection in ("now", "predicted"):
-            predicted = None
-            if self.rejection == "predicted":
-                predicted = self.predictor.predict(now, now + plan.ttft_s, self.decode_load)
-            state = AdmissionState(self.decode_load, self._capacity(), predicted)
-            if admit_decode(self.rejection, state, at_arrival=True):
-                r.rejected = "decode"
-                self.rejected_decode += 1
-                return
         idx = next(i for i, n in enumerate(self.prefill_nodes) if n.name == plan.worker_id)
         node = self.prefill_nodes[idx]
-        if plan.fetch_from is not None:
-            src = next(n for n in self.prefill_nodes if n.name == plan.fetch_from)
-            for k in r.keys[plan.local_blocks : plan.reused_blocks]:
-                if k in src.cache:
-                    src.cache.on_access(k)
-            self.fetches += 1
+        self._fetch(r, plan)
         seconds = self._prefill_seconds(plan.transfer_s, plan.prefill_s)
         r.prefill_node, r.prefill_s, r.reused_blocks = idx, seconds, plan.reused_blocks
         self.hit_blocks += plan.reused_blocks
@@ -458,6 +436,43 @@ class Cluster:
             node.busy_until = end
         self.predictor.add(rid, end)
         self._push(end, PREFILL_DONE, rid)
+
+    def _arrive(self, r: Req, now: float) -> list[WorkerView]:
+        """Count the arrival, set its SLOs; the prefill nodes as the router sees them."""
+        self.admitted_n += 1
+        self.mean_tokens += (r.input + r.output - self.mean_tokens) / self.admitted_n
+        r.ttft_slo = self.conductor.ttft_slo(r.input)
+        r.tbt_slo = self.conductor.tbt_slo(r.input + r.output // 2)
+        return [
+            WorkerView(n.name, self._queue_s(n, now), self._local_blocks(n, r.keys), n.name)
+            for n in self.prefill_nodes
+        ]
+
+    def _rejects(self, r: Req, now: float, ttft_s: float) -> bool:
+        """Apply the rejection policy to a request expected to start in ``ttft_s``."""
+        if self.rejection != "none" and ttft_s > r.ttft_slo:
+            r.rejected = "ttft"
+            self.rejected_ttft += 1
+            return True
+        if self.rejection in ("now", "predicted"):
+            predicted = None
+            if self.rejection == "predicted":
+                predicted = self.predictor.predict(now, now + ttft_s, self.decode_load)
+            state = AdmissionState(self.decode_load, self._capacity(), predicted)
+            if admit_decode(self.rejection, state, at_arrival=True):
+                r.rejected = "decode"
+                self.rejected_decode += 1
+                return True
+        return False
+
+    def _fetch(self, r: Req, plan: PrefillPlan) -> None:
+        """A plan that fetches a prefix from another node reads (touches) it there."""
+        if plan.fetch_from is not None:
+            src = next(n for n in self.prefill_nodes if n.name == plan.fetch_from)
+            for k in r.keys[plan.local_blocks : plan.reused_blocks]:
+                if k in src.cache:
+                    src.cache.on_access(k)
+            self.fetches += 1
 
     def _store(self, node: Node, keys: list[bytes]) -> None:
         cache, cap = node.cache, self.cfg.capacity_blocks

@@ -45,7 +45,6 @@ import math
 from dataclasses import replace
 from typing import Any
 
-from kvpool.serve.conductor import AdmissionState, WorkerView, admit_decode
 from kvpool.serve.cost_model import (
     ClusterCostModel,
     PrefillCostModel,
@@ -215,15 +214,8 @@ class CppCluster(Cluster):
             super()._on_arrival(rid, now)
             return
         r = self.reqs[rid]
-        self.admitted_n += 1
-        self.mean_tokens += (r.input + r.output - self.mean_tokens) / self.admitted_n
-        r.ttft_slo = self.conductor.ttft_slo(r.input)
-        r.tbt_slo = self.conductor.tbt_slo(r.input + r.output // 2)
         nodes = self.prefill_nodes
-        views = [
-            WorkerView(n.name, self._queue_s(n, now), self._local_blocks(n, r.keys), n.name)
-            for n in nodes
-        ]
+        views = self._arrive(r, now)
         plan = self.route(self.conductor, r.input, views, self.rng)
         idx = next(i for i, n in enumerate(nodes) if n.name == plan.worker_id)
         ttft, seconds, members = plan.ttft_s, plan.transfer_s + plan.prefill_s, [idx]
@@ -252,25 +244,9 @@ class CppCluster(Cluster):
             ):
                 ttft, seconds = cpp_ttft, plan.transfer_s + pipe_s
                 members = list(range(best_g * self.k, (best_g + 1) * self.k))
-        if self.rejection != "none" and ttft > r.ttft_slo:
-            r.rejected = "ttft"
-            self.rejected_ttft += 1
+        if self._rejects(r, now, ttft):
             return
-        if self.rejection in ("now", "predicted"):
-            predicted = None
-            if self.rejection == "predicted":
-                predicted = self.predictor.predict(now, now + ttft, self.decode_load)
-            state = AdmissionState(self.decode_load, self._capacity(), predicted)
-            if admit_decode(self.rejection, state, at_arrival=True):
-                r.rejected = "decode"
-                self.rejected_decode += 1
-                return
-        if plan.fetch_from is not None:
-            src = next(n for n in nodes if n.name == plan.fetch_from)
-            for key in r.keys[plan.local_blocks : plan.reused_blocks]:
-                if key in src.cache:
-                    src.cache.on_access(key)
-            self.fetches += 1
+        self._fetch(r, plan)
         if len(members) > 1:
             self.cpp_requests += 1
             self.cpp_bubble_sum += bubble
