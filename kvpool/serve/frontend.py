@@ -725,22 +725,29 @@ class Frontend:
             "pipeline": req.pipeline,  # the stages' workers when pipelined, else []
         }
 
-    def chunk(self, req: ServeRequest, text: str, token: int | None, finish: str | None) -> str:
-        body: dict[str, Any] = {
+    def body(self, req: ServeRequest, choices: list[dict[str, Any]], **more: Any) -> dict[str, Any]:
+        """A text_completion object (a whole response or one stream chunk)."""
+        return {
             "id": req.id,
             "object": "text_completion",
             "created": int(time.time()),
             "model": self.s.served_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": text,
-                    "logprobs": None,
-                    "finish_reason": finish,
-                    "token_ids": [] if token is None else [token],
-                }
-            ],
+            "choices": choices,
+            **more,
         }
+
+    @staticmethod
+    def choice(text: str, finish: str | None, token_ids: list[int]) -> dict[str, Any]:
+        return {
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish,
+            "token_ids": token_ids,
+        }
+
+    def chunk(self, req: ServeRequest, text: str, token: int | None, finish: str | None) -> str:
+        body = self.body(req, [self.choice(text, finish, [] if token is None else [token])])
         return f"data: {json.dumps(body)}\n\n"
 
     async def stream(self, req: ServeRequest) -> AsyncIterator[str]:
@@ -752,15 +759,7 @@ class Frontend:
                     text += dec.flush()
                 yield self.chunk(req, text, token, self.finish_reason(req) if finished else None)
             if req.include_usage:
-                body = {
-                    "id": req.id,
-                    "object": "text_completion",
-                    "created": int(time.time()),
-                    "model": self.s.served_name,
-                    "choices": [],
-                    "usage": self.usage(req),
-                    "kvpool": self.extras(req),
-                }
+                body = self.body(req, [], usage=self.usage(req), kvpool=self.extras(req))
                 yield f"data: {json.dumps(body)}\n\n"
             self.m_requests.labels("200").inc()
         except ApiError as exc:
@@ -772,23 +771,13 @@ class Frontend:
         async for _ in self.tokens(req):
             pass
         out = [t for t in req.output if t != req.eos_id]
-        return {
-            "id": req.id,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.s.served_name,
-            "choices": [
-                {
-                    "index": 0,
-                    "text": self.tokenizer.decode(out),
-                    "logprobs": None,
-                    "finish_reason": self.finish_reason(req),
-                    "token_ids": list(req.output),
-                }
-            ],
-            "usage": self.usage(req),
-            "kvpool": self.extras(req),
-        }
+        text = self.tokenizer.decode(out)
+        return self.body(
+            req,
+            [self.choice(text, self.finish_reason(req), list(req.output))],
+            usage=self.usage(req),
+            kvpool=self.extras(req),
+        )
 
     # -- metrics -----------------------------------------------------------------
 
