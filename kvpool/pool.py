@@ -461,21 +461,23 @@ class Pool(LayerwiseMethods):
     def _size_or_miss(self, key: bytes) -> int | None:
         """The block's size, or None (counted as a miss) if it is not stored."""
         with self._lock:
-            self._check_open()
-            entry = self._entries.get(key)
-            if entry is None:
-                self._stats.misses += 1
-                return None
-            return entry.size
+            entry = self._entry_or_miss(key)
+            return None if entry is None else entry.size
+
+    def _entry_or_miss(self, key: bytes) -> _Entry | None:
+        """The block's entry, or None counted as a miss (caller holds the lock)."""
+        self._check_open()
+        entry = self._entries.get(key)
+        if entry is None:
+            self._stats.misses += 1
+        return entry
 
     def _get_into_region(
         self, key: bytes, dst: Region, start: int = 0, length: int | None = None
     ) -> int | None:
         with self._lock:
-            self._check_open()
-            entry = self._entries.get(key)
+            entry = self._entry_or_miss(key)
             if entry is None:
-                self._stats.misses += 1
                 return None
             want = entry.size - start if length is None else length
             if start + want > entry.size or want <= 0:
