@@ -55,6 +55,7 @@ from kvpool.bench.common import Timing, count_for, faulted, paired, parse_sizes,
 from kvpool.bench.procs import spawn_kvpool
 from kvpool.bench.remote_transport import _cpus, _RawClient
 from kvpool.config import format_size, parse_size
+from kvpool.master import MasterConfig
 
 WORKING_SET = 64 << 20
 TRANSPORTS = ("shm", "tcp", "ucx")
@@ -341,8 +342,9 @@ def run_remote(
     counts = {s: _count(s, batch, working_set) for s in sizes}
     region = max(counts[s] * _rounded(s) for s in sizes)
     # Headroom, plus room for the client's put grants: the master lends at most
-    # 1/16 of the DRAM as grants, and a client stocks up to 4 of the largest size.
-    dram = max(region + region // 4 + (16 << 20), 16 * 4 * max(_rounded(s) for s in sizes))
+    # grant_share of the DRAM as grants; let that cover 4 blocks of the largest size.
+    grants = 4 * max(_rounded(s) for s in sizes) / MasterConfig.grant_share
+    dram = max(region + region // 4 + (16 << 20), int(grants))
     split = _cpus() if pin else None
     client_cpus, server_cpus = split if split else (None, None)
     saved = os.sched_getaffinity(0)
