@@ -203,7 +203,27 @@ class LeafForest:
         return node.kids if node is not None else self.orphans.get(key, 0)
 
 
-class LeafPolicy(EvictionPolicy):
+class ForestPolicy(EvictionPolicy):
+    """What every policy kept in a ``LeafForest`` shares (``leaf``, ``leaf-s3``)."""
+
+    _forest: LeafForest
+
+    def on_remove(self, key: Key) -> None:
+        if key in self._forest.nodes:
+            self._forest.untrack(key)
+
+    def children(self, key: Key) -> int:
+        """Number of tracked keys that name ``key`` as their parent."""
+        return self._forest.children(key)
+
+    def __len__(self) -> int:
+        return len(self._forest.nodes)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._forest.nodes
+
+
+class LeafPolicy(ForestPolicy):
     """LRU over the leaves of the prefix forest."""
 
     name = "leaf"
@@ -232,19 +252,5 @@ class LeafPolicy(EvictionPolicy):
             node.where = _IN_ORDER
             forest.order[0][key] = None
 
-    def on_remove(self, key: Key) -> None:
-        if key in self._forest.nodes:
-            self._forest.untrack(key)
-
     def victim(self, evictable: Evictable = always_evictable) -> Key | None:
         return self._forest.lru_leaf(0, evictable)
-
-    def children(self, key: Key) -> int:
-        """Number of tracked keys that name ``key`` as their parent."""
-        return self._forest.children(key)
-
-    def __len__(self) -> int:
-        return len(self._forest.nodes)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._forest.nodes

@@ -32,13 +32,13 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from kvpool.eviction.base import Evictable, EvictionPolicy, Key, always_evictable
-from kvpool.eviction.leaf import _IN_HEAP, _IN_ORDER, LeafForest
+from kvpool.eviction.base import Evictable, Key, always_evictable
+from kvpool.eviction.leaf import _IN_HEAP, _IN_ORDER, ForestPolicy, LeafForest
 
 PROBATION, PROTECTED = 0, 1
 
 
-class LeafS3Policy(EvictionPolicy):
+class LeafS3Policy(ForestPolicy):
     """Leaf-only LRU in two segments (probation / protected) plus a ghost FIFO."""
 
     name = "leaf-s3"
@@ -80,10 +80,6 @@ class LeafS3Policy(EvictionPolicy):
         else:
             forest.touch(key, node, PROTECTED)
 
-    def on_remove(self, key: Key) -> None:
-        if key in self._forest.nodes:
-            self._forest.untrack(key)
-
     def victim(self, evictable: Evictable = always_evictable) -> Key | None:
         forest = self._forest
         sizes = forest.sizes
@@ -108,13 +104,3 @@ class LeafS3Policy(EvictionPolicy):
         if node is not None:
             return ("probation", "protected")[node.seg]
         return "ghost" if key in self._ghost else None
-
-    def children(self, key: Key) -> int:
-        """Number of tracked keys that name ``key`` as their parent."""
-        return self._forest.children(key)
-
-    def __len__(self) -> int:
-        return len(self._forest.nodes)
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._forest.nodes
