@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -41,6 +42,18 @@ class Proc:
                 self.popen.wait(10)
             except subprocess.TimeoutExpired:
                 self.kill()
+
+
+def stop_by_stdin(popen: subprocess.Popen[str], wait_s: float) -> None:
+    """Stop a child that exits when its stdin closes; SIGKILL it after ``wait_s``."""
+    with contextlib.suppress(OSError):
+        assert popen.stdin is not None
+        popen.stdin.close()
+    try:
+        popen.wait(wait_s)
+    except subprocess.TimeoutExpired:
+        popen.kill()
+        popen.wait(10)
 
 
 def spawn_kvpool(

@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench.common import Timing, count_for, faulted, paired, parse_sizes, write_json
-from kvpool.bench.procs import spawn_kvpool
+from kvpool.bench.procs import spawn_kvpool, stop_by_stdin
 from kvpool.bench.remote_transport import _cpus, _RawClient
 from kvpool.config import format_size, parse_size
 from kvpool.master import MasterConfig
@@ -120,13 +120,7 @@ def _raw_server(region: int, cpus: set[int] | None) -> Iterator[int]:
             raise RuntimeError("the raw-socket baseline server did not start")
         yield int(fields[1])
     finally:
-        with suppress(OSError):
-            popen.stdin.close()
-        try:
-            popen.wait(30)
-        except subprocess.TimeoutExpired:
-            popen.kill()
-            popen.wait(10)
+        stop_by_stdin(popen, 30)
 
 
 @contextmanager
@@ -513,14 +507,7 @@ def _run_mooncake(
             store.close()
     finally:
         if holder is not None:
-            with suppress(OSError):
-                assert holder.stdin is not None
-                holder.stdin.close()
-            try:
-                holder.wait(15)
-            except subprocess.TimeoutExpired:
-                holder.kill()
-                holder.wait(10)
+            stop_by_stdin(holder, 15)
         master.terminate()
         try:
             master.wait(10)
