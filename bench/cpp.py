@@ -1,7 +1,7 @@
 """``kvpool bench cpp``: long-prompt TTFT, one prefill worker vs a k-stage pipeline.
 
 A real cluster (``kvpool master`` + one ``kvpool node``) and real stage
-processes (``kvpool.serve.cpp``), each with one torch thread, so on a
+processes (``kvpool.serve.runtime.pipeline``), each with one torch thread, so on a
 2-core machine the single worker uses one core and a 2-stage pipeline two —
 the fair comparison the issue asks for. Both run the same code path (a
 "pipeline" of 1 stage is the single worker) and store every block to the
@@ -68,7 +68,7 @@ def run_cpp(
     dram: str = "512MiB",
     log: Any = print,
 ) -> dict[str, Any]:
-    from kvpool.serve.cpp import CppGroup
+    from kvpool.serve.runtime.pipeline import CppGroup
 
     load_before = list(os.getloadavg())  # a shared machine: say how busy it was
     rng = np.random.default_rng(2026)

@@ -35,10 +35,10 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench.common import faulted, write_json
+from kvpool.embedded.pool import Pool
 from kvpool.index.keys import Namespace, block_keys
 from kvpool.layerwise import LayerReader, LayerWriter
 from kvpool.layout import KVLayout
-from kvpool.pool import Pool
 
 _MM = 256  # matmul edge: ~0.3 ms per product on one core (long GIL-free stretches)
 
@@ -62,7 +62,7 @@ def _run(args: argparse.Namespace) -> int:
     if args.tokens < args.block_tokens or args.rounds < 1:
         raise SystemExit("--tokens must be at least --block-tokens, --rounds at least 1")
     layout = KVLayout(args.layers, args.kv_heads, args.head_dim, "bfloat16", args.block_tokens)
-    from kvpool.client import connect
+    from kvpool.cluster.client.remote_pool import connect
 
     factory = (lambda capacity: connect(args.url)) if args.url else None
     result = run_layerwise(layout, args.tokens // args.block_tokens, args.rounds, factory)

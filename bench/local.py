@@ -17,10 +17,10 @@ import tempfile
 import numpy as np
 
 from kvpool.bench.common import Row, count_for, faulted, interleaved, make_row
+from kvpool.embedded.pool import Pool
 from kvpool.eviction import make_policy
 from kvpool.index.keys import Namespace, block_keys
-from kvpool.pool import Pool
-from kvpool.tiers.ssd import SsdRecord, SsdTier
+from kvpool.storage.ssd_tier import SsdRecord, SsdTier
 
 _PAGE = 4096
 

@@ -9,8 +9,8 @@ Reported in CPU ns per operation (process time, so that other processes on
 a shared machine do not inflate it; median of ``--repeat`` runs). Keys are uniformly
 random, so nearly every hook misses the CPU caches: a worst case.
 
-With ``--sim N``: synthesize an N-request trace (``kvpool.traces``), replay it
-through ``kvpool.eviction.cachesim.simulate`` at ``--blocks`` capacity and
+With ``--sim N``: synthesize an N-request trace (``kvpool.workload.traces``), replay it
+through ``kvpool.workload.cachesim.simulate`` at ``--blocks`` capacity and
 report the wall time per block access of the whole simulator loop (prefix
 match, refresh, admission, eviction, insertion) over the trace's last
 quarter, after the rest has filled the tier: six chunks, the policies
@@ -109,8 +109,8 @@ def chain_keys(records: Any, block_tokens: int = 512) -> list[list[bytes]]:
 
 def measure_sim(names: list[str], requests: int, capacity: int, seed: int = 0) -> list[dict]:
     from kvpool.eviction import make_policy
-    from kvpool.eviction.cachesim import simulate
-    from kvpool.traces import synthesize
+    from kvpool.workload.cachesim import simulate
+    from kvpool.workload.traces import synthesize
 
     keys = chain_keys(synthesize(requests=requests, seed=seed))
     total = sum(len(k) for k in keys)

@@ -13,8 +13,8 @@ import time
 import numpy as np
 
 from kvpool.config import PoolConfig
+from kvpool.embedded.pool import Pool
 from kvpool.index.keys import Namespace, block_keys
-from kvpool.pool import Pool
 
 
 def run_prefix(tokens: int, catalog_blocks: int, samples: int) -> dict[str, float | int]:

@@ -11,7 +11,7 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kvpool.procutil import wait_for_ready
+from kvpool.procs import wait_for_ready
 
 READY = re.compile(r"(?:ready on|on) ([\d.]+):(\d+)")
 

@@ -54,8 +54,8 @@ import numpy as np
 from kvpool.bench.common import Timing, count_for, faulted, paired, parse_sizes, write_json
 from kvpool.bench.procs import spawn_kvpool, stop_by_stdin
 from kvpool.bench.remote_transport import _cpus, _RawClient
+from kvpool.cluster.master import MasterConfig
 from kvpool.config import format_size, parse_size
-from kvpool.master import MasterConfig
 
 WORKING_SET = 64 << 20
 TRANSPORTS = ("shm", "tcp", "ucx")
@@ -138,7 +138,7 @@ def _cluster(dram: int, cpus: set[int] | None) -> Iterator[str]:
 
 
 def _connect(url: str, transport: str) -> Any:
-    from kvpool.client import connect
+    from kvpool.cluster.client.remote_pool import connect
 
     pool = connect(url, transport=transport, timeout=30.0)
     deadline = time.monotonic() + 20

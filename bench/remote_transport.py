@@ -75,7 +75,7 @@ def _raw_serve(sock: socket.socket, region: memoryview) -> None:
 
 
 def _node(size: int, with_ucx: bool) -> None:
-    from kvpool.arena import SharedArena
+    from kvpool.storage.arena import SharedArena
     from kvpool.transport.base import host_identity
     from kvpool.transport.tcp_server import TcpDataServer
 

@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from kvpool.bench.common import write_json
-from kvpool.procutil import wait_for_ready
+from kvpool.procs import wait_for_ready
 
 READY = re.compile(r"ready on (http://[\w.\[\]:-]+)")
 
@@ -244,10 +244,10 @@ def run_colocated(
 
     import torch
 
-    from kvpool.pool import Pool
-    from kvpool.serve.decode import DecodeEngine
-    from kvpool.serve.model import build_model
-    from kvpool.serve.prefill import PrefillWorker
+    from kvpool.embedded.pool import Pool
+    from kvpool.serve.runtime.decode import DecodeEngine
+    from kvpool.serve.runtime.model import build_model
+    from kvpool.serve.runtime.prefill import PrefillWorker
 
     torch.set_num_threads(1)
     m = build_model(model, seed, block_tokens=block_tokens)

@@ -21,7 +21,7 @@ import lmdb
 import numpy as np
 
 from kvpool.eviction import make_policy
-from kvpool.tiers.ssd import SsdTier
+from kvpool.storage.ssd_tier import SsdTier
 
 BLOCK, COUNT = 4 << 20, 64
 

@@ -41,9 +41,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvpool.allocator import ExtentAllocator
 from kvpool.eviction import EvictionPolicy, make_policy
 from kvpool.index.heat import ReplicationConfig, decayed
+from kvpool.storage.allocator import ExtentAllocator
 
 
 @dataclass

@@ -6,7 +6,8 @@ errors in ``kvpool.errors``.
 
 __version__ = "0.1.0"
 
-from kvpool.client import RemotePool, connect
+from kvpool.cluster.client.remote_pool import RemotePool, connect
+from kvpool.embedded.pool import Pool
 from kvpool.errors import (
     BlockTooLargeError,
     BufferSpecError,
@@ -22,7 +23,6 @@ from kvpool.errors import (
 )
 from kvpool.index.keys import Namespace, block_keys
 from kvpool.layout import KVLayout
-from kvpool.pool import Pool
 
 __all__ = [
     "BlockTooLargeError",

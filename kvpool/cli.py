@@ -4,29 +4,40 @@ Each module named in ``SUBCOMMANDS`` exposes ``register(subparsers)``, which
 adds its parser and sets ``func`` to a callable taking the parsed args and
 returning an exit code. Modules keep heavy imports (torch) inside their run
 functions so ``kvpool --version`` stays fast.
+
+One way to fail: bad arguments are argparse usage errors (``kvpool.args``
+types; exit status 2); an expected failure while running (a kvpool error,
+a bad value, an unusable file or address) is one line on stderr,
+``kvpool COMMAND: error: MESSAGE``, and exit status 1. Never a traceback,
+unless ``KVPOOL_TRACEBACK=1`` asks for one (for bug reports).
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 from kvpool import __version__
+from kvpool.errors import KVPoolError
+
+#: Failures a command reports as one line (anything else is a bug: traceback).
+EXPECTED_FAILURES = (KVPoolError, ValueError, OSError)
 
 SUBCOMMANDS: list[str] = [
-    "kvpool.server_cli",
-    "kvpool.demo",
-    "kvpool.serve.serve_cli",
+    "kvpool.cluster.commands",
+    "kvpool.workload.demo",
+    "kvpool.serve.cli",
     "kvpool.bench.cli",
-    "kvpool.trace_cli",
-    "kvpool.cachesim_cli",
-    "kvpool.serve.sim",
-    "kvpool.serve.calibrate",
-    "kvpool.serve.replay",
-    "kvpool.serve.sim_cpp",
-    "kvpool.serve.plan",
+    "kvpool.workload.trace_cli",
+    "kvpool.workload.cachesim_cli",
+    "kvpool.serve.sched.sim.cluster",
+    "kvpool.serve.runtime.calibrate",
+    "kvpool.serve.sched.replay",
+    "kvpool.serve.sched.sim.cpp",
+    "kvpool.serve.sched.plan",
 ]
 
 
@@ -47,7 +58,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except KeyboardInterrupt:
+        return 130
+    except EXPECTED_FAILURES as exc:
+        if os.environ.get("KVPOOL_TRACEBACK") == "1":
+            raise
+        print(f"kvpool {args.command}: error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
+import pytest
 
 from kvpool import Namespace, block_keys
 
@@ -18,3 +19,16 @@ def make_keys(n: int, seed: int = 0) -> list[bytes]:
 def payload(i: int, size: int = BLOCK) -> np.ndarray:
     """Distinct, non-constant bytes for block i."""
     return (np.arange(size, dtype=np.uint32) * 2654435761 + i * 40503).astype(np.uint8)
+
+
+def has_cuda() -> bool:
+    """What the GPU paths themselves check: a CUDA device torch can use (the
+    driver alone is not enough: a CPU build of torch on a GPU host has none)."""
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+needs_cuda = pytest.mark.skipif(
+    not has_cuda(), reason="needs CUDA (torch.cuda.is_available() is False here)"
+)

@@ -10,7 +10,7 @@ import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvpool.procutil import wait_for_ready
+from kvpool.procs import wait_for_ready
 
 READY = re.compile(r"ready on (http://[\d.]+:\d+)")
 

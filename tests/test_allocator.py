@@ -7,7 +7,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvpool.allocator import ExtentAllocator
+from kvpool.storage.allocator import ExtentAllocator
 
 
 def test_rounds_to_alignment_and_fills_exactly() -> None:

@@ -9,8 +9,8 @@ import pytest
 
 from kvpool.cli import main
 from kvpool.eviction import ONLINE_POLICIES, BeladyPolicy, make_policy
-from kvpool.eviction.cachesim import infinite_hits, run_cachesim, simulate, trace_keys
-from kvpool.traces import TraceRecord, synthesize, write_trace
+from kvpool.workload.cachesim import infinite_hits, run_cachesim, simulate, trace_keys
+from kvpool.workload.traces import TraceRecord, synthesize, write_trace
 
 B = 512
 

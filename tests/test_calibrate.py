@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from kvpool.serve.cost_model import (
+from kvpool.serve.sched.cost_model import (
     PrefillCostModel,
     analytic_cluster,
     attention_pairs,

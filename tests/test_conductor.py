@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from kvpool.serve.conductor import (
+from kvpool.serve.sched.conductor import (
     SLO,
     AdmissionState,
     Conductor,
@@ -20,7 +20,7 @@ from kvpool.serve.conductor import (
     route_least_loaded,
     route_random,
 )
-from kvpool.serve.cost_model import DecodeCostModel, PrefillCostModel, TransferModel
+from kvpool.serve.sched.cost_model import DecodeCostModel, PrefillCostModel, TransferModel
 
 BT = 100
 
@@ -168,8 +168,8 @@ def test_prefix_by_node() -> None:
 
 
 def test_router_protocol_with_fake_pool() -> None:
-    routing = pytest.importorskip("kvpool.serve.routing")
-    from kvpool.serve.conductor import ConductorRouter
+    routing = pytest.importorskip("kvpool.serve.sched.routing")
+    from kvpool.serve.sched.conductor import ConductorRouter
 
     class FakePool:
         def __init__(self) -> None:
@@ -213,8 +213,8 @@ def test_router_protocol_with_fake_pool() -> None:
 def test_factory_loads_cost_model_and_bandwidth(tmp_path) -> None:
     import json
 
-    routing = pytest.importorskip("kvpool.serve.routing")
-    from kvpool.serve.presets import get_preset
+    routing = pytest.importorskip("kvpool.serve.sched.routing")
+    from kvpool.serve.sched.presets import get_preset
 
     model = PrefillCostModel(c0=0.001, c_token=2e-5, model="tiny")
     path = tmp_path / "cm.json"

@@ -11,10 +11,10 @@ import torch
 from clusterhelpers import Cluster, start_cluster, wait_until
 
 import kvpool
-from kvpool.serve.cpp import CppGroup, split_layers
-from kvpool.serve.decode import DecodeEngine
-from kvpool.serve.model import build_model
-from kvpool.serve.prefill import PrefillWorker
+from kvpool.serve.runtime.decode import DecodeEngine
+from kvpool.serve.runtime.model import build_model
+from kvpool.serve.runtime.pipeline import CppGroup, split_layers
+from kvpool.serve.runtime.prefill import PrefillWorker
 
 BT = 16  # small blocks: the prompt spans many blocks and a partial tail
 CHUNK = 24  # not a multiple of the block size: blocks complete mid-chunk

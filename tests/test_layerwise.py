@@ -11,8 +11,8 @@ import pytest
 from poolhelpers import BLOCK, make_keys, payload
 
 from kvpool import BufferSpecError, KVLayout, KVPoolError, Pool
+from kvpool.embedded.handles import BlockWriter
 from kvpool.layerwise import LayerReader, LayerTransferError, LayerWriter
-from kvpool.pool_handles import BlockWriter
 
 # 4 layers x 2 heads x 32 dims x 64 tokens, float16: 16 KiB per layer, one BLOCK per block
 LAYOUT = KVLayout(num_layers=4, num_kv_heads=2, head_dim=32, dtype="float16", block_tokens=64)

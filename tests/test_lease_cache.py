@@ -9,7 +9,7 @@ from clusterhelpers import start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool
-from kvpool.lease_cache import LeaseCache
+from kvpool.cluster.client.lease_cache import LeaseCache
 
 
 def test_hold_time_pins_and_byte_bound() -> None:

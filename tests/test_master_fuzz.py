@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 from poolhelpers import make_keys, payload
 
 import kvpool
-from kvpool import protocol
+from kvpool.cluster import wire as protocol
 from kvpool.errors import CallTimeoutError, ConnectionLostError, KVPoolError
 from kvpool.rpc import RpcClient, encode_frame
-from kvpool.rpc_messages import Hello, Request, encode_envelope
+from kvpool.rpc.messages import Hello, Request, encode_envelope
 
 METHODS = [getattr(protocol, n) for n in dir(protocol) if n.isupper() and "_" not in n[:1]]
 values = st.recursive(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvpool.cli import main
-from kvpool.traces import synthesize, write_trace
+from kvpool.workload.traces import synthesize, write_trace
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +68,9 @@ def test_plan_cli_json_and_plot(trace_file: str, tmp_path: Path, capsys) -> None
 
 
 def test_smallest_cluster_is_minimal(trace_file: str) -> None:
-    from kvpool.serve.plan import Planner
-    from kvpool.serve.sim import SimConfig
-    from kvpool.traces import load_trace
+    from kvpool.serve.sched.plan import Planner
+    from kvpool.serve.sched.sim.cluster import SimConfig
+    from kvpool.workload.traces import load_trace
 
     planner = Planner(load_trace(trace_file), SimConfig(), [1])
     sc = planner.smallest_cluster(6.0, 0.9, 16)

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from poolhelpers import BLOCK, make_keys, payload
 
-import kvpool.pool as pool_module
+import kvpool.embedded.pool as pool_module
 from kvpool import Pool, PoolFullError
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import os
 
 import numpy as np
-import pytest
-from poolhelpers import BLOCK, make_keys, payload
+from poolhelpers import BLOCK, make_keys, needs_cuda, payload
 
 from kvpool import Pool
 
@@ -115,9 +114,7 @@ def test_blocks_too_big_for_ssd_are_dropped_not_demoted(tmp_path: object) -> Non
         assert pool.exists(keys) == [False, True]
 
 
-@pytest.mark.skipif(
-    not os.path.exists("/proc/driver/nvidia"), reason="GPU tier needs CUDA; none on this machine"
-)
+@needs_cuda
 def test_gpu_tier_round_trip_and_demotion() -> None:  # pragma: no cover - needs a GPU
     import torch
 

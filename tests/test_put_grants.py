@@ -16,11 +16,11 @@ from clusterhelpers import Cluster, start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool
-from kvpool.client import RemotePool
+from kvpool.cluster.client.grants import MAX_STOCK, Grant, GrantStock, grant_budget
+from kvpool.cluster.client.remote_pool import RemotePool
+from kvpool.cluster.wire import ALLOCATE, COMMIT, REVOKE, AllocateRequest, CommitRequest, IdsRequest
 from kvpool.errors import ConnectionLostError, InvalidKeyError, RemoteError
-from kvpool.protocol import ALLOCATE, COMMIT, REVOKE, AllocateRequest, CommitRequest, IdsRequest
-from kvpool.put_grants import MAX_STOCK, Grant, GrantStock, grant_budget
-from kvpool.rpc_client import RpcClient
+from kvpool.rpc.client import RpcClient
 
 DRAM = 8 << 20  # per node: 128 blocks of 64 KiB; the master lends 1/16 of 16 MiB
 

@@ -10,8 +10,8 @@ from typing import ClassVar
 
 import pytest
 
-from kvpool.serve.replay import build_plan, percentile_of
-from kvpool.traces import synthesize, write_trace
+from kvpool.serve.sched.replay import build_plan, percentile_of
+from kvpool.workload.traces import synthesize, write_trace
 
 pytest.importorskip("httpx")
 
@@ -161,7 +161,7 @@ def test_replay_against_kvpool_serve_with_conductor(tmp_path) -> None:
     import subprocess
     import sys
 
-    from kvpool.serve.replay import replay
+    from kvpool.serve.sched.replay import replay
 
     popen = subprocess.Popen(
         [

@@ -23,8 +23,8 @@ from kvpool.errors import (
     RemoteError,
 )
 from kvpool.rpc import RpcClient, RpcServer, ServerConfig, WireMessage, encode_frame, read_frame
-from kvpool.rpc_frame import HEADER, MAGIC, decode_body
-from kvpool.rpc_messages import Hello, Request, decode_envelope, encode_envelope
+from kvpool.rpc.frame import HEADER, MAGIC, decode_body
+from kvpool.rpc.messages import Hello, Request, decode_envelope, encode_envelope
 
 SERVER = r"""
 import sys, threading, time

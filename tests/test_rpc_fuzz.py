@@ -18,8 +18,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvpool.rpc import RpcClient, encode_frame
-from kvpool.rpc_frame import HEADER, HEADER_SIZE, MAGIC, decode_body, parse_header
-from kvpool.rpc_messages import Hello, decode_envelope, encode_envelope
+from kvpool.rpc.frame import HEADER, HEADER_SIZE, MAGIC, decode_body, parse_header
+from kvpool.rpc.messages import Hello, decode_envelope, encode_envelope
 
 SERVER = r"""
 import sys

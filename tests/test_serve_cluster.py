@@ -19,9 +19,9 @@ import torch
 from clusterhelpers import Cluster, start_cluster, wait_until
 
 import kvpool
-from kvpool.serve.decode import DecodeEngine
-from kvpool.serve.model import build_model, generate
-from kvpool.serve.prefill import PrefillResult
+from kvpool.serve.runtime.decode import DecodeEngine
+from kvpool.serve.runtime.model import build_model, generate
+from kvpool.serve.runtime.prefill import PrefillResult
 
 torch.set_num_threads(1)
 BT = 16
@@ -31,8 +31,8 @@ PREFILL_WORKER = textwrap.dedent(
     import sys, msgpack, torch
     torch.set_num_threads(1)
     import kvpool
-    from kvpool.serve.model import build_model
-    from kvpool.serve.prefill import PrefillWorker
+    from kvpool.serve.runtime.model import build_model
+    from kvpool.serve.runtime.prefill import PrefillWorker
     prompts = msgpack.unpackb(sys.stdin.buffer.read())
     model = build_model("tiny", seed=0, block_tokens={bt})
     with kvpool.connect({url!r}) as pool, PrefillWorker(model, pool, chunk_tokens=24) as w:

@@ -21,9 +21,9 @@ import pytest
 import torch
 from servehelpers import Server, start_serve
 
-from kvpool.serve.model import Transformer, build_model, generate
-from kvpool.serve.presets import get_preset
-from kvpool.serve.routing import (
+from kvpool.serve.runtime.model import Transformer, build_model, generate
+from kvpool.serve.sched.presets import get_preset
+from kvpool.serve.sched.routing import (
     DECODE,
     PREFILL,
     RouteDecision,

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from kvpool import Pool
-from kvpool.serve.decode import DecodeEngine
-from kvpool.serve.kv_io import BlockLayerLoader, BlockLayerWriter
-from kvpool.serve.model import Transformer, build_model, generate
-from kvpool.serve.prefill import PrefillWorker
+from kvpool.serve.runtime.decode import DecodeEngine
+from kvpool.serve.runtime.kv_io import BlockLayerLoader, BlockLayerWriter
+from kvpool.serve.runtime.model import Transformer, build_model, generate
+from kvpool.serve.runtime.prefill import PrefillWorker
 
 torch.set_num_threads(1)
 BT = 16  # block tokens in these tests

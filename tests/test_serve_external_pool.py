@@ -13,7 +13,7 @@ import torch
 from clusterhelpers import start_cluster
 
 import kvpool
-from kvpool.serve.model import build_model, generate
+from kvpool.serve.runtime.model import build_model, generate
 
 torch.set_num_threads(1)
 

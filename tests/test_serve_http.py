@@ -20,8 +20,8 @@ import pytest
 import torch
 from servehelpers import Server, start_serve
 
-from kvpool.serve.model import Transformer, build_model, generate
-from kvpool.serve.tokenizer import EOS, ByteTokenizer
+from kvpool.serve.runtime.model import Transformer, build_model, generate
+from kvpool.serve.runtime.tokenizer import EOS, ByteTokenizer
 
 torch.set_num_threads(1)
 BT = 16

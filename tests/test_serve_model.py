@@ -9,9 +9,9 @@ import sys
 import pytest
 import torch
 
-from kvpool.serve.model import build_model, generate
-from kvpool.serve.presets import LLAMA2_7B, LLAMA2_70B, TINY, get_preset
-from kvpool.serve.tokenizer import BOS, EOS, VOCAB_SIZE, ByteTokenizer
+from kvpool.serve.runtime.model import build_model, generate
+from kvpool.serve.runtime.tokenizer import BOS, EOS, VOCAB_SIZE, ByteTokenizer
+from kvpool.serve.sched.presets import LLAMA2_7B, LLAMA2_70B, TINY, get_preset
 
 torch.set_num_threads(1)
 
@@ -84,7 +84,7 @@ def test_weights_and_outputs_identical_across_processes(tiny: torch.nn.Module) -
     code = (
         "import torch, hashlib\n"
         "torch.set_num_threads(1)\n"
-        "from kvpool.serve.model import build_model\n"
+        "from kvpool.serve.runtime.model import build_model\n"
         "m = build_model('tiny', seed=0, block_tokens=16)\n"
         "h = hashlib.sha256()\n"
         "for n, p in sorted(m.state_dict().items()):\n"

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from kvpool.bench.serve import _common_prefix, make_prompts, percentiles
-from kvpool.serve.presets import get_preset
-from kvpool.serve.routing import (
+from kvpool.serve.sched.presets import get_preset
+from kvpool.serve.sched.routing import (
     DECODE,
     PREFILL,
     ROUTERS,
@@ -68,7 +68,7 @@ def test_bench_helpers() -> None:
 
 def test_serve_command_parses() -> None:
     from kvpool.cli import build_parser
-    from kvpool.serve.serve_cli import main
+    from kvpool.serve.cli import main
 
     args = build_parser().parse_args(["serve", "--model", "tiny", "--decode", "2"])
     assert args.decode == 2 and args.router == "least-loaded" and args.pool is None
@@ -87,7 +87,7 @@ class _Reject:
 
 
 def _frontend(router: Router, alive: bool = True):  # type: ignore[no-untyped-def]
-    from kvpool.serve.frontend import Frontend, ServeSettings, WorkerHandle
+    from kvpool.serve.runtime.http.frontend import Frontend, ServeSettings, WorkerHandle
 
     fe = Frontend(ServeSettings(get_preset("tiny", block_tokens=16), "tiny"), router, None)
     fe.handles = {

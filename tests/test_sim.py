@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from kvpool.eviction.cachesim import trace_keys
-from kvpool.serve.cost_model import DecodeCostModel
-from kvpool.serve.sim import DecodeEngine, SimConfig, simulate
-from kvpool.traces import synthesize, write_trace
+from kvpool.serve.sched.cost_model import DecodeCostModel
+from kvpool.serve.sched.sim.cluster import DecodeEngine, SimConfig, simulate
+from kvpool.workload.cachesim import trace_keys
+from kvpool.workload.traces import synthesize, write_trace
 
 KEYS = (
     "requests",
@@ -123,7 +123,7 @@ def test_cli_writes_json(tmp_path, trace) -> None:
 
 
 def test_sim_report_tables(tmp_path, trace) -> None:
-    from kvpool.serve.sim_report import markdown, run_all
+    from kvpool.serve.sched.sim.report import markdown, run_all
 
     path = tmp_path / "t.jsonl"
     write_trace(trace[0][:150], path)

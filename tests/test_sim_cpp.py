@@ -4,10 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.eviction.cachesim import trace_keys
-from kvpool.serve.cost_model import analytic_cluster
-from kvpool.serve.sim import SimConfig, simulate
-from kvpool.serve.sim_cpp import (
+from kvpool.serve.sched.cost_model import analytic_cluster
+from kvpool.serve.sched.sim.cluster import SimConfig, simulate
+from kvpool.serve.sched.sim.cpp import (
     CHUNK_OVERHEAD_S,
     CppCluster,
     cpp_seconds,
@@ -15,7 +14,8 @@ from kvpool.serve.sim_cpp import (
     tp_seconds,
     ttft_curve,
 )
-from kvpool.traces import synthesize
+from kvpool.workload.cachesim import trace_keys
+from kvpool.workload.traces import synthesize
 
 COST = analytic_cluster("llama2-70b")
 
@@ -65,7 +65,7 @@ def test_sim_cpp_group_pipelines_long_prompts() -> None:
 
 
 def test_choose_pipeline_rule() -> None:
-    from kvpool.serve.sim_cpp import choose_pipeline
+    from kvpool.serve.sched.sim.cpp import choose_pipeline
 
     assert not choose_pipeline(1.0, 0.5, 2.0, 1000, 16384)  # fits: never split
     assert choose_pipeline(3.0, 2.0, 2.0, 1000, 16384)  # misses the SLO, group faster

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from kvpool.cli import main
 from kvpool.index.keys import Namespace, block_keys
-from kvpool.traces import (
+from kvpool.workload.traces import (
     SynthConfig,
     TraceError,
     TraceRecord,

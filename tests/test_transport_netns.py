@@ -19,7 +19,7 @@ import pytest
 NODE = r"""
 import os, sys
 import numpy as np
-from kvpool.arena import SharedArena
+from kvpool.storage.arena import SharedArena
 from kvpool.transport.peers import expose_region
 arena = SharedArena(8 << 20)
 arena.view[:] = np.resize(np.arange(251, dtype=np.uint8), 8 << 20)

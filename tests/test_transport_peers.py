@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvpool.arena import SharedArena
+from kvpool.storage.arena import SharedArena
 from kvpool.transport.base import RegionInfo
 from kvpool.transport.peers import PeerTransports, advertised_host, expose_region
 

@@ -28,7 +28,7 @@ from functools import cache
 from typing import Any
 
 from kvpool.errors import BufferSpecError
-from kvpool.rpc_messages import WireMessage
+from kvpool.rpc.messages import WireMessage
 
 
 @cache

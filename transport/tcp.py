@@ -29,7 +29,7 @@ from kvpool.errors import (
     KVPoolError,
     PoolClosedError,
 )
-from kvpool.rpc_auth import resolve_token
+from kvpool.rpc.auth import resolve_token
 from kvpool.transport.base import RegionInfo, Transport, check_range
 from kvpool.transport.tcp_conn import DataConn
 

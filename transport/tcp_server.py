@@ -6,7 +6,7 @@ receives straight into the region with ``recv_into``. The server knows
 nothing about blocks: the master decides which ranges are valid to read or
 write; this server only refuses ranges outside the region.
 
-The token rule of ``kvpool.rpc_auth`` applies (a non-loopback bind needs a
+The token rule of ``kvpool.rpc.auth`` applies (a non-loopback bind needs a
 token; a wrong token is refused and logged).
 """
 
@@ -21,8 +21,8 @@ from typing import Any
 
 from kvpool.bindings.buffers import host_view
 from kvpool.errors import ConnectionLostError
-from kvpool.rpc_auth import check_bind, resolve_token, token_matches
-from kvpool.rpc_frame import linger_close, listen
+from kvpool.rpc.auth import check_bind, resolve_token, token_matches
+from kvpool.rpc.frame import linger_close, listen
 from kvpool.transport import tcp_wire as w
 
 log = logging.getLogger("kvpool.transport.tcp")

@@ -29,7 +29,7 @@ import socket
 import struct
 
 from kvpool.errors import ConnectionLostError
-from kvpool.rpc_frame import tune_socket
+from kvpool.rpc.frame import tune_socket
 
 MAGIC = b"KVDT"
 VERSION = 2

@@ -40,7 +40,7 @@ import numpy as np
 
 from kvpool.bindings.buffers import as_region, region_nbytes
 from kvpool.errors import CallTimeoutError, ConnectionLostError, HandshakeRefusedError
-from kvpool.rpc_auth import resolve_token
+from kvpool.rpc.auth import resolve_token
 from kvpool.transport.base import RegionInfo, Transport, UcxInfo, check_range, host_identity
 
 HELLO_TAG = 0x6B76706F6F6C  # "kvpool"

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.bindings.buffers import as_region, region_nbytes
-from kvpool.rpc_auth import check_bind, resolve_token, token_matches
+from kvpool.rpc.auth import check_bind, resolve_token, token_matches
 from kvpool.transport.base import UcxInfo
 from kvpool.transport.ucx import (
     HELLO_SIZE,

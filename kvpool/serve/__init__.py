@@ -1,15 +1,15 @@
-"""Reference serving runtime: a LLaMA-architecture model, prefill and decode workers.
+"""Reference serving runtime (``runtime/``, torch) and scheduler (``sched/``, torch-free).
 
-- ``presets``: model shapes (``tiny``, ``llama2-7b``, ``llama2-70b``) with KV
+- ``sched.presets``: model shapes (``tiny``, ``llama2-7b``, ``llama2-70b``) with KV
   layouts, namespaces and analytic FLOPs/bytes per token (no torch import, so
   the simulator and conductor can use it cheaply);
-- ``model``: the decoder (deterministic random weights) and the reference
+- ``runtime.model``: the decoder (deterministic random weights) and the reference
   ``generate``;
-- ``prefill``: ``PrefillWorker`` (cached prefix from the pool, chunked
+- ``runtime.prefill``: ``PrefillWorker`` (cached prefix from the pool, chunked
   compute, layer-wise store);
-- ``decode``: ``DecodeEngine`` (paged KV memory, continuous batching);
-- ``kv_io``: per-layer KV between torch tensors and the pool;
-- ``tokenizer``: byte-level tokenizer.
+- ``runtime.decode``: ``DecodeEngine`` (paged KV memory, continuous batching);
+- ``runtime.kv_io``: per-layer KV between torch tensors and the pool;
+- ``runtime.tokenizer``: byte-level tokenizer.
 
 The names below are imported lazily: ``import kvpool.serve`` alone does not
 import torch.
@@ -21,26 +21,26 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvpool.serve.decode import DecodeEngine, DecodeRequest, PagedKVCache, TokenEvent
-    from kvpool.serve.model import Transformer, build_model, generate
-    from kvpool.serve.prefill import PrefillResult, PrefillWorker
-    from kvpool.serve.presets import PRESETS, ModelConfig, get_preset
-    from kvpool.serve.tokenizer import ByteTokenizer
+    from kvpool.serve.runtime.decode import DecodeEngine, DecodeRequest, PagedKVCache, TokenEvent
+    from kvpool.serve.runtime.model import Transformer, build_model, generate
+    from kvpool.serve.runtime.prefill import PrefillResult, PrefillWorker
+    from kvpool.serve.runtime.tokenizer import ByteTokenizer
+    from kvpool.serve.sched.presets import PRESETS, ModelConfig, get_preset
 
 _HOME = {
-    "DecodeEngine": "decode",
-    "DecodeRequest": "decode",
-    "PagedKVCache": "decode",
-    "TokenEvent": "decode",
-    "Transformer": "model",
-    "build_model": "model",
-    "generate": "model",
-    "PrefillResult": "prefill",
-    "PrefillWorker": "prefill",
-    "PRESETS": "presets",
-    "ModelConfig": "presets",
-    "get_preset": "presets",
-    "ByteTokenizer": "tokenizer",
+    "DecodeEngine": "runtime.decode",
+    "DecodeRequest": "runtime.decode",
+    "PagedKVCache": "runtime.decode",
+    "TokenEvent": "runtime.decode",
+    "Transformer": "runtime.model",
+    "build_model": "runtime.model",
+    "generate": "runtime.model",
+    "PrefillResult": "runtime.prefill",
+    "PrefillWorker": "runtime.prefill",
+    "PRESETS": "sched.presets",
+    "ModelConfig": "sched.presets",
+    "get_preset": "sched.presets",
+    "ByteTokenizer": "runtime.tokenizer",
 }
 
 __all__ = [

@@ -1,0 +1,199 @@
+"""The store contract: what every kvpool store offers, embedded or distributed.
+
+``KVStore`` is the API an engine, the layer-wise writer/reader and the serving
+runtime program against. ``kvpool.Pool`` (embedded) and ``kvpool.RemotePool``
+(``kvpool.connect``) both implement it, and the contract test suite
+(tests/test_store_contract.py) runs the same cases on each store.
+
+Invariants every store keeps:
+
+- A block is visible (``get``, ``exists``, ``prefix_match``) only once it is
+  whole: ``put`` copies then commits, a ``BlockWriter`` commits explicitly.
+- Committed blocks are immutable: ``put`` of a stored key answers False and
+  changes nothing; ``reserve`` of a stored key answers None.
+- A miss is a value, never an exception: ``get``/``get_into`` answer None.
+- Bad input raises before anything changes (``kvpool.args`` holds the checks,
+  so both stores raise the same error types with the same messages).
+- Bytes leased by a ``Lease`` are neither evicted nor freed until it is
+  released, so a reader may take them piecewise.
+
+Buffers (``data``, ``out``) are anything ``kvpool.bindings.buffers.as_region``
+accepts: bytes, bytearray, memoryview, numpy arrays, torch tensors (CPU or
+CUDA), cupy arrays; contiguous.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+from kvpool.args import check_write_range
+from kvpool.bindings.buffers import Region, as_region, region_nbytes
+
+if TYPE_CHECKING:
+    from types import TracebackType
+
+    from kvpool.layerwise.reader import LayerReader
+    from kvpool.layerwise.writer import LayerWriter
+    from kvpool.layout import KVLayout
+
+#: A buffer kvpool reads from or writes into (see the module docstring).
+Buffer = Any
+
+
+class BlockWriter(ABC):
+    """A reserved block, invisible until ``commit``: fill its bytes in any order.
+
+    Returned by ``KVStore.reserve``. Leaving the ``with`` block commits; an
+    exception inside it aborts, so a failed producer never leaves a
+    half-written block visible. ``write`` checks the range against ``size``
+    before any byte moves; subclasses move the bytes (``_write``) and commit.
+    """
+
+    key: bytes
+    size: int
+
+    def write(self, offset: int, data: Buffer) -> None:
+        """Copy ``data`` into bytes [offset, offset + len(data)) of the block."""
+        src = as_region(data, what="data")
+        check_write_range(offset, region_nbytes(src), self.size)
+        self._write(offset, src)
+
+    @abstractmethod
+    def _write(self, offset: int, src: Region) -> None:
+        """Move ``src`` to [offset, offset + its size) of the reserved space."""
+
+    @abstractmethod
+    def commit(self) -> None:
+        """Make the block visible; the writer is finished afterwards."""
+
+    @abstractmethod
+    def abort(self) -> None:
+        """Give the space back; nothing becomes visible. Idempotent."""
+
+    def __enter__(self) -> BlockWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.commit()
+        else:
+            self.abort()
+
+
+class Lease(ABC):
+    """Blocks pinned by ``KVStore.lease``: safe to read piecewise until ``release``.
+
+    ``keys`` are the leased keys in order (the stored prefix of the keys asked
+    for); ``len(lease)`` their count. Releasing twice is harmless; leaving the
+    ``with`` block releases.
+    """
+
+    keys: list[bytes]
+
+    @abstractmethod
+    def release(self) -> None:
+        """Unpin every leased block. Idempotent."""
+
+    def __len__(self) -> int:
+        return len(self.keys)
+
+    def __enter__(self) -> Lease:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+@runtime_checkable
+class KVStore(Protocol):
+    """The public API of a kvpool store (see the module docstring for invariants)."""
+
+    def put(
+        self, key: bytes, data: Buffer, *, parent: bytes | None = None, replicas: int = 1
+    ) -> bool:
+        """Store ``data`` under ``key``; False if the key is already stored."""
+        ...
+
+    def put_batch(
+        self,
+        keys: Sequence[bytes],
+        datas: Sequence[Buffer],
+        parents: Sequence[bytes | None] | None = None,
+        *,
+        replicas: int = 1,
+    ) -> list[bool]:
+        """``put`` for each item; every argument is checked before any is stored."""
+        ...
+
+    def reserve(
+        self, key: bytes, size: int, *, parent: bytes | None = None, device: bool = False
+    ) -> BlockWriter | None:
+        """Reserve ``size`` bytes for ``key`` to fill piecewise; None if already stored."""
+        ...
+
+    def get(self, key: bytes) -> bytes | None:
+        """A copy of the block's bytes, or None on a miss."""
+        ...
+
+    def get_into(
+        self, key: bytes, out: Buffer, *, offset: int = 0, length: int | None = None
+    ) -> int | None:
+        """Copy the block (or bytes [offset, offset+length)) into ``out``; None on a miss."""
+        ...
+
+    def get_into_batch(self, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[int | None]:
+        """``get_into`` for each pair; every argument is checked first."""
+        ...
+
+    def exists(self, keys: Sequence[bytes]) -> list[bool]:
+        """For each key, whether a committed block is stored under it."""
+        ...
+
+    def prefix_match(self, keys: Sequence[bytes]) -> int:
+        """Number of leading ``keys`` stored (the reusable prefix, in blocks)."""
+        ...
+
+    def remove(self, key: bytes) -> bool:
+        """Forget the block; False if it was not stored."""
+        ...
+
+    def lease(self, keys: Sequence[bytes]) -> Lease:
+        """Pin the longest stored prefix of ``keys`` until the lease is released."""
+        ...
+
+    def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
+        """Node ids holding each key (empty where the key is not stored)."""
+        ...
+
+    def replicate(self, keys: Sequence[bytes], node: str | None = None) -> int:
+        """Add extra replicas of stored blocks; how many were added."""
+        ...
+
+    def layer_writer(
+        self,
+        keys: Sequence[bytes],
+        layout: KVLayout,
+        parents: Sequence[bytes | None] | None = None,
+        **options: Any,
+    ) -> LayerWriter:
+        """Store ``keys``' KV layer by layer in the background (``kvpool.layerwise``)."""
+        ...
+
+    def layer_reader(self, keys: Sequence[bytes], layout: KVLayout, **options: Any) -> LayerReader:
+        """Load the stored prefix of ``keys`` layer by layer (``kvpool.layerwise``)."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Counters and capacity, as plain data."""
+        ...
+
+    def close(self) -> None:
+        """Release everything the store holds. Idempotent."""
+        ...

@@ -1,0 +1,211 @@
+"""Every argument check kvpool shares, in one place.
+
+Two kinds live here:
+
+- **Store checks** (``check_key``, ``check_batch``, ``check_reserve_size``,
+  ``check_read_range``, ``check_write_range``, ``data_region``, ``out_region``):
+  the embedded pool and the cluster client call the same functions, so the
+  same bad input raises the same error type with the same message on both
+  stores. Each raises before any state changes.
+- **Command-line types** (``size_arg``, ``sizes_arg``, ``address_arg``,
+  ``pool_url_arg``, ``positive_int``, ...): argparse ``type=`` callables
+  that parse sizes, addresses and URLs once and turn a bad value into
+  argparse's one-line usage error (exit status 2), never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from kvpool.bindings.buffers import Region, as_region, region_nbytes
+from kvpool.config import parse_size
+from kvpool.errors import BufferSpecError, InvalidKeyError
+from kvpool.index.keys import KEY_BYTES
+
+# -- store checks -------------------------------------------------------------
+
+
+def check_key(key: object, what: str = "key") -> None:
+    if not isinstance(key, bytes):
+        raise InvalidKeyError(
+            f"{what} must be bytes of length {KEY_BYTES} (from kvpool.block_keys), "
+            f"got {type(key).__name__}"
+        )
+    if len(key) != KEY_BYTES:
+        raise InvalidKeyError(f"{what} must be exactly {KEY_BYTES} bytes, got {len(key)}")
+
+
+def check_parent(parent: object) -> None:
+    if parent is not None:
+        check_key(parent, what="parent")
+
+
+def check_keys(keys: Sequence[bytes], parents: Sequence[bytes | None] | None = None) -> None:
+    for key in keys:
+        check_key(key)
+    for parent in parents or ():
+        check_parent(parent)
+
+
+def data_region(data: Any) -> Region:
+    """The readable region of a value to store; a block has at least one byte."""
+    src = as_region(data, what="data")
+    if region_nbytes(src) == 0:
+        raise BufferSpecError("data is empty; a block must have at least one byte")
+    return src
+
+
+def out_region(out: Any) -> Region:
+    """The writable region of a destination buffer."""
+    return as_region(out, writable=True, what="out")
+
+
+def check_batch(
+    keys: Sequence[bytes],
+    values: Sequence[Any],
+    parents: Sequence[bytes | None] | None = None,
+    *,
+    what: str = "datas",
+) -> list[bytes | None]:
+    """Check a batch's lengths and keys; returns ``parents`` as a list (None-filled)."""
+    filled: list[bytes | None] = list(parents) if parents is not None else [None] * len(keys)
+    if not len(keys) == len(values) == len(filled):
+        names = f"keys, {what} and parents" if parents is not None else f"keys and {what}"
+        raise ValueError(
+            f"{names} must have the same length, got {len(keys)}, {len(values)}"
+            + (f" and {len(filled)}" if parents is not None else "")
+        )
+    check_keys(keys, filled)
+    return filled
+
+
+def check_reserve_size(size: object) -> int:
+    if isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+        raise BufferSpecError(f"size must be a positive int, got {size!r}")
+    return size
+
+
+def check_read_range(offset: object, length: object) -> None:
+    """A ranged read's arguments (the block's size is checked by the store)."""
+    if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
+        raise BufferSpecError(f"bad range: offset must be an int >= 0, got {offset!r}")
+    if length is not None and (
+        isinstance(length, bool) or not isinstance(length, int) or length <= 0
+    ):
+        raise BufferSpecError(f"bad range: length must be a positive int or None, got {length!r}")
+
+
+def check_write_range(offset: int, nbytes: int, size: int) -> None:
+    """A piecewise write of ``nbytes`` at ``offset`` must lie inside a block of ``size``."""
+    end = offset + nbytes
+    if offset < 0 or end > size:
+        raise BufferSpecError(f"write of [{offset}, {end}) is outside the block of {size}")
+
+
+def block_range(offset: int, length: int | None, size: int) -> int:
+    """Bytes a read of [offset, offset+length) takes from a block of ``size``.
+
+    ``length=None`` means to the end of the block. A range past the block's
+    end is a caller error (BufferSpecError), not a miss."""
+    if offset > size or (offset == size and length is not None):
+        raise BufferSpecError(f"offset {offset} is past the end of the {size}-byte block")
+    take = size - offset if length is None else length
+    if offset + take > size:
+        raise BufferSpecError(
+            f"range [{offset}, {offset + take}) is outside the block of {size} bytes"
+        )
+    return take
+
+
+# -- command-line types ---------------------------------------------------------
+
+
+def _argtype(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    convert.__name__ = name  # argparse names the type in its messages
+    return convert
+
+
+def _size(text: str) -> int:
+    n = parse_size(text)
+    if n <= 0:
+        raise ValueError(f"a size must be positive, got {text!r}")
+    return n
+
+
+def _size_or_zero(text: str) -> int:
+    return parse_size(text)
+
+
+def _sizes(text: str) -> list[int]:
+    sizes = [_size(part) for part in text.split(",") if part.strip()]
+    if not sizes:
+        raise ValueError(f"expected a comma-separated list of sizes, got {text!r}")
+    return sizes
+
+
+def parse_address(address: str | tuple[str, int]) -> tuple[str, int]:
+    """``"host:port"``, ``"kvpool://host:port"`` or a tuple -> (host, port)."""
+    if isinstance(address, tuple):
+        return address[0], int(address[1])
+    addr = address.removeprefix("kvpool://").rstrip("/")
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"address must be HOST:PORT, got {address!r}")
+    return host.strip("[]"), int(port)
+
+
+def _pool_url(text: str) -> str:
+    if "://" in text and not text.startswith("kvpool://"):
+        raise ValueError(f"expected kvpool://HOST:PORT, got {text!r}")
+    host, port = parse_address(text)
+    return f"kvpool://{host}:{port}"
+
+
+def _positive_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"expected a positive integer, got {text!r}") from None
+    if n <= 0:
+        raise ValueError(f"expected a positive integer, got {text!r}")
+    return n
+
+
+def _non_negative_int(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise ValueError(f"expected an integer >= 0, got {text!r}") from None
+    if n < 0:
+        raise ValueError(f"expected an integer >= 0, got {text!r}")
+    return n
+
+
+def _port(text: str) -> int:
+    n = _non_negative_int(text)
+    if n > 65535:
+        raise ValueError(f"a port is 0-65535, got {text!r}")
+    return n
+
+
+#: "4GiB", "512MiB", "4096" -> bytes (> 0).
+size_arg = _argtype("size", _size)
+#: Like ``size_arg`` but 0 is allowed (a capacity that can be off).
+size_or_zero_arg = _argtype("size", _size_or_zero)
+#: "64KiB,1MiB" -> [65536, 1048576].
+sizes_arg = _argtype("sizes", _sizes)
+#: "host:port" -> (host, port).
+address_arg = _argtype("address", parse_address)
+#: "kvpool://host:port" or "host:port" -> "kvpool://host:port".
+pool_url_arg = _argtype("pool URL", _pool_url)
+positive_int = _argtype("positive int", _positive_int)
+non_negative_int = _argtype("int >= 0", _non_negative_int)
+port_arg = _argtype("port", _port)

@@ -1,0 +1,233 @@
+"""The distributed put: allocate (or use a grant), write to the nodes, commit.
+
+Two-phase by design: bytes land in an allocated range first, then the master
+makes the key visible (``COMMIT``); a write that fails is revoked, so a block
+is never visible half-written. Allocation costs a master round trip unless a
+*grant* (space reserved earlier with no key, kvpool.cluster.client.grants) is in stock:
+then a put is write + one commit round trip, which the key binding rides on.
+
+Invariants:
+- a key's bytes are written before its commit is sent; a failed write's
+  allocation or grant is revoked, never committed;
+- a grant the master no longer knows at commit (expired, master restarted),
+  and any block whose write failed (its node died or restarted), is retried
+  once the classic way (allocate, write, commit: the master places it on a
+  live node); only then does ``put`` answer False for it;
+- puts with ``replicas`` > 1 always allocate (grants are single placements).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Sequence
+from concurrent.futures import Future
+from typing import TYPE_CHECKING, Any
+
+from kvpool.bindings.buffers import Region, region_nbytes
+from kvpool.cluster.client.grants import Grant, GrantStock, use_window
+from kvpool.cluster.wire import (
+    ALLOCATE,
+    COMMIT,
+    REVOKE,
+    AllocateReply,
+    AllocateRequest,
+    CommitRequest,
+    IdsRequest,
+)
+from kvpool.errors import KVPoolError
+
+if TYPE_CHECKING:
+    from kvpool.cluster.client.remote_pool import RemotePool
+
+WRITE_ERRORS = (ConnectionError, TimeoutError, OSError)
+
+# (index into the batch, allocation or grant id, offset) per node
+Writes = dict[str, list[tuple[int, int, int]]]
+
+
+class RemotePutter:
+    """Runs puts for one RemotePool and keeps its stock of grants."""
+
+    def __init__(self, pool: RemotePool, grant_bytes: int) -> None:
+        self._pool = pool
+        self.grants = GrantStock(grant_bytes)
+
+    def put_once(
+        self,
+        keys: Sequence[bytes],
+        regions: Sequence[Region],
+        parents: Sequence[bytes | None],
+        replicas: int,
+        use_grants: bool = True,
+        again: bool = True,
+    ) -> tuple[list[bool], list[int], str]:
+        """(stored per key, indices that found no room, the master's reason).
+
+        ``again``: retry, once and without grants, what this pass could not
+        finish (a forgotten grant, or a write whose node failed).
+        """
+        sizes = [region_nbytes(r) for r in regions]
+        use_grants = use_grants and replicas == 1 and self.grants.budget_bytes > 0
+        writes: Writes = {}
+        granted: set[int] = set()
+        rest = []
+        for i, size in enumerate(sizes):
+            grant = self._take(size) if use_grants else None
+            if grant is None:
+                rest.append(i)
+            else:
+                granted.add(i)
+                writes.setdefault(grant.node_id, []).append((i, grant.alloc_id, grant.offset))
+        full: list[int] = []
+        error = ""
+        if rest:
+            full, error = self._allocate(keys, sizes, parents, replicas, rest, use_grants, writes)
+        written, lost = self._write(writes, regions)
+        stored = [False] * len(keys)
+        retry = self._commit(keys, parents, written, granted, stored) + lost
+        if use_grants and not rest:  # after the commit: the master is not kept from it
+            self._top_up(sizes[0])
+        if retry and again:
+            redone, still, error2 = self.put_once(
+                [keys[i] for i in retry],
+                [regions[i] for i in retry],
+                [parents[i] for i in retry],
+                replicas,
+                use_grants=False,
+                again=False,
+            )
+            for i, ok in zip(retry, redone, strict=True):
+                stored[i] = ok
+            full += [retry[j] for j in still]
+            error = error or error2
+        return stored, full, error
+
+    def forget_node(self, node_id: str) -> None:
+        """The node's region changed or failed: its grants are useless now (the
+        janitor revokes them: this may run on the RPC reader thread)."""
+        self.grants.forget_node(node_id)
+
+    def revoke_stale(self) -> None:
+        self._revoke(self.grants.stale())
+
+    def close(self) -> None:
+        self._revoke(self.grants.drain())
+
+    # -- helpers --------------------------------------------------------------------
+
+    def _take(self, size: int) -> Grant | None:
+        """A grant whose node still has the region it was granted in."""
+        regions = self._pool._regions
+        while (grant := self.grants.take(size)) is not None:
+            if regions.get(grant.node_id) == grant.region:
+                return grant
+            self._revoke([grant.alloc_id])
+        return None
+
+    def _allocate(
+        self,
+        keys: Sequence[bytes],
+        sizes: list[int],
+        parents: Sequence[bytes | None],
+        replicas: int,
+        rest: list[int],
+        use_grants: bool,
+        writes: Writes,
+    ) -> tuple[list[int], str]:
+        """Allocate ``rest`` (asking for spare grants on the way); adds to ``writes``."""
+        spare_size = sizes[rest[0]]
+        spare = self.grants.wants_refill(spare_size) if use_grants else 0
+        request = AllocateRequest(
+            [keys[i] for i in rest],
+            [sizes[i] for i in rest],
+            [parents[i] for i in rest],
+            replicas,
+            spare=spare,
+            spare_size=spare_size if spare else 0,
+        )
+        reply = self._pool._rpc.call(ALLOCATE, request, response_type=AllocateReply)
+        self._absorb_reply(spare_size, reply)
+        for i, placements in zip(rest, reply.placements, strict=True):
+            for alloc_id, node_id, offset in placements or ():
+                writes.setdefault(node_id, []).append((i, alloc_id, offset))
+        return [rest[j] for j in reply.full], reply.error
+
+    def _top_up(self, size: int) -> None:
+        """Ask for more grants of ``size`` without waiting, when the stock runs low."""
+        want = self.grants.wants_refill(size)
+        if not want:
+            return
+        request = AllocateRequest([], [], [], spare=want, spare_size=size)
+        try:
+            fut = self._pool._rpc.submit(ALLOCATE, request)
+        except KVPoolError:
+            return  # the next put allocates the classic way
+        self.grants.refilling(size, fut, lambda f: self._refilled(size, f))
+
+    def _refilled(self, size: int, fut: Future[Any]) -> None:
+        """Runs on the RPC reader thread: stock the grants (cheap, no calls)."""
+        reply = None
+        with contextlib.suppress(Exception):
+            reply = AllocateReply.from_dict(fut.result(timeout=0))
+        if reply is None:
+            self.grants.add(size, [], fut)
+        else:
+            self._absorb_reply(size, reply, fut)
+
+    def _absorb_reply(
+        self, size: int, reply: AllocateReply, fut: Future[Any] | None = None
+    ) -> None:
+        self._pool._learn(reply.nodes)
+        expires = time.monotonic() + use_window(reply.spare_ttl)
+        regions = self._pool._regions
+        grants = [Grant(a, n, o, regions.get(n), expires) for a, n, o in reply.spares]
+        self.grants.add(size, grants, fut)
+
+    def _write(
+        self, writes: Writes, regions: Sequence[Region]
+    ) -> tuple[list[tuple[int, int, int]], list[int]]:
+        """Write every block (one pipelined exchange per node): (what was written,
+        indices whose write failed; their allocations are revoked)."""
+        written, failed, lost = [], [], []
+        for node_id, items in writes.items():
+            try:
+                transport = self._pool._transport(node_id)
+                transport.write_many([(off, regions[i]) for i, _, off in items])
+                written += items
+            except WRITE_ERRORS:
+                failed += [alloc_id for _, alloc_id, _ in items]
+                lost += [i for i, _, _ in items]
+                self.forget_node(node_id)
+        self._revoke(failed)
+        return written, lost
+
+    def _commit(
+        self,
+        keys: Sequence[bytes],
+        parents: Sequence[bytes | None],
+        written: list[tuple[int, int, int]],
+        granted: set[int],
+        stored: list[bool],
+    ) -> list[int]:
+        """Commit what was written; fills ``stored``; returns grant indices to retry."""
+        if not written:
+            return []
+        ids = [alloc_id for _, alloc_id, _ in written]
+        request = CommitRequest(ids)
+        if granted:
+            request.keys = [keys[i] if i in granted else None for i, _, _ in written]
+            request.parents = [parents[i] if i in granted else None for i, _, _ in written]
+        done = self._pool._rpc.call(COMMIT, request)
+        retry = []
+        for (i, _, _), ok in zip(written, done, strict=True):
+            if ok is None and i in granted:
+                retry.append(i)
+            else:
+                stored[i] = stored[i] or bool(ok)
+        return retry
+
+    def _revoke(self, ids: list[int]) -> None:
+        if ids:
+            with contextlib.suppress(KVPoolError):
+                self._pool._rpc.submit(REVOKE, IdsRequest(ids))

@@ -1,0 +1,135 @@
+"""``kvpool master`` and ``kvpool node``: run the cluster's servers in the foreground.
+
+Both stop cleanly on SIGINT/SIGTERM (the node unlinks its shared memory).
+Binding to anything but loopback requires a shared token (``--token`` or
+``KVPOOL_TOKEN``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import threading
+from typing import Any
+
+from kvpool.args import address_arg, port_arg, positive_int, size_arg, size_or_zero_arg
+
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+
+
+def register(subparsers: Any) -> None:
+    master = subparsers.add_parser("master", help="run the metadata server")
+    master.add_argument("--host", default="127.0.0.1")
+    master.add_argument("--port", type=port_arg, default=7480)
+    master.add_argument("--token", default=None, help="shared token (default $KVPOOL_TOKEN)")
+    master.add_argument("--policy", default="lru", help="eviction policy for every node")
+    master.add_argument("--node-ttl", type=float, default=5.0, help="seconds without heartbeat")
+    master.add_argument("--lease-ttl", type=float, default=30.0)
+    master.add_argument("--metrics-port", type=port_arg, default=None, help="serve /metrics here")
+    master.add_argument(
+        "--hot-reads",
+        type=float,
+        default=8.0,
+        help="decayed reads that earn a block one more replica",
+    )
+    master.add_argument(
+        "--cool-reads", type=float, default=2.0, help="below this a block loses its extra replicas"
+    )
+    master.add_argument("--half-life", type=float, default=10.0, help="read-heat half-life (s)")
+    master.add_argument("--max-replicas", type=positive_int, default=3)
+    master.add_argument("--no-auto-replicate", action="store_true")
+    master.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    master.set_defaults(func=_run_master)
+
+    node = subparsers.add_parser("node", help="contribute DRAM to a pool and serve it")
+    node.add_argument("--master", required=True, type=address_arg, help="HOST:PORT of the master")
+    node.add_argument("--dram", type=size_arg, default="1GiB", help="arena size, e.g. 4GiB")
+    node.add_argument("--ssd", default=None, metavar="DIR", help="directory of the SSD tier")
+    node.add_argument(
+        "--ssd-size", type=size_or_zero_arg, default="0", help="SSD tier size, e.g. 50GiB"
+    )
+    node.add_argument("--host", default="127.0.0.1", help="address of the TCP data server")
+    node.add_argument("--data-port", type=port_arg, default=0)
+    node.add_argument("--token", default=None, help="shared token (default $KVPOOL_TOKEN)")
+    node.add_argument("--node-id", default=None)
+    node.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    node.add_argument("--metrics-port", type=port_arg, default=None, help="serve /metrics here")
+    node.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
+    node.set_defaults(func=_run_node)
+
+
+def _run_master(args: argparse.Namespace) -> int:
+    from kvpool.cluster.master import Master, MasterConfig
+    from kvpool.index.heat import ReplicationConfig
+
+    _logging(args.log_level)
+    replication = ReplicationConfig(
+        hot_reads=args.hot_reads,
+        cool_reads=args.cool_reads,
+        half_life_s=args.half_life,
+        max_replicas=args.max_replicas,
+        enabled=not args.no_auto_replicate,
+    )
+    config = MasterConfig(
+        host=args.host,
+        port=args.port,
+        token=args.token,
+        policy=args.policy,
+        node_ttl=args.node_ttl,
+        lease_ttl=args.lease_ttl,
+        metrics_port=args.metrics_port,
+        replication=replication,
+    )
+    master = Master(config)
+    host, port = master.start()
+    logging.getLogger("kvpool.cluster.master").info(
+        "master listening on %s:%d (metrics port %s)", host, port, master.metrics_port
+    )
+    print(f"kvpool master ready on {host}:{port} (metrics port {master.metrics_port})", flush=True)
+    _wait_for_signal()
+    master.close()
+    return 0
+
+
+def _run_node(args: argparse.Namespace) -> int:
+    from kvpool.cluster.node import NodeConfig, StorageNode
+
+    _logging(args.log_level)
+    config = NodeConfig(
+        master=args.master,
+        dram_bytes=args.dram,
+        host=args.host,
+        data_port=args.data_port,
+        token=args.token,
+        node_id=args.node_id,
+        heartbeat_interval=args.heartbeat,
+        metrics_port=args.metrics_port,
+        ssd_path=args.ssd,
+        ssd_bytes=args.ssd_size if args.ssd else 0,
+    )
+    node = StorageNode(config)
+    node.start()
+    host, port = node.exposed.tcp.address
+    print(
+        f"kvpool node {node.node_id} serving {node.arena.size} bytes on {host}:{port} "
+        f"(shm {node.arena.name}, metrics port {node.metrics_port})",
+        flush=True,
+    )
+    _wait_for_signal()
+    node.close()
+    return 0
+
+
+def _wait_for_signal() -> None:
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    while not stop.wait(1.0):
+        pass
+
+
+def _logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s"
+    )

@@ -1,0 +1,235 @@
+"""LayerReader: load a cached prefix layer by layer, one layer ahead of its use.
+
+    with pool.layer_reader(keys, layout) as reader:
+        n = reader.num_blocks                  # the leased (stored) prefix of keys
+        for layer in range(layout.num_layers):
+            k, v = reader.wait_layer(layer)    # layer+1 loads while this one is used
+            attend(layer, k, v)                # [n*block_tokens, kv_heads, head_dim]
+
+The reader leases the longest stored prefix of ``keys`` (``Pool.lease``), so
+no block can be evicted or moved while it is read piecewise, and starts a
+background thread that loads layer 0 at once. ``wait_layer(l)`` lets it run
+``depth`` layers past ``l`` (default 1) and blocks until ``l`` is loaded.
+Each layer is one ``get_into(key, ..., offset=, length=)`` per block for K
+and one for V, so the same code serves the embedded pool and the distributed
+client.
+
+Where the bytes land:
+- ``out=None``: the reader's own host buffers (one allocation for every
+  layer, so returned views stay valid after later layers load and after
+  ``close``); numpy arrays by default (bfloat16 shows as raw ``uint16``,
+  float8 as ``uint8``), torch tensors of the real dtype with ``torch=True``.
+- ``out=[(k0, v0), (k1, v1), ...]``: one caller buffer pair per layer
+  (numpy, torch CPU/CUDA, cupy), each at least ``num_blocks*half_layer_bytes``
+  bytes. ``wait_layer`` returns them, cut to the leased tokens when their
+  first dimension allows.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from kvpool.bindings.buffers import Region, region_is_device
+from kvpool.errors import KVPoolError
+from kvpool.layerwise.common import (
+    LayerTransferError,
+    SideStream,
+    check_keys,
+    check_layer,
+    check_layout,
+    layer_region,
+)
+from kvpool.layout import KVLayout
+
+_NUMPY_DTYPES = {
+    "float32": np.float32,
+    "float16": np.float16,
+    "bfloat16": np.uint16,  # raw bits: numpy has no bfloat16
+    "float8_e4m3fn": np.uint8,
+    "float8_e5m2": np.uint8,
+    "int8": np.int8,
+    "uint8": np.uint8,
+}
+
+
+class LayerReader:
+    """Loads the stored prefix of ``keys`` layer by layer in the background."""
+
+    def __init__(
+        self,
+        pool: Any,
+        keys: Sequence[bytes],
+        layout: KVLayout,
+        out: Sequence[tuple[Any, Any]] | None = None,
+        *,
+        depth: int = 1,
+        torch: bool = False,
+    ) -> None:
+        self.layout = check_layout(layout)
+        keys = check_keys(keys)
+        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
+            raise ValueError(f"depth must be an int >= 0, got {depth!r}")
+        if out is not None:
+            out = list(out)
+            if len(out) != layout.num_layers or not all(
+                isinstance(p, tuple | list) and len(p) == 2 for p in out
+            ):
+                raise ValueError(f"out must hold one (k, v) pair per layer ({layout.num_layers})")
+        self._depth = depth
+        self._lease = pool.lease(keys)
+        try:
+            self.keys: list[bytes] = list(self._lease.keys)
+            self._nbytes = len(self.keys) * layout.half_layer_bytes
+            self._views, self._regions = self._buffers(out, torch)
+        except BaseException:
+            self._lease.release()
+            raise
+        self._pool = pool
+        self._cond = threading.Condition()
+        self._loaded = 0  # layers 0 .. _loaded-1 are in place
+        self._horizon = max(depth, 1) - 1  # the loader may load layers <= this
+        self._error: BaseException | None = None
+        self._closed = False
+        self._side = SideStream()
+        self._thread: threading.Thread | None = None
+        if self.keys:
+            self._thread = threading.Thread(target=self._run, name="kvpool-layer-reader")
+            self._thread.daemon = True
+            self._thread.start()
+        else:
+            self._loaded = layout.num_layers
+
+    # -- public API -------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks leased and read: the stored prefix of the keys given."""
+        return len(self.keys)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.keys) * self.layout.block_tokens
+
+    def layer_ready(self, layer: int) -> bool:
+        """True when ``layer`` is loaded (``wait_layer`` would not block)."""
+        with self._cond:
+            return check_layer(layer, self.layout) < self._loaded
+
+    def wait_layer(self, layer: int) -> tuple[Any, Any]:
+        """Block until ``layer`` is loaded; its (K, V) across the leased blocks.
+
+        Raises ``LayerTransferError`` if loading failed (the lease is then
+        released) and ``KVPoolError`` after ``close``.
+        """
+        layer = check_layer(layer, self.layout)
+        with self._cond:
+            if layer + self._depth > self._horizon:
+                self._horizon = layer + self._depth
+                self._cond.notify_all()
+            self._cond.wait_for(
+                lambda: layer < self._loaded or self._error is not None or self._closed
+            )
+            if layer < self._loaded:
+                return self._views[layer]
+            error = self._error
+        if error is not None:
+            self.close()
+            raise LayerTransferError(f"loading layer {layer} failed: {error}") from error
+        raise KVPoolError("wait_layer on a closed layer reader")
+
+    def close(self) -> None:
+        """Stop loading and release the lease. Loaded views stay valid. Idempotent."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join()
+        self._lease.release()
+
+    def __enter__(self) -> LayerReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- buffers ----------------------------------------------------------
+
+    def _buffers(
+        self, out: list[Any] | None, as_torch: bool
+    ) -> tuple[list[tuple[Any, Any]], list[tuple[Region, Region]]]:
+        layout, nbytes = self.layout, self._nbytes
+        if out is not None:
+            regions = [
+                (
+                    layer_region(k, nbytes, f"out[{layer}] k", writable=True),
+                    layer_region(v, nbytes, f"out[{layer}] v", writable=True),
+                )
+                for layer, (k, v) in enumerate(out)
+            ]
+            return [(_leading(k, nbytes), _leading(v, nbytes)) for k, v in out], regions
+        own = np.empty(2 * layout.num_layers * nbytes, np.uint8)
+        halves = [own[i * nbytes : (i + 1) * nbytes] for i in range(2 * layout.num_layers)]
+        regions = list(zip(halves[0::2], halves[1::2], strict=True))
+        shape = (len(self.keys) * layout.block_tokens, layout.num_kv_heads, layout.head_dim)
+        if as_torch:
+            import torch
+
+            dtype = getattr(torch, layout.dtype)
+            views = [
+                tuple(torch.from_numpy(h).view(dtype).reshape(shape) for h in pair)
+                for pair in regions
+            ]
+        else:
+            dtype = _NUMPY_DTYPES[layout.dtype]
+            views = [tuple(h.view(dtype).reshape(shape) for h in pair) for pair in regions]
+        return views, regions  # type: ignore[return-value]
+
+    # -- background -------------------------------------------------------
+
+    def _run(self) -> None:
+        layout = self.layout
+        half, layer_bytes = layout.half_layer_bytes, layout.layer_bytes
+        for layer in range(layout.num_layers):
+            with self._cond:
+                while layer > self._horizon and not self._closed:
+                    self._cond.wait()
+                if self._closed:
+                    return
+            k_region, v_region = self._regions[layer]
+            try:
+                with self._side.enter(k_region if region_is_device(k_region) else v_region, None):
+                    for i, key in enumerate(self.keys):
+                        lo, hi = i * half, (i + 1) * half
+                        for region, start in ((k_region, 0), (v_region, half)):
+                            got = self._pool.get_into(
+                                key, region[lo:hi], offset=layer * layer_bytes + start, length=half
+                            )
+                            if got != half:
+                                raise KVPoolError(
+                                    f"leased block {key.hex()} returned {got} bytes of layer "
+                                    f"{layer}, expected {half}"
+                                )
+            except BaseException as exc:
+                with self._cond:
+                    self._error = exc
+                    self._cond.notify_all()
+                return
+            with self._cond:
+                self._loaded = layer + 1
+                self._cond.notify_all()
+
+
+def _leading(obj: Any, nbytes: int) -> Any:
+    """``obj`` cut along its first dimension to ``nbytes`` when that is exact."""
+    total = getattr(obj, "nbytes", None)
+    shape = getattr(obj, "shape", None)
+    if total is None or not shape or total == nbytes or shape[0] == 0:
+        return obj
+    row = int(total) // int(shape[0])
+    if row and int(total) % int(shape[0]) == 0 and nbytes % row == 0:
+        return obj[: nbytes // row]
+    return obj

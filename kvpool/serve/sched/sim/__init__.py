@@ -1,0 +1,1 @@
+"""Discrete-event simulation of a disaggregated cluster serving a trace."""

@@ -1,0 +1,71 @@
+"""Memory tiers: the DRAM arena and GPU memory, each carved by an ExtentAllocator.
+
+A memory tier owns one contiguous backing buffer for its whole life and only
+hands out slices of it, so a put never allocates from the heap.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvpool.bindings.buffers import Region, region_nbytes
+from kvpool.errors import TierUnavailableError
+from kvpool.eviction import EvictionPolicy
+from kvpool.storage.allocator import ExtentAllocator
+from kvpool.storage.arena import SharedArena
+
+
+class MemoryTier:
+    """A fixed buffer (numpy view of host memory, or a CUDA uint8 tensor) plus allocator."""
+
+    def __init__(self, name: str, buffer: Region, policy: EvictionPolicy, alignment: int) -> None:
+        self.name = name
+        self.buffer = buffer
+        self.policy = policy
+        self.allocator = ExtentAllocator(region_nbytes(buffer), alignment)
+        self.capacity = self.allocator.capacity
+
+    def region(self, offset: int, size: int) -> Region:
+        """Zero-copy slice [offset, offset+size) of the backing buffer."""
+        return self.buffer[offset : offset + size]
+
+    def fits(self, size: int) -> bool:
+        return self.allocator.round_up(size) <= self.capacity
+
+    def free(self, offset: int) -> None:
+        self.allocator.free(offset)
+
+    def close(self) -> None:
+        self.buffer = self.buffer[:0]
+
+
+class DramTier(MemoryTier):
+    """The pool's main tier: a pre-faulted shared-memory arena (page-locked under CUDA)."""
+
+    def __init__(self, size: int, policy: EvictionPolicy, alignment: int) -> None:
+        self.arena = SharedArena(size)
+        super().__init__("dram", self.arena.view, policy, alignment)
+
+    def close(self) -> None:
+        super().close()
+        self.arena.close()
+
+
+class GpuTier(MemoryTier):
+    """Device memory on the current CUDA device; only where CUDA is present."""
+
+    def __init__(self, size: int, policy: EvictionPolicy, alignment: int) -> None:
+        super().__init__("gpu", _cuda_buffer(size), policy, alignment)
+
+
+def _cuda_buffer(size: int) -> Any:
+    try:
+        import torch
+    except ImportError:
+        torch = None  # type: ignore[assignment]
+    if torch is None or not torch.cuda.is_available():
+        raise TierUnavailableError(
+            f"gpu_bytes={size} asks for a GPU tier, but CUDA is not available here "
+            "(torch.cuda.is_available() is False); pass gpu_bytes=0"
+        )
+    return torch.empty(size, dtype=torch.uint8, device="cuda")

@@ -1,1 +1,0 @@
-"""Storage tiers of one node: GPU memory, the DRAM arena, the SSD directory."""
