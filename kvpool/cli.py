@@ -33,10 +33,10 @@ SUBCOMMANDS: list[str] = [
     "kvpool.bench.cli",
     "kvpool.workload.trace_cli",
     "kvpool.workload.cachesim_cli",
-    "kvpool.serve.sched.sim.cluster",
+    "kvpool.serve.sched.sim.cli",
     "kvpool.serve.runtime.calibrate",
     "kvpool.serve.sched.replay",
-    "kvpool.serve.sched.sim.cpp",
+    "kvpool.serve.sched.sim.cpp_cli",
     "kvpool.serve.sched.plan",
 ]
 

@@ -6,21 +6,33 @@ import random
 
 import pytest
 
-from kvpool.serve.sched.conductor import (
-    SLO,
+from kvpool.serve.sched.admission import (
     AdmissionState,
-    Conductor,
     DecodeLoadPredictor,
-    WorkerView,
     admit_decode,
     decode_capacity,
     normalize_rejection,
+)
+from kvpool.serve.sched.conductor import (
+    SLO,
+    Conductor,
+    WorkerView,
     prefix_by_node,
     route_cache_only,
     route_least_loaded,
     route_random,
 )
+from kvpool.serve.sched.conductor_router import ConductorRouter
 from kvpool.serve.sched.cost_model import DecodeCostModel, PrefillCostModel, TransferModel
+from kvpool.serve.sched.router_api import (
+    DECODE,
+    PREFILL,
+    Observation,
+    Router,
+    RouterContext,
+    WorkerState,
+)
+from kvpool.serve.sched.routing import make_router
 
 BT = 100
 
@@ -168,9 +180,6 @@ def test_prefix_by_node() -> None:
 
 
 def test_router_protocol_with_fake_pool() -> None:
-    routing = pytest.importorskip("kvpool.serve.sched.routing")
-    from kvpool.serve.sched.conductor import ConductorRouter
-
     class FakePool:
         def __init__(self) -> None:
             self.replicated: list[tuple[int, str | None]] = []
@@ -186,12 +195,12 @@ def test_router_protocol_with_fake_pool() -> None:
     router = ConductorRouter(make(0.8), pool=pool, rejection="predicted")
     router.node_of.update({"pa": "na", "pb": "nb"})
     ws = [
-        routing.WorkerState("pa", routing.PREFILL),
-        routing.WorkerState("pb", routing.PREFILL, queued_requests=3, queued_tokens=3000),
-        routing.WorkerState("d0", routing.DECODE, running=2),
-        routing.WorkerState("d1", routing.DECODE, running=0),
+        WorkerState("pa", PREFILL),
+        WorkerState("pb", PREFILL, queued_requests=3, queued_tokens=3000),
+        WorkerState("d0", DECODE, running=2),
+        WorkerState("d1", DECODE, running=0),
     ]
-    assert isinstance(router, routing.Router)
+    assert isinstance(router, Router)
     keys = [bytes([i]) * 16 for i in range(10)]
     decision = router.route(1000, keys, ws)
     # pb holds 8 blocks but has 3 s queued; pa fetches them and recomputes 2
@@ -206,28 +215,27 @@ def test_router_protocol_with_fake_pool() -> None:
     ws[2].max_batch = ws[3].max_batch = 1
     ws[2].running = ws[3].running = 1
     assert router.route(1000, keys, ws).reject
-    router.observe(routing.Observation("prefill", "pa", 1000, cached_tokens=0, seconds=2.0))
+    router.observe(Observation("prefill", "pa", 1000, cached_tokens=0, seconds=2.0))
     assert router.correction.value > 1.0
 
 
 def test_factory_loads_cost_model_and_bandwidth(tmp_path) -> None:
     import json
 
-    routing = pytest.importorskip("kvpool.serve.sched.routing")
     from kvpool.serve.sched.presets import get_preset
 
     model = PrefillCostModel(c0=0.001, c_token=2e-5, model="tiny")
     path = tmp_path / "cm.json"
     path.write_text(json.dumps({"prefill": model.to_dict(), "transfer": {"bandwidth_Bps": 5e9}}))
-    ctx = routing.RouterContext(
+    ctx = RouterContext(
         get_preset("tiny"), "", options={"cost_model": str(path), "rejection": "now"}
     )
-    router = routing.make_router("conductor", ctx)
+    router = make_router("conductor", ctx)
     assert router.conductor.prefill.c_token == 2e-5
     assert router.conductor.transfer.bandwidth_Bps == 5e9
     assert router.rejection == "now" and router.pool is None
     ctx.options["bandwidth_gbps"] = "2"
     ctx.options["nodes"] = "p0:nodeA, p1:nodeB"
-    router = routing.make_router("conductor", ctx)
+    router = make_router("conductor", ctx)
     assert router.conductor.transfer.bandwidth_Bps == 2e9
     assert router.node_of == {"p0": "nodeA", "p1": "nodeB"}

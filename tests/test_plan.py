@@ -69,7 +69,7 @@ def test_plan_cli_json_and_plot(trace_file: str, tmp_path: Path, capsys) -> None
 
 def test_smallest_cluster_is_minimal(trace_file: str) -> None:
     from kvpool.serve.sched.plan import Planner
-    from kvpool.serve.sched.sim.cluster import SimConfig
+    from kvpool.serve.sched.sim.config import SimConfig
     from kvpool.workload.traces import load_trace
 
     planner = Planner(load_trace(trace_file), SimConfig(), [1])

@@ -23,14 +23,14 @@ from servehelpers import Server, start_serve
 
 from kvpool.serve.runtime.model import Transformer, build_model, generate
 from kvpool.serve.sched.presets import get_preset
-from kvpool.serve.sched.routing import (
+from kvpool.serve.sched.router_api import (
     DECODE,
     PREFILL,
     RouteDecision,
     RouterContext,
     WorkerState,
-    make_router,
 )
+from kvpool.serve.sched.routing import make_router
 
 torch.set_num_threads(1)
 BT = 16

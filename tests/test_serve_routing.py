@@ -6,18 +6,15 @@ import pytest
 
 from kvpool.bench.serve import _common_prefix, make_prompts, percentiles
 from kvpool.serve.sched.presets import get_preset
-from kvpool.serve.sched.routing import (
+from kvpool.serve.sched.router_api import (
     DECODE,
     PREFILL,
-    ROUTERS,
-    LeastLoadedRouter,
     RouteDecision,
     Router,
     RouterContext,
     WorkerState,
-    make_router,
-    parse_options,
 )
+from kvpool.serve.sched.routing import ROUTERS, LeastLoadedRouter, make_router, parse_options
 
 
 def _workers() -> list[WorkerState]:

@@ -7,7 +7,9 @@ import json
 import pytest
 
 from kvpool.serve.sched.cost_model import DecodeCostModel
-from kvpool.serve.sched.sim.cluster import DecodeEngine, SimConfig, simulate
+from kvpool.serve.sched.sim.config import SimConfig
+from kvpool.serve.sched.sim.decode_engine import DecodeEngine
+from kvpool.serve.sched.sim.runner import simulate
 from kvpool.workload.cachesim import trace_keys
 from kvpool.workload.traces import synthesize, write_trace
 

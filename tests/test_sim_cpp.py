@@ -5,15 +5,16 @@ from __future__ import annotations
 import pytest
 
 from kvpool.serve.sched.cost_model import analytic_cluster
-from kvpool.serve.sched.sim.cluster import SimConfig, simulate
-from kvpool.serve.sched.sim.cpp import (
+from kvpool.serve.sched.pipeline_model import (
     CHUNK_OVERHEAD_S,
-    CppCluster,
     cpp_seconds,
     pipeline_seconds,
     tp_seconds,
     ttft_curve,
 )
+from kvpool.serve.sched.sim.config import SimConfig
+from kvpool.serve.sched.sim.cpp import CppCluster
+from kvpool.serve.sched.sim.runner import simulate
 from kvpool.workload.cachesim import trace_keys
 from kvpool.workload.traces import synthesize
 
@@ -65,7 +66,7 @@ def test_sim_cpp_group_pipelines_long_prompts() -> None:
 
 
 def test_choose_pipeline_rule() -> None:
-    from kvpool.serve.sched.sim.cpp import choose_pipeline
+    from kvpool.serve.sched.pipeline_model import choose_pipeline
 
     assert not choose_pipeline(1.0, 0.5, 2.0, 1000, 16384)  # fits: never split
     assert choose_pipeline(3.0, 2.0, 2.0, 1000, 16384)  # misses the SLO, group faster

@@ -201,7 +201,8 @@ class _Runtime:
             self.pool_url = f"kvpool://{master.address}"
         import kvpool
         from kvpool.serve.runtime.http.frontend import Frontend, ServeSettings
-        from kvpool.serve.sched.routing import RouterContext, make_router, parse_options
+        from kvpool.serve.sched.router_api import RouterContext
+        from kvpool.serve.sched.routing import make_router, parse_options
 
         self.pool = kvpool.connect(self.pool_url)
         settings = ServeSettings(
@@ -217,7 +218,7 @@ class _Runtime:
         )
         cpp_min = 0
         if self.groups:
-            from kvpool.serve.sched.sim.cpp import DEFAULT_MIN_TOKENS
+            from kvpool.serve.sched.pipeline_model import DEFAULT_MIN_TOKENS
 
             cpp_min = args.cpp_min_tokens if args.cpp_min_tokens is not None else DEFAULT_MIN_TOKENS
         router = make_router(

@@ -5,7 +5,7 @@ simulator's ``cost_model.analytic_cluster``):
 
 1. **split**: every prefill/decode split (P prefill + N-P decode nodes) and
    every pipeline group size in ``--cpp-groups`` that divides P is simulated
-   (``kvpool.serve.sched.sim.cluster.simulate`` / ``sim_cpp.CppCluster``: the real
+   (``kvpool.serve.sched.sim.runner.simulate`` / ``sim.cpp.CppCluster``: the real
    conductor, index and eviction policies); the curve is goodput (requests
    per second meeting both the TTFT and the TBT SLO) against P, each P at
    its best group size; the best split maximises goodput;
@@ -44,7 +44,8 @@ from typing import Any
 
 from kvpool.serve.sched.conductor import SLO
 from kvpool.serve.sched.cost_model import ClusterCostModel, analytic_cluster
-from kvpool.serve.sched.sim.cluster import SimConfig, simulate
+from kvpool.serve.sched.sim.config import SimConfig
+from kvpool.serve.sched.sim.runner import simulate
 
 CURVE_KEYS = ("prefill", "decode", "cpp_group", "goodput_rps")
 

@@ -63,7 +63,7 @@ from kvpool.rpc.client import RpcClient
 from kvpool.serve.runtime.procs import Child
 from kvpool.serve.runtime.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer
 from kvpool.serve.sched.presets import ModelConfig
-from kvpool.serve.sched.routing import (
+from kvpool.serve.sched.router_api import (
     DECODE,
     PREFILL,
     Observation,

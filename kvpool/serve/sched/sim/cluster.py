@@ -22,289 +22,42 @@ KV memory (transfer at the network bandwidth) and joins its continuous
 batch, or waits for memory. Coupled mode (``--coupled N``): N nodes each run
 prefill and decode; a prefill runs between two decode steps (prefill first,
 as in vLLM's default scheduler), so it stalls the node's whole decode batch.
-
-Decode batches are simulated per *epoch*, not per step: between two changes
-of a batch (a join, a finish, a stall) the step time grows linearly with the
-step index (``DecodeCostModel``: weights + every request's KV), so the time
-of any step and the number of steps before a time are closed forms. Each
-epoch is logged once; a request's inter-token gaps (and so its P90 TBT) are
-read back from the log when it finishes. This is exact for the cost model and
-keeps a 10,000-request trace well under a minute.
-
-Issue 8 hook: ``SimConfig.cpp_group`` (pipeline prefill across k nodes)
-changes only ``Cluster._prefill_seconds`` and the grouping of prefill nodes;
-it is validated here and must be 1 until then.
+Decode batches are simulated per epoch (``sim.decode_engine``). Pipeline
+prefill across k nodes (``SimConfig.cpp_group``) is ``sim.cpp.CppCluster``,
+a subclass that changes only the arrival step; ``sim.runner.simulate``
+picks the class.
 """
 
 from __future__ import annotations
 
-import argparse
-import bisect
 import heapq
-import json
 import math
 import random
-import sys
 import time
-from collections import deque
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict
 from typing import Any
 
-from kvpool.serve.sched.conductor import (
-    REJECTIONS,
-    ROUTE_FNS,
-    SLO,
+from kvpool.eviction import make_policy
+from kvpool.serve.sched.admission import (
     AdmissionState,
-    Conductor,
     DecodeLoadPredictor,
-    PrefillPlan,
-    WorkerView,
     admit_decode,
     decode_capacity,
     normalize_rejection,
 )
-from kvpool.serve.sched.cost_model import ClusterCostModel, DecodeCostModel, analytic_cluster
-
-ARRIVAL, PREFILL_DONE, DECODE_JOIN, WAKE = 0, 1, 2, 3
-
-
-@dataclass
-class SimConfig:
-    prefill: int = 10
-    decode: int = 10
-    coupled: int = 0  # > 0: N coupled nodes instead of P + D
-    speed: float = 1.0  # arrival rate multiplier
-    router: str = "conductor"
-    rejection: str = "none"
-    capacity_blocks: int = 8192  # per node (DRAM share of the pool), in blocks
-    policy: str = "lru"
-    slo: SLO = field(default_factory=SLO)
-    balance_threshold: float = 0.8
-    decode_headroom: float = 0.9  # admission aims at this share of the decode capacity
-    seed: int = 0
-    model: str = "llama2-70b"
-    block_tokens: int = 512
-    cpp_group: int = 1  # issue 8: pipeline prefill across k nodes
-
-    def validate(self) -> None:
-        if self.coupled < 0 or self.prefill < 0 or self.decode < 0:
-            raise ValueError("node counts must be >= 0")
-        if self.coupled == 0 and (self.prefill < 1 or self.decode < 1):
-            raise ValueError("need --prefill >= 1 and --decode >= 1 (or --coupled N)")
-        if self.speed <= 0:
-            raise ValueError("speed must be > 0")
-        if self.router not in ROUTE_FNS:
-            raise ValueError(f"unknown router {self.router!r}; choose from {sorted(ROUTE_FNS)}")
-        normalize_rejection(self.rejection)
-        if self.capacity_blocks < 0:
-            raise ValueError("capacity_blocks must be >= 0")
-        if not 0.0 < self.decode_headroom <= 1.0:
-            raise ValueError("decode_headroom must be in (0, 1]")
-        if self.cpp_group != 1:
-            raise ValueError(
-                "cpp_group > 1: use simulate() (kvpool.serve.sched.sim.cpp.CppCluster)"
-            )
-
-
-class DecodeEngine:
-    """One node's continuous decode batch, simulated epoch by epoch.
-
-    Step ``s`` (global index) takes ``a + b * (s - s0)`` seconds inside an
-    epoch that starts at step ``s0``, where ``a`` is the step time at ``s0``
-    and ``b = per_token_s * batch`` (every request's context grows one token
-    per step). ``stall`` (coupled nodes) is time spent prefilling at the
-    current step boundary before the next step runs.
-    """
-
-    def __init__(self, cost: DecodeCostModel) -> None:
-        self.cost = cost
-        self.capacity_tokens = cost.kv_capacity_tokens
-        self.s = 0  # step index of the current boundary
-        self.tb = 0.0  # time the boundary was reached (before the stall)
-        self.stall = 0.0  # prefill time at this boundary before the next step
-        self.batch = 0
-        self.sum_base = 0  # sum over members of (context at join - join step)
-        self.ends: list[tuple[int, int]] = []  # (end step, rid)
-        self.version = 0
-        self.reserved = 0  # KV tokens reserved by members (prompt + reply)
-        self.waiting: deque[int] = deque()
-        self.waiting_tokens = 0
-        # epoch log
-        self.seg_s: list[int] = []
-        self.seg_e: list[int] = []
-        self.seg_t0: list[float] = []
-        self.seg_a: list[float] = []
-        self.seg_b: list[float] = []
-        self.stall_s: list[int] = []
-        self.stall_t: list[float] = []
-
-    # -- clock ------------------------------------------------------------------------
-
-    def _a(self) -> float:
-        c = self.cost
-        return (
-            c.base_s
-            + c.per_request_s * self.batch
-            + c.per_token_s * (self.sum_base + self.batch * self.s)
-        )
-
-    def busy_until(self) -> float:
-        """When the node can next start a prefill (coupled) or the batch next changes."""
-        return self.tb + self.stall
-
-    def _advance(self, n: int) -> None:
-        if n <= 0 or self.batch == 0:
-            return
-        a, b = self._a(), self.cost.per_token_s * self.batch
-        t0 = self.tb + self.stall
-        if self.stall > 0:
-            self.stall_s.append(self.s)
-            self.stall_t.append(self.stall)
-        self.seg_s.append(self.s)
-        self.seg_e.append(self.s + n)
-        self.seg_t0.append(t0)
-        self.seg_a.append(a)
-        self.seg_b.append(b)
-        self.tb = t0 + n * a + b * n * (n - 1) / 2
-        self.s += n
-        self.stall = 0.0
-
-    def _steps_until(self, dt: float) -> int:
-        """Smallest n with (time of n steps) >= dt."""
-        if dt <= 0:
-            return 0
-        a, b = self._a(), self.cost.per_token_s * self.batch
-        if b <= 0:
-            n = math.ceil(dt / a)
-        else:
-            # b/2 n^2 + (a - b/2) n - dt = 0
-            p = a - b / 2
-            n = math.ceil((-p + math.sqrt(p * p + 2 * b * dt)) / b)
-        n = max(n, 0)
-        while n > 0 and (n - 1) * a + b * (n - 1) * (n - 2) / 2 >= dt:
-            n -= 1
-        while n * a + b * n * (n - 1) / 2 < dt:
-            n += 1
-        return n
-
-    def sync(self, t: float) -> None:
-        """Move the boundary to the first step boundary at or after ``t`` (no finishes)."""
-        if self.batch == 0:
-            if self.tb + self.stall <= t:
-                if self.stall > 0:
-                    self.stall_s.append(self.s)
-                    self.stall_t.append(self.stall)
-                self.tb, self.stall = t, 0.0
-            return
-        t0 = self.tb + self.stall
-        if t <= t0:
-            return
-        n_max = self.ends[0][0] - self.s
-        self._advance(min(self._steps_until(t - t0), n_max))
-
-    def next_wake(self) -> float | None:
-        if self.batch == 0:
-            return None
-        n = self.ends[0][0] - self.s
-        a, b = self._a(), self.cost.per_token_s * self.batch
-        return self.tb + self.stall + n * a + b * n * (n - 1) / 2
-
-    # -- membership -------------------------------------------------------------------
-
-    def join(self, rid: int, context: int, steps: int) -> int:
-        """Add a request at the current boundary for ``steps`` steps; returns its join step."""
-        j = self.s
-        self.batch += 1
-        self.sum_base += context - j
-        heapq.heappush(self.ends, (j + steps, rid))
-        return j
-
-    def add_stall(self, t: float, seconds: float) -> float:
-        """A prefill of ``seconds`` at the next boundary; returns when it ends."""
-        self.sync(t)
-        self.stall += seconds
-        return self.tb + self.stall
-
-    def finish_due(self) -> list[int]:
-        """Advance to the earliest end and pop every request ending there."""
-        n = self.ends[0][0] - self.s
-        self._advance(n)
-        done = []
-        while self.ends and self.ends[0][0] == self.s:
-            done.append(heapq.heappop(self.ends)[1])
-        return done
-
-    def leave(self, context_at_join: int, join_step: int) -> None:
-        self.batch -= 1
-        self.sum_base -= context_at_join - join_step
-
-    # -- reading the log ----------------------------------------------------------------
-
-    def _seg(self, step: int) -> int:
-        return bisect.bisect_right(self.seg_s, step) - 1
-
-    def step_time(self, step: int) -> tuple[float, float]:
-        """(start time, duration) of a logged step."""
-        i = self._seg(step)
-        k = step - self.seg_s[i]
-        a, b = self.seg_a[i], self.seg_b[i]
-        return self.seg_t0[i] + k * a + b * k * (k - 1) / 2, a + b * k
-
-    def gaps_over(self, join: int, end: int, first_token_t: float, slo: float) -> tuple[int, float]:
-        """(gaps longer than ``slo``, the first gap) of a member over steps [join, end)."""
-        start, d = self.step_time(join)
-        first = start + d - first_token_t
-        over = 1 if first > slo else 0
-        lo = join + 1
-        i = self._seg(lo) if lo < end else len(self.seg_s)
-        while i < len(self.seg_s) and self.seg_s[i] < end:
-            s0, s1 = max(lo, self.seg_s[i]), min(end, self.seg_e[i])
-            if s1 > s0:
-                a, b = self.seg_a[i], self.seg_b[i]
-                if b <= 0:
-                    k_star = 0 if a > slo else s1 - self.seg_s[i]
-                else:
-                    k_star = max(0, math.floor((slo - a) / b) + 1)
-                over += max(0, s1 - max(s0, self.seg_s[i] + k_star))
-            i += 1
-        j = bisect.bisect_left(self.stall_s, lo)
-        while j < len(self.stall_s) and self.stall_s[j] < end:
-            _, d = self.step_time(self.stall_s[j])
-            if d <= slo < d + self.stall_t[j]:
-                over += 1
-            j += 1
-        return over, first
-
-
-@dataclass
-class Node:
-    name: str
-    cache: Any  # an EvictionPolicy
-    busy_until: float = 0.0  # prefill FIFO (disaggregated prefill nodes)
-    engine: DecodeEngine | None = None
-
-
-@dataclass
-class Req:
-    arrival: float
-    input: int
-    output: int
-    keys: list[bytes]
-    ttft_slo: float = 0.0
-    tbt_slo: float = 0.0
-    prefill_node: int = -1
-    decode_node: int = -1
-    prefill_s: float = 0.0
-    first_token: float = -1.0
-    join_step: int = -1
-    join_context: int = 0
-    ready: float = 0.0  # KV arrived at the decode node
-    end: float = -1.0
-    rejected: str | None = None
-    tbt_ok: bool = True
-    mean_tbt: float = 0.0
-    reused_blocks: int = 0
+from kvpool.serve.sched.conductor import ROUTE_FNS, Conductor, PrefillPlan, WorkerView
+from kvpool.serve.sched.cost_model import ClusterCostModel, analytic_cluster
+from kvpool.serve.sched.sim.config import (
+    ARRIVAL,
+    DECODE_JOIN,
+    PREFILL_DONE,
+    WAKE,
+    Node,
+    Req,
+    SimConfig,
+)
+from kvpool.serve.sched.sim.decode_engine import DecodeEngine
 
 
 class Cluster:
@@ -317,8 +70,6 @@ class Cluster:
         config: SimConfig,
         cost: ClusterCostModel | None = None,
     ) -> None:
-        from kvpool.eviction import make_policy
-
         config.validate()
         self.cfg = config
         self.cost = cost or analytic_cluster(config.model, block_tokens=config.block_tokens)
@@ -657,103 +408,3 @@ class Cluster:
                 "cpp_group": cfg.cpp_group,
             },
         }
-
-
-def simulate(
-    records: Sequence[Any],
-    config: SimConfig | None = None,
-    *,
-    keys: Sequence[list[bytes]] | None = None,
-    cost: ClusterCostModel | None = None,
-) -> dict[str, Any]:
-    """Simulate ``records`` (``TraceRecord``s) on the configured cluster; the result dict."""
-    from kvpool.workload.cachesim import trace_keys
-
-    cfg = config or SimConfig()
-    if keys is None:
-        keys = trace_keys(records, cfg.block_tokens)
-    if cfg.cpp_group != 1:  # issue 8: pipeline prefill groups (kvpool.serve.sched.sim.cpp)
-        from kvpool.serve.sched.sim.cpp import CppCluster
-
-        return CppCluster(records, keys, cfg, cost).run()
-    return Cluster(records, keys, cfg, cost).run()
-
-
-# -- CLI ------------------------------------------------------------------------------------
-
-
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "sim",
-        help="simulate a cluster serving a trace (conductor, routers, rejection policies)",
-        description="Discrete-event simulation of a llama2-70b cluster of 8-GPU nodes serving "
-        "a JSON-lines trace with the real conductor, index and eviction policies.",
-    )
-    p.add_argument("trace", help="JSON-lines trace (kvpool trace synth)")
-    p.add_argument("--prefill", type=int, default=10, help="prefill nodes")
-    p.add_argument("--decode", type=int, default=10, help="decode nodes")
-    p.add_argument("--coupled", type=int, default=0, help="N coupled prefill+decode nodes instead")
-    p.add_argument("--speed", type=float, default=1.0, help="arrival rate multiplier")
-    p.add_argument("--router", choices=sorted(ROUTE_FNS), default="conductor")
-    p.add_argument(
-        "--rejection",
-        choices=REJECTIONS,
-        default="none",
-        help="none | now (= early: on the decode load now) | after (only after prefill) "
-        "| predicted (decode load predicted at prefill end)",
-    )
-    p.add_argument("--capacity-blocks", type=int, default=8192, help="pool blocks per node")
-    p.add_argument("--policy", default="lru", help="eviction policy (kvpool.eviction names)")
-    p.add_argument("--ttft-slo", type=float, default=10.0, help="x unloaded TTFT (P90)")
-    p.add_argument("--tbt-slo", type=float, default=5.0, help="x unloaded TBT (P90)")
-    p.add_argument("--balance-threshold", type=float, default=0.8)
-    p.add_argument(
-        "--decode-headroom",
-        type=float,
-        default=0.9,
-        help="admission targets this share of the decode pool's capacity",
-    )
-    p.add_argument("--block-tokens", type=int, default=512)
-    p.add_argument("--model", default="llama2-70b")
-    p.add_argument("--limit", type=int, default=0, help="first N requests only")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cpp-group", type=int, default=1, help="pipeline prefill over k nodes")
-    p.add_argument("--json", default=None, help="write the result object here")
-    p.set_defaults(func=_run_cli)
-
-
-def _run_cli(args: argparse.Namespace) -> int:
-
-    from kvpool.workload.traces import load_for_command
-
-    records = load_for_command(args.trace, "sim", block_tokens=args.block_tokens, limit=args.limit)
-    if records is None:
-        return 2
-    cfg = SimConfig(
-        prefill=args.prefill,
-        decode=args.decode,
-        coupled=args.coupled,
-        speed=args.speed,
-        router=args.router,
-        rejection=args.rejection,
-        capacity_blocks=args.capacity_blocks,
-        policy=args.policy,
-        slo=SLO(args.ttft_slo, args.tbt_slo),
-        balance_threshold=args.balance_threshold,
-        decode_headroom=args.decode_headroom,
-        seed=args.seed,
-        model=args.model,
-        block_tokens=args.block_tokens,
-        cpp_group=args.cpp_group,
-    )
-    try:
-        result = simulate(records, cfg)
-    except ValueError as exc:
-        print(f"kvpool sim: {exc}", file=sys.stderr)
-        return 2
-    text = json.dumps(result, indent=2)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
-    print(text)
-    return 0

@@ -25,7 +25,8 @@ import time
 from typing import Any
 
 from kvpool.serve.sched.conductor import SLO
-from kvpool.serve.sched.sim.cluster import SimConfig, simulate
+from kvpool.serve.sched.sim.config import SimConfig
+from kvpool.serve.sched.sim.runner import simulate
 
 
 def _fmt(v: Any) -> str:
