@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench.common import write_json
-from kvpool.bench.procs import Proc, spawn_kvpool
+from kvpool.procs import Child, spawn_kvpool
 
 
 def register_cpp(suites: Any) -> None:
@@ -46,7 +46,7 @@ def register_cpp(suites: Any) -> None:
     p.set_defaults(func=_run)
 
 
-def _cluster(dram: str) -> list[Proc]:
+def _cluster(dram: str) -> list[Child]:
     master = spawn_kvpool(["master", "--host", "127.0.0.1", "--port", "0"])
     procs = [master]
     try:

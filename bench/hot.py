@@ -24,8 +24,9 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench.common import write_json
-from kvpool.bench.procs import Proc, spawn_kvpool
 from kvpool.config import parse_size
+from kvpool.procs import Child as Proc
+from kvpool.procs import spawn_kvpool
 
 READER = textwrap.dedent(
     """

@@ -52,10 +52,10 @@ from typing import Any
 import numpy as np
 
 from kvpool.bench.common import Timing, count_for, faulted, paired, parse_sizes, write_json
-from kvpool.bench.procs import spawn_kvpool, stop_by_stdin
 from kvpool.bench.remote_transport import _cpus, _RawClient
 from kvpool.cluster.master import MasterConfig
 from kvpool.config import format_size, parse_size
+from kvpool.procs import spawn_kvpool, stop_by_stdin
 
 WORKING_SET = 64 << 20
 TRANSPORTS = ("shm", "tcp", "ucx")

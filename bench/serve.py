@@ -24,20 +24,13 @@ import argparse
 import asyncio
 import itertools
 import json
-import os
 import random
-import re
-import signal
-import subprocess
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvpool import procs
 from kvpool.bench.common import write_json
-from kvpool.procs import wait_for_ready
-
-READY = re.compile(r"ready on (http://[\w.\[\]:-]+)")
 
 
 @dataclass
@@ -320,29 +313,11 @@ def ratios(serve: LoadResult, base: LoadResult) -> dict[str, float]:
     return out
 
 
-def start_server(extra: list[str], timeout: float = 120.0) -> tuple[subprocess.Popen[str], str]:
-    """``kvpool serve --port 0 EXTRA`` as a child; returns it and its URL."""
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "kvpool", "serve", "--port", "0", *extra],
-        stdout=subprocess.PIPE,
-        text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+def start_server(extra: list[str], timeout: float = 120.0) -> procs.Child:
+    """``kvpool serve --port 0 EXTRA`` as a child, ready (its URL is ``.url``)."""
+    return procs.spawn(
+        "kvpool serve", procs.kvpool_args("serve", "--port", "0", *extra), timeout=timeout
     )
-    try:
-        return popen, wait_for_ready(popen, READY, timeout).group(1)
-    except RuntimeError:
-        stop_server(popen)
-        raise
-
-
-def stop_server(popen: subprocess.Popen[str]) -> None:
-    if popen.poll() is None:
-        popen.send_signal(signal.SIGTERM)
-        try:
-            popen.wait(30)
-        except subprocess.TimeoutExpired:
-            popen.kill()
-            popen.wait(5)
 
 
 def register_serve(suites: Any) -> None:
@@ -379,10 +354,10 @@ def _run(args: argparse.Namespace) -> int:
             block_tokens=args.block_tokens,
             seed=0,
         )
-    popen = None
+    server = None
     url = args.url
     if url is None:
-        popen, url = start_server(
+        server = start_server(
             [
                 "--model",
                 args.model,
@@ -394,14 +369,15 @@ def _run(args: argparse.Namespace) -> int:
                 str(args.block_tokens),
             ]
         )
+        url = server.url
     try:
         result = run_load(
             url, concurrency=args.concurrency, requests=args.requests, max_tokens=args.max_tokens,
             prompts=prompts,
         )  # fmt: skip
     finally:
-        if popen is not None:
-            stop_server(popen)
+        if server is not None:
+            server.stop(30.0)
     print(f"kvpool serve ({url}):")
     print(format_result(result))
     payload: dict[str, Any] = {"serve": asdict(result)}

@@ -6,7 +6,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvpool.bench.procs import Proc, spawn_kvpool
+from kvpool.procs import Child as Proc
+from kvpool.procs import spawn_kvpool
 
 
 def spawn(args: Sequence[str], prefix: Sequence[str] = (), timeout: float = 20.0) -> Proc:

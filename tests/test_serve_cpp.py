@@ -46,7 +46,6 @@ def server() -> Iterator[Server]:
             *("--block-tokens", str(BT), "--chunk-tokens", "64", "--dram", "64MiB"),
             *("--kv-tokens", "4096", "--max-tokens-limit", "256", "--page-tokens", "8"),
         ],
-        own_group=True,
     )
     popen = server.popen
     yield server

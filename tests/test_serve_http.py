@@ -65,7 +65,6 @@ def server() -> Iterator[Server]:
             *("--block-tokens", str(BT), "--dram", "64MiB", "--kv-tokens", "4096"),
             *("--max-tokens-limit", "1024", "--page-tokens", "8"),
         ],
-        own_group=False,
     )
     popen = server.popen
     yield server

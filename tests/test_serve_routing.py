@@ -84,10 +84,11 @@ class _Reject:
 
 
 def _frontend(router: Router, alive: bool = True):  # type: ignore[no-untyped-def]
-    from kvpool.serve.runtime.http.frontend import Frontend, ServeSettings, WorkerHandle
+    from kvpool.serve.runtime.http.frontend import Frontend
+    from kvpool.serve.runtime.http.state import ServeSettings, WorkerHandle
 
     fe = Frontend(ServeSettings(get_preset("tiny", block_tokens=16), "tiny"), router, None)
-    fe.handles = {
+    fe.fleet.handles = {
         "p0": WorkerHandle("p0", PREFILL, alive=alive),
         "d0": WorkerHandle("d0", DECODE, alive=True),
     }

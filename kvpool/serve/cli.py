@@ -167,7 +167,7 @@ class _Runtime:
     # -- startup -----------------------------------------------------------------
 
     def start(self) -> None:
-        from kvpool.serve.runtime import procs
+        from kvpool import procs
 
         args = self.args
         t0 = time.perf_counter()
@@ -200,7 +200,8 @@ class _Runtime:
             self._track(node)
             self.pool_url = f"kvpool://{master.address}"
         import kvpool
-        from kvpool.serve.runtime.http.frontend import Frontend, ServeSettings
+        from kvpool.serve.runtime.http.frontend import Frontend
+        from kvpool.serve.runtime.http.state import ServeSettings
         from kvpool.serve.sched.router_api import RouterContext
         from kvpool.serve.sched.routing import make_router, parse_options
 
@@ -264,7 +265,7 @@ class _Runtime:
         self.pids.append(child.pid)
 
     def launch(self, kind: str, worker_id: str, wait: bool = True) -> Any:
-        from kvpool.serve.runtime import procs
+        from kvpool import procs
 
         a = self.args
         cmd = [
@@ -367,7 +368,7 @@ class _Runtime:
     # -- shutdown ----------------------------------------------------------------
 
     def close(self) -> None:
-        from kvpool.serve.runtime import procs
+        from kvpool import procs
 
         t0 = time.perf_counter()
 

@@ -1,0 +1,345 @@
+"""Request dispatch: route, prefill (one worker or a pipeline group), decode, stream.
+
+A request's life: ``Router.route`` over the live workers' ``WorkerState``
+(reject -> 429; no live worker of a kind -> 503) -> prefill RPC (the first
+token comes back with the KV in the pool; it is sent to the client at once)
+-> ``decode.submit`` -> token events from the decode worker's pump, in order
+-> done. A worker that dies fails its in-flight requests with 502 (an
+``error`` event mid-stream); requests route around it meanwhile.
+
+A decision naming a pipeline group makes this process the coordinator of a
+pipeline prefill (``kvpool.serve.runtime.pipeline.pipeline_prefill``:
+reserve the blocks, start the stages, commit); decode then proceeds exactly
+as after a single-worker prefill. A member that dies fails the request with
+502 (the other stages abort it, every reservation is aborted).
+
+The router is told what was measured (``Router.observe``, when it has one)
+after every prefill and at the end of every request.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
+
+from starlette.concurrency import run_in_threadpool
+
+from kvpool.errors import KVPoolError
+from kvpool.index.keys import block_keys
+from kvpool.serve.runtime.http.fleet import WorkerFleet
+from kvpool.serve.runtime.http.metrics import ServeMetrics
+from kvpool.serve.runtime.http.openai import (
+    ApiError,
+    CompletionRequest,
+    choice,
+    completion_body,
+    extras,
+    finish_reason,
+    sse,
+    stream_chunk,
+    usage,
+)
+from kvpool.serve.runtime.http.state import ServeRequest, ServeSettings, WorkerHandle
+from kvpool.serve.runtime.tokenizer import ByteTokenizer
+from kvpool.serve.sched.router_api import DECODE, PREFILL, Observation, RouteDecision, Router
+
+if TYPE_CHECKING:
+    from kvpool.api import KVStore
+
+log = logging.getLogger("kvpool.serve")
+
+
+class Dispatcher:
+    """Carries each request from routing to its last token."""
+
+    def __init__(
+        self,
+        settings: ServeSettings,
+        router: Router,
+        fleet: WorkerFleet,
+        metrics: ServeMetrics,
+        pool: KVStore | None,
+    ) -> None:
+        self.settings = settings
+        self.router = router
+        self.fleet = fleet
+        self.metrics = metrics
+        self.pool = pool
+        self.tokenizer = ByteTokenizer()
+        self.namespace = settings.model.namespace(settings.seed)
+
+    def route(self, tokens: list[int]) -> tuple[list[WorkerHandle], WorkerHandle, str | None]:
+        """(prefill handles: one worker or a group's stages in order, decode handle, group)."""
+        states = self.fleet.states()
+        for kind in (PREFILL, DECODE):
+            if not any(s.alive for s in states if s.kind == kind):
+                raise ApiError(503, f"no {kind} worker is available", "server_error")
+        keys = (
+            block_keys(tokens, self.namespace, self.settings.model.block_tokens) if tokens else []
+        )
+        live = [s for s in states if s.alive]
+        decision = self.router.route(len(tokens), keys, live)
+        if not isinstance(decision, RouteDecision):
+            raise ApiError(500, "router returned no decision", "server_error")
+        if decision.reject:
+            self.metrics.rejected.inc()
+            raise ApiError(429, decision.reject, "rate_limit_exceeded", code="rejected")
+        d = self.fleet.handles.get(decision.decode or "")
+        if decision.group is not None:
+            members = self.settings.groups.get(decision.group)
+            if members is None or d is None or d.kind != DECODE:
+                raise ApiError(500, f"router chose unknown workers {decision}", "server_error")
+            return [self.fleet.handles[w] for w in members], d, decision.group
+        p = self.fleet.handles.get(decision.prefill or "")
+        if p is None or d is None or p.kind != PREFILL or d.kind != DECODE:
+            raise ApiError(500, f"router chose unknown workers {decision}", "server_error")
+        return [p], d, None
+
+    async def begin(self, fields: CompletionRequest) -> ServeRequest:
+        """Route, prefill and hand to decode; errors are ApiError with a status."""
+        req = ServeRequest(
+            id=f"cmpl-{uuid.uuid4().hex[:24]}",
+            tokens=fields.tokens,
+            max_tokens=fields.max_tokens,
+            eos_id=fields.eos_id,
+            stream=fields.stream,
+            include_usage=fields.include_usage,
+            arrival=time.perf_counter(),
+            loop=asyncio.get_running_loop(),
+        )
+        self.metrics.inflight.inc()
+        try:
+            # off the event loop: a router may ask the pool (an RPC) where prefixes are
+            ps, d, group = await run_in_threadpool(self.route, req.tokens)
+            req.decode_worker = d.worker_id
+            if group is None:
+                req.prefill_worker = ps[0].worker_id
+                result = await self._prefill(req, ps[0])
+            else:
+                req.prefill_worker, req.pipeline = group, [p.worker_id for p in ps]
+                result = await self._prefill_pipeline(req, group, ps)
+            self._first_token(req, result)
+            if req.max_tokens > 1 and result["first_token"] != req.eos_id:
+                await self._submit_decode(req, d, result)
+            else:
+                req.finished = True
+                self._remove_tail(result)
+        except BaseException:
+            self.metrics.inflight.dec()
+            raise
+        return req
+
+    async def _prefill(self, req: ServeRequest, p: WorkerHandle) -> dict[str, Any]:
+        client = p.client
+        with self.fleet.lock:
+            if client is None or not p.alive:
+                raise ApiError(
+                    503, f"prefill worker {p.worker_id} is not available", "server_error"
+                )
+            p.inflight[req.id] = req
+        try:
+            fut = client.submit("prefill.run", {"request_id": req.id, "tokens": req.tokens})
+            result: dict[str, Any] = await asyncio.wrap_future(fut)
+        except KVPoolError as exc:
+            raise ApiError(
+                502, f"prefill worker {p.worker_id} failed: {exc}", "server_error"
+            ) from None
+        finally:
+            with self.fleet.lock:
+                p.inflight.pop(req.id, None)
+        self._account(req, result)
+        self._observe(
+            Observation(
+                "prefill",
+                p.worker_id,
+                len(req.tokens),
+                cached_tokens=req.cached_tokens,
+                seconds=req.prefill_timings.get("total_s", 0.0),
+                queue_seconds=req.prefill_timings.get("queue_s", 0.0),
+            )
+        )
+        return result
+
+    def _account(self, req: ServeRequest, result: dict[str, Any]) -> None:
+        req.cached_tokens = int(result["cached_tokens"])
+        req.computed_tokens = int(result["computed_tokens"])
+        req.prefill_timings = dict(result.get("timings", {}))
+        self.metrics.prompt_tokens.inc(len(req.tokens))
+        self.metrics.cached_tokens.inc(req.cached_tokens)
+        self.metrics.computed_tokens.inc(req.computed_tokens)
+
+    async def _prefill_pipeline(
+        self, req: ServeRequest, group: str, stages: list[WorkerHandle]
+    ) -> dict[str, Any]:
+        """Coordinate a pipeline prefill over ``stages`` (this process reserves and
+        commits the blocks); any failure is a 502 and nothing half-written stays."""
+        from kvpool.serve.runtime.pipeline import pipeline_prefill
+
+        with self.fleet.lock:
+            clients = [h.client for h in stages]
+            if self.pool is None or not all(h.alive for h in stages) or None in clients:
+                raise ApiError(503, f"pipeline group {group} is not available", "server_error")
+            for h in stages:  # counts as queued work on every member (routing, /health)
+                h.inflight[req.id] = req
+        try:
+            res = await run_in_threadpool(
+                pipeline_prefill,
+                self.pool,
+                self.settings.model,
+                clients,  # type: ignore[arg-type]
+                req.tokens,
+                chunk_tokens=self.settings.chunk_tokens,
+                request_id=req.id,
+                seed=self.settings.seed,
+            )
+        except Exception as exc:
+            self.metrics.pipeline_failures.labels(group).inc()
+            raise ApiError(
+                502, f"pipeline group {group} failed: {type(exc).__name__}: {exc}", "server_error"
+            ) from None
+        finally:
+            with self.fleet.lock:
+                for h in stages:
+                    h.inflight.pop(req.id, None)
+        result = res.to_dict()
+        self.metrics.pipeline.labels(group).inc()
+        self._account(req, result)
+        return result
+
+    def _first_token(self, req: ServeRequest, result: dict[str, Any]) -> None:
+        token = int(result["first_token"])
+        now = time.perf_counter()
+        req.output.append(token)
+        req.times.append(now)
+        self.metrics.ttft.observe(now - req.arrival)
+        self.metrics.generated.inc()
+
+    async def _submit_decode(
+        self, req: ServeRequest, d: WorkerHandle, result: dict[str, Any]
+    ) -> None:
+        client = d.client
+        with self.fleet.lock:
+            if client is None or not d.alive:
+                raise ApiError(503, f"decode worker {d.worker_id} is not available", "server_error")
+            d.inflight[req.id] = req  # before submit: events may arrive before the reply
+        try:
+            fut = client.submit(
+                "decode.submit",
+                {"handoff": result, "max_new_tokens": req.max_tokens, "eos_id": req.eos_id},
+            )
+            await asyncio.wrap_future(fut)
+        except KVPoolError as exc:
+            with self.fleet.lock:
+                d.inflight.pop(req.id, None)
+            raise ApiError(
+                502, f"decode worker {d.worker_id} failed: {exc}", "server_error"
+            ) from None
+
+    def _remove_tail(self, result: dict[str, Any]) -> None:
+        tail = result.get("tail_key")
+        if tail and self.pool is not None:
+            with contextlib.suppress(Exception):
+                self.pool.remove(tail)
+
+    async def tokens(self, req: ServeRequest) -> AsyncIterator[tuple[int, bool]]:
+        """(token, finished) in order, the prefill's first token included; ApiError on failure."""
+        try:
+            yield req.output[0], req.finished
+            while not req.finished:
+                item = await req.queue.get()
+                if item[0] == "err":
+                    req.error = str(item[2])
+                    raise ApiError(int(item[1]), str(item[2]), "server_error")
+                _, token, index, finished = item
+                if index == 0:  # decode re-emits the prefill's token at admission
+                    req.finished = finished
+                    continue
+                now = time.perf_counter()
+                self.metrics.tbt.observe(now - req.times[-1])
+                req.output.append(token)
+                req.times.append(now)
+                self.metrics.generated.inc()
+                req.finished = finished
+                yield token, finished
+        finally:
+            self._end(req)
+
+    def _end(self, req: ServeRequest) -> None:
+        self.metrics.inflight.dec()
+        if not req.finished:  # client left or failed: stop decoding it
+            d = self.fleet.handles.get(req.decode_worker)
+            if d is not None:
+                with self.fleet.lock:
+                    known = d.inflight.pop(req.id, None) is not None
+                if known and d.client is not None and d.alive:
+                    with contextlib.suppress(KVPoolError):
+                        d.client.submit("decode.cancel", {"request_id": req.id})
+        else:
+            self.metrics.e2e.observe(time.perf_counter() - req.arrival)
+        self._observe(
+            Observation(
+                "request",
+                req.prefill_worker,
+                len(req.tokens),
+                cached_tokens=req.cached_tokens,
+                output_tokens=len(req.output),
+                ttft=req.ttft,
+                tbt=req.tbt,
+                decode_worker=req.decode_worker,
+                error=req.error,
+            )
+        )
+
+    def _observe(self, obs: Observation) -> None:
+        observe = getattr(self.router, "observe", None)
+        if observe is not None:
+            try:
+                observe(obs)
+            except Exception:
+                log.exception("router.observe failed")
+
+    # -- answers ----------------------------------------------------------------
+
+    async def stream(self, req: ServeRequest) -> AsyncIterator[str]:
+        dec = self.tokenizer.decode_stream()
+        try:
+            async for token, finished in self.tokens(req):
+                text = "" if token == req.eos_id else dec.feed(token)
+                if finished:
+                    text += dec.flush()
+                yield stream_chunk(
+                    req,
+                    self.settings.served_name,
+                    text,
+                    token,
+                    finish_reason(req) if finished else None,
+                )
+            if req.include_usage:
+                yield sse(
+                    completion_body(
+                        req, self.settings.served_name, [], usage=usage(req), kvpool=extras(req)
+                    )
+                )
+            self.metrics.requests.labels("200").inc()
+        except ApiError as exc:
+            self.metrics.requests.labels(str(exc.status)).inc()
+            yield sse(exc.body())
+        yield "data: [DONE]\n\n"
+
+    async def complete(self, req: ServeRequest) -> dict[str, Any]:
+        async for _ in self.tokens(req):
+            pass
+        out = [t for t in req.output if t != req.eos_id]
+        text = self.tokenizer.decode(out)
+        return completion_body(
+            req,
+            self.settings.served_name,
+            [choice(text, finish_reason(req), list(req.output))],
+            usage=usage(req),
+            kvpool=extras(req),
+        )
