@@ -35,9 +35,9 @@ SUBCOMMANDS: list[str] = [
     "kvpool.workload.cachesim_cli",
     "kvpool.serve.sched.sim.cli",
     "kvpool.serve.runtime.calibrate",
-    "kvpool.serve.sched.replay",
+    "kvpool.serve.sched.replay_cli",
     "kvpool.serve.sched.sim.cpp_cli",
-    "kvpool.serve.sched.plan",
+    "kvpool.serve.sched.plan_cli",
 ]
 
 

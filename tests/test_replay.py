@@ -10,7 +10,8 @@ from typing import ClassVar
 
 import pytest
 
-from kvpool.serve.sched.replay import build_plan, percentile_of
+from kvpool.serve.sched.replay import build_plan
+from kvpool.serve.sched.replay_results import percentile_of
 from kvpool.workload.traces import synthesize, write_trace
 
 pytest.importorskip("httpx")

@@ -34,18 +34,16 @@ and a PNG of the curve (``--plot F``; needs matplotlib, the ``plot`` extra).
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
-import time
 from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from kvpool.serve.sched.conductor import SLO
-from kvpool.serve.sched.cost_model import ClusterCostModel, analytic_cluster
+from kvpool.eviction import make_policy
+from kvpool.serve.sched.cost_model import ClusterCostModel
 from kvpool.serve.sched.sim.config import SimConfig
 from kvpool.serve.sched.sim.runner import simulate
+from kvpool.workload.cachesim import simulate as cache_replay
+from kvpool.workload.cachesim import trace_keys
 
 CURVE_KEYS = ("prefill", "decode", "cpp_group", "goodput_rps")
 
@@ -54,8 +52,6 @@ class Planner:
     """Runs simulations of one trace under one base configuration."""
 
     def __init__(self, records: Sequence[Any], base: SimConfig, cpp_groups: Sequence[int]) -> None:
-        from kvpool.workload.cachesim import trace_keys
-
         self.records = list(records)
         self.base = base
         self.cpp_groups = sorted(set(cpp_groups)) or [1]
@@ -103,11 +99,11 @@ class Planner:
             return seen[p]
 
         coarse = sorted({min(nodes - 1, max(1, round(f * nodes))) for f in (0.2, 0.4, 0.6, 0.8)})
-        best = max((at(p) for p in coarse), key=_key)
+        best = max((at(p) for p in coarse), key=rank_key)
         while True:
             p = best["prefill"]
             nxt = [at(q) for q in (p - 1, p + 1) if 1 <= q < nodes]
-            cand = max([best, *nxt], key=_key)
+            cand = max([best, *nxt], key=rank_key)
             if cand is best:
                 return best
             best = cand
@@ -140,12 +136,12 @@ class Planner:
         return {"nodes": best_n, "speed": speed, "attainment": attainment, **best_point}
 
 
-def _key(p: dict[str, Any]) -> tuple[float, float]:
+def rank_key(p: dict[str, Any]) -> tuple[float, float]:
     return (p["goodput_rps"], p["slo_attainment_all"])
 
 
 def _better(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    return _key(a) > _key(b)
+    return rank_key(a) > rank_key(b)
 
 
 # -- pool sizing ----------------------------------------------------------------------------
@@ -160,9 +156,6 @@ def pool_sizing(
     ssd_blocks: Sequence[int],
 ) -> list[dict[str, Any]]:
     """Hit ratio and saved prefill compute per policy, DRAM and SSD capacity (blocks)."""
-    from kvpool.eviction import make_policy
-    from kvpool.workload.cachesim import simulate as cache_replay
-
     bt = cost.config.block_tokens
     predict = cost.prefill.predict
     full = sum(predict(r.input_length, 0) for r in records)
@@ -199,208 +192,3 @@ def pool_sizing(
                     }
                 )
     return rows
-
-
-# -- report ---------------------------------------------------------------------------------
-
-
-def format_report(out: dict[str, Any]) -> str:
-    lines = []
-    cfg = out["config"]
-    b = out["best"]
-    lines.append(
-        f"trace {cfg['trace']}: {cfg['requests']} requests, speed x{cfg['speed']}, "
-        f"SLO TTFT {cfg['slo_ttft']}x / TBT {cfg['slo_tbt']}x unloaded, {cfg['nodes']} nodes"
-    )
-    lines.append(
-        f"best split: {b['prefill']} prefill + {b['decode']} decode (cpp group {b['cpp_group']}): "
-        f"{b['goodput_rps']:.2f} req/s within SLO"
-    )
-    lines.append(
-        f"coupled baseline ({cfg['nodes']} nodes): {out['coupled_goodput_rps']:.2f} req/s "
-        f"(best split / coupled = {_ratio(b['goodput_rps'], out['coupled_goodput_rps'])})"
-    )
-    lines.append("")
-    lines.append("| prefill | decode | cpp group | goodput req/s | TTFT SLO met | TBT SLO met |")
-    lines.append("|---|---|---|---|---|---|")
-    for p in out["curve"]:
-        lines.append(
-            f"| {p['prefill']} | {p['decode']} | {p['cpp_group']} | {p['goodput_rps']:.2f} | "
-            f"{p['ttft_slo_attainment']:.3f} | {p['tbt_slo_attainment']:.3f} |"
-        )
-    sc = out.get("smallest_cluster")
-    lines.append("")
-    if sc is None:
-        lines.append("smallest cluster: none within the searched sizes")
-    else:
-        lines.append(
-            f"smallest cluster within SLO at speed x{sc['speed']} "
-            f"(>= {sc['attainment']:.0%} of requests within both SLOs): {sc['nodes']} nodes = "
-            f"{sc['prefill']} prefill + {sc['decode']} decode (cpp group {sc['cpp_group']}), "
-            f"{sc['slo_attainment_all']:.3f} within SLO, {sc['goodput_rps']:.2f} req/s"
-        )
-    if out.get("pool_sizing"):
-        lines.append("")
-        lines.append(
-            "| policy | DRAM blocks (GiB) | SSD blocks (GiB) | hit ratio | from DRAM | "
-            "prefill compute saved |"
-        )
-        lines.append("|---|---|---|---|---|---|")
-        for r in out["pool_sizing"]:
-            lines.append(
-                f"| {r['policy']} | {r['dram_blocks']:,} ({r['dram_gib']:,.0f}) | "
-                f"{r['ssd_blocks']:,} ({r['ssd_gib']:,.0f}) | {r['hit_ratio']:.3f} | "
-                f"{r['dram_hit_ratio']:.3f} | {r['saved_prefill_fraction']:.1%} |"
-            )
-    return "\n".join(lines)
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b > 0 else "n/a"
-
-
-def plot_curve(out: dict[str, Any], path: str) -> None:
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError("the plot needs matplotlib: pip install 'kvpool[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    xs = [p["prefill"] for p in out["curve"]]
-    fig, ax = plt.subplots(figsize=(6, 3.8))
-    ax.plot(xs, [p["goodput_rps"] for p in out["curve"]], marker="o", label="disaggregated")
-    ax.axhline(out["coupled_goodput_rps"], color="gray", linestyle="--", label="coupled")
-    b = out["best"]
-    ax.scatter([b["prefill"]], [b["goodput_rps"]], color="red", zorder=3, label="best")
-    ax.set_xlabel(f"prefill nodes (of {out['config']['nodes']})")
-    ax.set_ylabel("goodput (req/s within SLO)")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-# -- CLI ------------------------------------------------------------------------------------
-
-
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "plan",
-        help="capacity planner: prefill/decode split, smallest cluster, pool sizing",
-        description=__doc__.split("\n\n")[0] if __doc__ else None,
-    )
-    p.add_argument("trace", help="JSON-lines trace")
-    p.add_argument("--nodes", type=int, default=20, help="cluster size to split")
-    p.add_argument("--slo-ttft", type=float, default=10.0, help="x unloaded TTFT (P90)")
-    p.add_argument("--slo-tbt", type=float, default=5.0, help="x unloaded TBT (P90)")
-    p.add_argument("--speed", type=float, default=1.0, help="arrival rate multiplier")
-    p.add_argument("--cpp-groups", default="1,2", help="pipeline group sizes to try")
-    p.add_argument("--router", default="conductor")
-    p.add_argument("--rejection", default="none")
-    p.add_argument("--capacity-blocks", type=int, default=8192, help="pool blocks per node")
-    p.add_argument("--policy", default="lru", help="eviction policy in the cluster simulation")
-    p.add_argument("--limit", type=int, default=0, help="first N requests only")
-    p.add_argument("--target-speed", type=float, default=None, help="for the smallest cluster")
-    p.add_argument("--attainment", type=float, default=0.9, help="share within both SLOs")
-    p.add_argument("--max-nodes", type=int, default=128)
-    p.add_argument("--policies", default="lru,s3fifo,leaf-s3", help="pool sizing policies")
-    p.add_argument("--dram-blocks", default=None, help="comma list (default: from the trace)")
-    p.add_argument("--ssd-blocks", default=None, help="comma list (default: from the trace)")
-    p.add_argument("--no-pool-sizing", action="store_true")
-    p.add_argument("--model", default="llama2-70b")
-    p.add_argument("--block-tokens", type=int, default=512)
-    p.add_argument("--json", default=None, metavar="F")
-    p.add_argument("--plot", default=None, metavar="F.png", help="default: next to --json")
-    p.set_defaults(func=_run_cli)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
-
-
-def plan(args: argparse.Namespace, records: Sequence[Any]) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    base = SimConfig(
-        speed=args.speed,
-        router=args.router,
-        rejection=args.rejection,
-        capacity_blocks=args.capacity_blocks,
-        policy=args.policy,
-        slo=SLO(args.slo_ttft, args.slo_tbt),
-        model=args.model,
-        block_tokens=args.block_tokens,
-    )
-    planner = Planner(records, base, _ints(args.cpp_groups))
-    if args.nodes < 2:
-        raise ValueError("--nodes must be >= 2")
-    curve = planner.curve(args.nodes, args.speed)
-    best = max(curve, key=_key)
-    coupled = planner.run(coupled=args.nodes, prefill=0, decode=0, speed=args.speed)
-    target = args.speed if args.target_speed is None else args.target_speed
-    smallest = planner.smallest_cluster(target, args.attainment, args.max_nodes)
-    sizing: list[dict[str, Any]] = []
-    if not args.no_pool_sizing:
-        unique = len({k for ks in planner.keys for k in ks})
-        dram = _ints(args.dram_blocks) if args.dram_blocks else _fractions(unique, (32, 8, 2))
-        ssd = _ints(args.ssd_blocks) if args.ssd_blocks else [0, *_fractions(unique, (4, 1))]
-        cost = analytic_cluster(args.model, block_tokens=args.block_tokens)
-        policies = [p for p in args.policies.split(",") if p.strip()]
-        sizing = pool_sizing(planner.records, planner.keys, cost, policies, dram, ssd)
-    return {
-        "best": {k: best[k] for k in CURVE_KEYS},
-        "curve": curve,
-        "coupled_goodput_rps": coupled["goodput_rps"],
-        "coupled": {
-            k: coupled[k] for k in ("goodput_rps", "ttft_slo_attainment", "tbt_slo_attainment")
-        },
-        "smallest_cluster": smallest,
-        "pool_sizing": sizing,
-        "config": {
-            "trace": args.trace,
-            "requests": len(planner.records),
-            "nodes": args.nodes,
-            "speed": args.speed,
-            "slo_ttft": args.slo_ttft,
-            "slo_tbt": args.slo_tbt,
-            "cpp_groups": planner.cpp_groups,
-            "router": args.router,
-            "model": args.model,
-            "simulations": planner.runs,
-            "wall_s": time.perf_counter() - t0,
-        },
-    }
-
-
-def _fractions(unique: int, divisors: Sequence[int]) -> list[int]:
-    return sorted({max(1, unique // d) for d in divisors})
-
-
-def _run_cli(args: argparse.Namespace) -> int:
-
-    from kvpool.workload.traces import load_for_command
-
-    records = load_for_command(
-        args.trace, "plan", block_tokens=args.block_tokens, limit=args.limit, allow_empty=False
-    )
-    if records is None:
-        return 2
-    try:
-        out = plan(args, records)
-    except ValueError as exc:
-        print(f"kvpool plan: {exc}", file=sys.stderr)
-        return 2
-    print(format_report(out))
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            json.dump(out, fh, indent=2)
-            fh.write("\n")
-    plot = args.plot or (args.json.rsplit(".", 1)[0] + ".png" if args.json else None)
-    if plot:
-        try:
-            plot_curve(out, plot)
-            print(f"plot: {plot}")
-        except RuntimeError as exc:
-            print(f"kvpool plan: no plot: {exc}", file=sys.stderr)
-    return 0

@@ -33,66 +33,18 @@ trace's (scaled) span.
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import dataclasses
 import json
-import math
 import os
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-PERCENTILES = (50, 90, 99)
-
-
-@dataclass
-class Outcome:
-    """One replayed request."""
-
-    index: int
-    prompt_tokens: int
-    max_tokens: int
-    sent: float = 0.0  # seconds since the replay started
-    status: int = 0
-    ttft: float | None = None
-    gaps: list[float] = field(default_factory=list)
-    output_tokens: int = 0
-    cached_tokens: int | None = None
-    error: str | None = None
-    ttft_slo: float = math.inf
-    tbt_slo: float = math.inf
-
-    @property
-    def ok(self) -> bool:
-        return self.status == 200 and self.error is None and self.ttft is not None
-
-    @property
-    def rejected(self) -> bool:
-        return self.status == 429
-
-    def ttft_ok(self) -> bool:
-        return self.ok and self.ttft is not None and self.ttft <= self.ttft_slo
-
-    def tbt_ok(self, percentile: float = 90.0) -> bool:
-        if not self.ok:
-            return False
-        if not self.gaps:
-            return True
-        return (
-            percentile_of(self.gaps, percentile) <= self.tbt_slo
-            and sum(self.gaps) / len(self.gaps) <= self.tbt_slo
-        )
-
-
-def percentile_of(values: Sequence[float], p: float) -> float:
-    """Nearest-rank percentile (0 for no values)."""
-    if not values:
-        return 0.0
-    xs = sorted(values)
-    return xs[min(len(xs) - 1, max(0, math.ceil(p / 100.0 * len(xs)) - 1))]
+from kvpool.serve.sched.replay_results import Outcome, apply_slos, plot_cdfs, summarize
+from kvpool.workload.traces import tokens_for_request
 
 
 @dataclass
@@ -117,8 +69,6 @@ def build_plan(
     vocab_size: int = 256,
 ) -> ReplayPlan:
     """Token ids and send times for ``records`` (see the module doc for the scaling)."""
-    from kvpool.workload.traces import tokens_for_request
-
     if speed <= 0:
         raise ValueError("speed must be > 0")
     factor = block_tokens / trace_block_tokens if scale_input is None else scale_input
@@ -270,116 +220,6 @@ async def _replay(
     return outcomes, probe_out, wall
 
 
-def apply_slos(
-    outcomes: Sequence[Outcome],
-    probe: Outcome | None,
-    *,
-    ttft_mult: float,
-    tbt_mult: float,
-    cost_model: Any = None,
-    ttft_slo_s: float | None = None,
-    tbt_slo_s: float | None = None,
-) -> dict[str, Any]:
-    """Fill each outcome's SLOs; returns how they were derived."""
-    basis: dict[str, Any] = {"ttft_mult": ttft_mult, "tbt_mult": tbt_mult}
-    probe_tbt = percentile_of(probe.gaps, 50) if probe and probe.gaps else None
-    if probe is not None:
-        basis["probe"] = {
-            "prompt_tokens": probe.prompt_tokens,
-            "ttft_s": probe.ttft,
-            "median_gap_s": probe_tbt,
-        }
-    for o in outcomes:
-        if ttft_slo_s is not None:
-            o.ttft_slo = ttft_slo_s
-        elif cost_model is not None:
-            o.ttft_slo = ttft_mult * cost_model.unloaded_ttft(o.prompt_tokens)
-        elif probe is not None and probe.ttft is not None:
-            o.ttft_slo = ttft_mult * probe.ttft * max(o.prompt_tokens, 1) / probe.prompt_tokens
-        if tbt_slo_s is not None:
-            o.tbt_slo = tbt_slo_s
-        elif probe_tbt:
-            o.tbt_slo = tbt_mult * probe_tbt
-    basis["ttft"] = (
-        "absolute"
-        if ttft_slo_s is not None
-        else "cost model"
-        if cost_model is not None
-        else "probe (linear in prompt length)"
-        if probe is not None
-        else "none"
-    )
-    basis["tbt"] = "absolute" if tbt_slo_s is not None else "probe" if probe_tbt else "none"
-    return basis
-
-
-def summarize(outcomes: Sequence[Outcome], span_s: float, wall_s: float) -> dict[str, Any]:
-    ok = [o for o in outcomes if o.ok]
-    ttfts = [o.ttft for o in ok if o.ttft is not None]
-    gaps = [g for o in ok for g in o.gaps]
-    good = sum(1 for o in ok if o.ttft_ok() and o.tbt_ok())
-    prompt = sum(o.prompt_tokens for o in ok if o.cached_tokens is not None)
-    cached = sum(o.cached_tokens or 0 for o in ok if o.cached_tokens is not None)
-    span = span_s if span_s > 0 else wall_s
-    out: dict[str, Any] = {
-        "requests": len(outcomes),
-        "completed": len(ok),
-        "rejected": sum(1 for o in outcomes if o.rejected),
-        "failed": sum(1 for o in outcomes if not o.ok and not o.rejected),
-        "ttft_slo_attainment": sum(o.ttft_ok() for o in ok) / len(ok) if ok else 0.0,
-        "tbt_slo_attainment": sum(o.tbt_ok() for o in ok) / len(ok) if ok else 0.0,
-        "goodput_rps": good / span if span > 0 else 0.0,
-        "mean_ttft_s": sum(ttfts) / len(ttfts) if ttfts else 0.0,
-        "hit_ratio": cached / prompt if prompt else None,
-        "good": good,
-        "output_tokens": sum(o.output_tokens for o in ok),
-        "duration_s": span_s,
-        "wall_s": wall_s,
-    }
-    for p in PERCENTILES:
-        out[f"ttft_p{p}_s"] = percentile_of(ttfts, p)
-    for p in PERCENTILES:
-        out[f"tbt_p{p}_s"] = percentile_of(gaps, p)
-    errors = sorted({o.error for o in outcomes if o.error and not o.rejected})
-    if errors:
-        out["errors"] = errors[:5]
-    return out
-
-
-def plot_cdfs(outcomes: Sequence[Outcome], directory: str) -> list[str]:
-    """``ttft_cdf.png`` and ``tbt_cdf.png`` in ``directory``; returns the paths."""
-    try:
-        import matplotlib
-    except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'kvpool[plot]'") from None
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(directory, exist_ok=True)
-    ok = [o for o in outcomes if o.ok]
-    series = {
-        "ttft": ([o.ttft for o in ok if o.ttft is not None], "TTFT (s)"),
-        "tbt": ([g for o in ok for g in o.gaps], "time between tokens (s)"),
-    }
-    paths = []
-    for name, (values, label) in series.items():
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        xs = sorted(values)
-        if xs:
-            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post")
-        ax.set_xlabel(label)
-        ax.set_ylabel("CDF")
-        ax.set_ylim(0, 1.01)
-        ax.grid(True, alpha=0.3)
-        ax.set_title(f"{name.upper()} CDF ({len(xs)} samples)")
-        fig.tight_layout()
-        path = os.path.join(directory, f"{name}_cdf.png")
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
-        paths.append(path)
-    return paths
-
-
 def replay(
     url: str,
     records: Sequence[Any],
@@ -444,84 +284,3 @@ def replay(
     if plot_dir:
         result["plots"] = plot_cdfs(outcomes, plot_dir)
     return result
-
-
-def register(subparsers: Any) -> None:
-    p = subparsers.add_parser(
-        "replay",
-        help="replay a trace against a running server (TTFT/TBT, SLOs, goodput)",
-        description="Send each trace request at its (scaled) timestamp to an OpenAI-compatible "
-        "/v1/completions endpoint, streaming, and report latency percentiles, SLO attainment, "
-        "goodput, rejections (429) and the prefix hit ratio.",
-    )
-    p.add_argument("trace", help="JSON-lines trace (kvpool trace synth)")
-    p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--speed", type=float, default=1.0, help="arrival rate multiplier")
-    p.add_argument("--limit", type=int, default=0, help="first N requests only")
-    p.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block sent")
-    p.add_argument("--trace-block-tokens", type=int, default=512)
-    p.add_argument(
-        "--scale-input",
-        type=float,
-        default=None,
-        help="prompt length factor (default block-tokens / trace-block-tokens)",
-    )
-    p.add_argument("--scale-output", type=float, default=1.0, help="reply length factor")
-    p.add_argument("--max-input", type=int, default=0, help="cap prompt tokens (0: none)")
-    p.add_argument("--max-output", type=int, default=0, help="cap max_tokens (0: none)")
-    p.add_argument("--vocab-size", type=int, default=256, help="token ids drawn below this")
-    p.add_argument("--ttft-slo", type=float, default=10.0, help="x unloaded TTFT")
-    p.add_argument("--tbt-slo", type=float, default=5.0, help="x unloaded TBT")
-    p.add_argument("--ttft-slo-s", type=float, default=None, help="absolute TTFT SLO (s)")
-    p.add_argument("--tbt-slo-s", type=float, default=None, help="absolute TBT SLO (s)")
-    p.add_argument("--cost-model", default=None, help="kvpool calibrate JSON for TTFT SLOs")
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
-    p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--json", default=None, help="write the summary here")
-    p.add_argument("--plot", default=None, metavar="DIR", help="write latency CDF PNGs here")
-    p.set_defaults(func=_run_cli)
-
-
-def _run_cli(args: argparse.Namespace) -> int:
-    from kvpool.serve.sched.cost_model import PrefillCostModel
-    from kvpool.workload.traces import load_for_command
-
-    records = load_for_command(
-        args.trace,
-        "replay",
-        block_tokens=args.trace_block_tokens,
-        limit=args.limit,
-        allow_empty=False,
-    )
-    if records is None:
-        return 2
-    model = PrefillCostModel.load(args.cost_model) if args.cost_model else None
-    try:
-        result = replay(
-            args.url,
-            records,
-            speed=args.speed,
-            block_tokens=args.block_tokens,
-            scale_input=args.scale_input,
-            scale_output=args.scale_output,
-            max_input=args.max_input,
-            max_output=args.max_output,
-            vocab_size=args.vocab_size,
-            ttft_mult=args.ttft_slo,
-            tbt_mult=args.tbt_slo,
-            ttft_slo_s=args.ttft_slo_s,
-            tbt_slo_s=args.tbt_slo_s,
-            cost_model=model,
-            progress=not args.no_progress,
-            timeout=args.timeout,
-            plot_dir=args.plot,
-        )
-    except (RuntimeError, ValueError) as exc:
-        print(f"kvpool replay: {exc}", file=sys.stderr)
-        return 1
-    text = json.dumps(result, indent=2)
-    if args.json:
-        with open(args.json, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
-    print(text)
-    return 0

@@ -1,0 +1,136 @@
+"""``kvpool plan TRACE``: run the capacity planner and print its report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from kvpool.serve.sched import plan as planner
+from kvpool.serve.sched.conductor import SLO
+from kvpool.serve.sched.cost_model import analytic_cluster
+from kvpool.serve.sched.plan import CURVE_KEYS, Planner, pool_sizing, rank_key
+from kvpool.serve.sched.plan_report import format_report, plot_curve
+from kvpool.serve.sched.sim.config import SimConfig
+from kvpool.workload.traces import load_for_command
+
+
+def register(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "plan",
+        help="capacity planner: prefill/decode split, smallest cluster, pool sizing",
+        description=(planner.__doc__ or "").split("\n\n")[0] or None,
+    )
+    p.add_argument("trace", help="JSON-lines trace")
+    p.add_argument("--nodes", type=int, default=20, help="cluster size to split")
+    p.add_argument("--slo-ttft", type=float, default=10.0, help="x unloaded TTFT (P90)")
+    p.add_argument("--slo-tbt", type=float, default=5.0, help="x unloaded TBT (P90)")
+    p.add_argument("--speed", type=float, default=1.0, help="arrival rate multiplier")
+    p.add_argument("--cpp-groups", default="1,2", help="pipeline group sizes to try")
+    p.add_argument("--router", default="conductor")
+    p.add_argument("--rejection", default="none")
+    p.add_argument("--capacity-blocks", type=int, default=8192, help="pool blocks per node")
+    p.add_argument("--policy", default="lru", help="eviction policy in the cluster simulation")
+    p.add_argument("--limit", type=int, default=0, help="first N requests only")
+    p.add_argument("--target-speed", type=float, default=None, help="for the smallest cluster")
+    p.add_argument("--attainment", type=float, default=0.9, help="share within both SLOs")
+    p.add_argument("--max-nodes", type=int, default=128)
+    p.add_argument("--policies", default="lru,s3fifo,leaf-s3", help="pool sizing policies")
+    p.add_argument("--dram-blocks", default=None, help="comma list (default: from the trace)")
+    p.add_argument("--ssd-blocks", default=None, help="comma list (default: from the trace)")
+    p.add_argument("--no-pool-sizing", action="store_true")
+    p.add_argument("--model", default="llama2-70b")
+    p.add_argument("--block-tokens", type=int, default=512)
+    p.add_argument("--json", default=None, metavar="F")
+    p.add_argument("--plot", default=None, metavar="F.png", help="default: next to --json")
+    p.set_defaults(func=_run_cli)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x.strip()]
+
+
+def plan(args: argparse.Namespace, records: Sequence[Any]) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    base = SimConfig(
+        speed=args.speed,
+        router=args.router,
+        rejection=args.rejection,
+        capacity_blocks=args.capacity_blocks,
+        policy=args.policy,
+        slo=SLO(args.slo_ttft, args.slo_tbt),
+        model=args.model,
+        block_tokens=args.block_tokens,
+    )
+    planner = Planner(records, base, _ints(args.cpp_groups))
+    if args.nodes < 2:
+        raise ValueError("--nodes must be >= 2")
+    curve = planner.curve(args.nodes, args.speed)
+    best = max(curve, key=rank_key)
+    coupled = planner.run(coupled=args.nodes, prefill=0, decode=0, speed=args.speed)
+    target = args.speed if args.target_speed is None else args.target_speed
+    smallest = planner.smallest_cluster(target, args.attainment, args.max_nodes)
+    sizing: list[dict[str, Any]] = []
+    if not args.no_pool_sizing:
+        unique = len({k for ks in planner.keys for k in ks})
+        dram = _ints(args.dram_blocks) if args.dram_blocks else _fractions(unique, (32, 8, 2))
+        ssd = _ints(args.ssd_blocks) if args.ssd_blocks else [0, *_fractions(unique, (4, 1))]
+        cost = analytic_cluster(args.model, block_tokens=args.block_tokens)
+        policies = [p for p in args.policies.split(",") if p.strip()]
+        sizing = pool_sizing(planner.records, planner.keys, cost, policies, dram, ssd)
+    return {
+        "best": {k: best[k] for k in CURVE_KEYS},
+        "curve": curve,
+        "coupled_goodput_rps": coupled["goodput_rps"],
+        "coupled": {
+            k: coupled[k] for k in ("goodput_rps", "ttft_slo_attainment", "tbt_slo_attainment")
+        },
+        "smallest_cluster": smallest,
+        "pool_sizing": sizing,
+        "config": {
+            "trace": args.trace,
+            "requests": len(planner.records),
+            "nodes": args.nodes,
+            "speed": args.speed,
+            "slo_ttft": args.slo_ttft,
+            "slo_tbt": args.slo_tbt,
+            "cpp_groups": planner.cpp_groups,
+            "router": args.router,
+            "model": args.model,
+            "simulations": planner.runs,
+            "wall_s": time.perf_counter() - t0,
+        },
+    }
+
+
+def _fractions(unique: int, divisors: Sequence[int]) -> list[int]:
+    return sorted({max(1, unique // d) for d in divisors})
+
+
+def _run_cli(args: argparse.Namespace) -> int:
+    records = load_for_command(
+        args.trace, "plan", block_tokens=args.block_tokens, limit=args.limit, allow_empty=False
+    )
+    if records is None:
+        return 2
+    try:
+        out = plan(args, records)
+    except ValueError as exc:
+        print(f"kvpool plan: {exc}", file=sys.stderr)
+        return 2
+    print(format_report(out))
+    if args.json:
+        with open(args.json, "w", encoding="utf-8") as fh:
+            json.dump(out, fh, indent=2)
+            fh.write("\n")
+    plot = args.plot or (args.json.rsplit(".", 1)[0] + ".png" if args.json else None)
+    if plot:
+        try:
+            plot_curve(out, plot)
+            print(f"plot: {plot}")
+        except RuntimeError as exc:
+            print(f"kvpool plan: no plot: {exc}", file=sys.stderr)
+    return 0
