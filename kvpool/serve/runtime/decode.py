@@ -226,6 +226,30 @@ class DecodeEngine:
             done[req.request_id] = req.output
         return done
 
+    def cancel(self, request_ids: set[str]) -> set[str]:
+        """Drop the waiting and running requests with these ids (pages freed; a waiting
+        one's tail block removed from the pool); returns the ids dropped. Requests
+        still loading are left alone: cancel them once they joined the batch."""
+        dropped: set[str] = set()
+        for req in [r for r in self.waiting if r.request_id in request_ids]:
+            self.waiting.remove(req)
+            self._drop_tail(req.handoff)
+            dropped.add(req.request_id)
+        for req in [r for r in self.running if r.request_id in request_ids]:
+            self.running.remove(req)
+            self._finish(req)
+            dropped.add(req.request_id)
+        return dropped
+
+    def abandon(self) -> list[DecodeRequest]:
+        """Take every running and waiting request out of the engine (pages freed) and
+        return them, e.g. to fail them all after a step raised."""
+        reqs = [*self.running, *self.waiting]
+        self.running, self.waiting = [], deque()
+        for req in reqs:
+            self._finish(req)
+        return reqs
+
     def _emit(self, req: DecodeRequest, token: int) -> TokenEvent:
         req.output.append(token)
         req.token_times.append(time.perf_counter())
