@@ -5,26 +5,21 @@ adds its parser and sets ``func`` to a callable taking the parsed args and
 returning an exit code. Modules keep heavy imports (torch) inside their run
 functions so ``kvpool --version`` stays fast.
 
-One way to fail: bad arguments are argparse usage errors (``kvpool.args``
-types; exit status 2); an expected failure while running (a kvpool error,
-a bad value, an unusable file or address) is one line on stderr,
-``kvpool COMMAND: error: MESSAGE``, and exit status 1. Never a traceback,
-unless ``KVPOOL_TRACEBACK=1`` asks for one (for bug reports).
+One way to fail (``kvpool.failures``): bad arguments are argparse usage
+errors (``kvpool.args`` types; exit status 2); an expected failure while
+running is one line on stderr, ``kvpool COMMAND: error: MESSAGE``, and
+exit status 1. Never a traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import sys
 from collections.abc import Sequence
 
 from kvpool import __version__
-from kvpool.errors import KVPoolError
-
-#: Failures a command reports as one line (anything else is a bug: traceback).
-EXPECTED_FAILURES = (KVPoolError, ValueError, OSError)
+from kvpool.failures import run_command
 
 SUBCOMMANDS: list[str] = [
     "kvpool.cluster.commands",
@@ -58,15 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    try:
-        return int(args.func(args) or 0)
-    except KeyboardInterrupt:
-        return 130
-    except EXPECTED_FAILURES as exc:
-        if os.environ.get("KVPOOL_TRACEBACK") == "1":
-            raise
-        print(f"kvpool {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+    return run_command(f"kvpool {args.command}", args.func, args)
 
 
 if __name__ == "__main__":

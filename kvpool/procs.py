@@ -18,7 +18,7 @@ lines for diagnostics. Stopping sends SIGTERM to the child's group, waits,
 then SIGKILL. Waiting always has a deadline: a silent child never hangs
 its parent.
 
-This module sits at the bottom layer: it imports nothing of kvpool.
+This module sits at the bottom layer: it imports only ``kvpool.errors``.
 """
 
 from __future__ import annotations
@@ -36,12 +36,20 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from kvpool.errors import KVPoolError
+
 #: The ready line: ``... on HOST:PORT`` or ``... on SCHEME://HOST:PORT``.
 READY = re.compile(
     r"\bon (?:(?P<scheme>[a-z][a-z0-9+.-]*)://)?"
     r"(?P<host>[\w.-]+|\[[0-9a-fA-F:.]+\]):(?P<port>\d+)"
 )
 _SHM = "/dev/shm"
+
+
+class ChildStartError(KVPoolError, RuntimeError):
+    """A child exited, or stayed silent past its deadline, before its ready line."""
+
+
 _TAIL_LINES = 20
 
 
@@ -163,7 +171,7 @@ def start(
 
 
 def wait_ready(child: Child, timeout: float = 60.0, cancel: threading.Event | None = None) -> Child:
-    """Wait for the child's ready line; stop it and raise RuntimeError if the child
+    """Wait for the child's ready line; stop it and raise ChildStartError if the child
     exits, ``timeout`` seconds pass or ``cancel`` is set first."""
     deadline = time.monotonic() + timeout
     while not child.ready.wait(0.05):
@@ -173,7 +181,7 @@ def wait_ready(child: Child, timeout: float = 60.0, cancel: threading.Event | No
             or (cancel is not None and cancel.is_set())
         ):
             child.stop(1.0)
-            raise RuntimeError(f"{child.name} did not start; last output: {child.tail[-5:]}")
+            raise ChildStartError(f"{child.name} did not start; last output: {child.tail[-5:]}")
     return child
 
 
@@ -222,7 +230,7 @@ def wait_for_ready(
     lines: list[str] | None = None,
 ) -> re.Match[str]:
     """For a child the caller started itself (stdout piped): the first stdout line
-    matching ``pattern``; RuntimeError (child killed) if the child exits, or
+    matching ``pattern``; ChildStartError (child killed) if the child exits, or
     ``timeout`` seconds pass, first. Every line read is appended to ``lines``
     when given (for diagnostics). The caller drains stdout afterwards if the
     child keeps writing."""
@@ -244,7 +252,7 @@ def wait_for_ready(
     popen.kill()
     popen.wait(10)
     seen = "".join(lines or [])[-2000:]
-    raise RuntimeError(f"{popen.args!r} did not become ready within {timeout} s: {seen}")
+    raise ChildStartError(f"{popen.args!r} did not become ready within {timeout} s: {seen}")
 
 
 def stop_by_stdin(popen: subprocess.Popen[str], wait_s: float) -> None:

@@ -245,7 +245,7 @@ def test_metrics(server: Server) -> None:
 
 
 def test_bench_serve_load(server: Server) -> None:
-    from kvpool.bench.serve import format_result, run_load
+    from kvpool.serve.runtime.http.load import format_result, run_load
 
     result = run_load(
         server.url, concurrency=3, requests=6, max_tokens=5, prompt_tokens=40, shared_prefix=32

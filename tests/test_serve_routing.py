@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvpool.bench.serve import _common_prefix, make_prompts, percentiles
+from kvpool.serve.runtime.http.load import common_prefix, make_prompts, percentiles
 from kvpool.serve.sched.presets import get_preset
 from kvpool.serve.sched.router_api import (
     DECODE,
@@ -58,7 +58,7 @@ def test_registry_builds_routers_from_context() -> None:
 def test_bench_helpers() -> None:
     prompts = make_prompts(5, 40, 30, seed=1)
     assert all(len(p) == 40 for p in prompts)
-    assert _common_prefix(prompts) >= 30
+    assert common_prefix(prompts) >= 30
     pct = percentiles([0.001 * i for i in range(1, 101)])
     assert pct["p50"] == pytest.approx(51.0) and pct["p99"] == pytest.approx(100.0)
 

@@ -29,12 +29,13 @@ import argparse
 import json
 import sys
 import time
-from typing import Any
+from typing import Any, cast
 
+from kvpool.api import KVStore
 from kvpool.serve.sched.cost_model import PrefillCostModel, fit_prefill, grid, summarize_fit
 
 
-def measure_bandwidth(pool: Any, block_bytes: int, blocks: int = 16) -> float:
+def measure_bandwidth(pool: KVStore, block_bytes: int, blocks: int = 16) -> float:
     """Bytes per second of put + get round trips of ``block_bytes`` values (median)."""
     import os
 
@@ -86,7 +87,8 @@ def calibrate(
     block_bytes = cfg.kv_bytes_per_token * block_tokens
     need = sum(lengths) * 4 * repeats * cfg.kv_bytes_per_token * 2 + (64 << 20)
     samples: list[tuple[int, int, float]] = []
-    with kvpool.Pool.embedded(dram_bytes=need) as pool:
+    with kvpool.Pool.embedded(dram_bytes=need) as embedded:
+        pool = cast(KVStore, embedded)  # the contract PrefillWorker types against
         worker = PrefillWorker(model, pool, chunk_tokens=512)
         try:
             # warm-up: first calls pay allocation and kernel selection
@@ -119,7 +121,7 @@ def calibrate(
             worker.close()
     if pool_url is not None:
         with kvpool.connect(pool_url) as remote:
-            bandwidth = measure_bandwidth(remote, block_bytes)
+            bandwidth = measure_bandwidth(cast(KVStore, remote), block_bytes)
     fit = fit_prefill(samples, model=cfg.name, source="kvpool calibrate")
     fit.meta.update(
         {"block_tokens": block_tokens, "threads": torch.get_num_threads(), "grid": lengths}

@@ -36,11 +36,11 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import wait as futures_wait
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from torch import Tensor
 
+from kvpool.api import KVStore
 from kvpool.index.keys import Namespace
 from kvpool.serve.runtime.kv_io import BlockLayerLoader, tail_layout
 from kvpool.serve.runtime.model import Transformer
@@ -144,7 +144,7 @@ class DecodeEngine:
     def __init__(
         self,
         model: Transformer,
-        pool: Any,
+        pool: KVStore,
         *,
         num_pages: int = 1024,
         page_tokens: int = 16,

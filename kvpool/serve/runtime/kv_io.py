@@ -40,6 +40,7 @@ import torch
 import xxhash
 from torch import Tensor
 
+from kvpool.api import KVStore
 from kvpool.index.keys import Namespace, token_array
 from kvpool.layout import KVLayout
 
@@ -63,7 +64,7 @@ def tail_layout(layout: KVLayout, tokens: int) -> KVLayout:
     return KVLayout(layout.num_layers, layout.num_kv_heads, layout.head_dim, layout.dtype, tokens)
 
 
-def layerwise_api(pool: Any, kind: str) -> Callable[..., Any] | None:
+def layerwise_api(pool: KVStore, kind: str) -> Callable[..., Any] | None:
     """``pool.layer_writer``/``layer_reader`` (``kind`` "writer"/"reader"), or the
     ``kvpool.layerwise`` class bound to ``pool``, or None when neither exists."""
     method = getattr(pool, f"layer_{kind}", None)
@@ -77,7 +78,7 @@ def layerwise_api(pool: Any, kind: str) -> Callable[..., Any] | None:
     return None if cls is None else functools.partial(cls, pool)
 
 
-def _pick(pool: Any, kind: str, native: bool | None) -> Callable[..., Any] | None:
+def _pick(pool: KVStore, kind: str, native: bool | None) -> Callable[..., Any] | None:
     if native is False:
         return None
     api = layerwise_api(pool, kind)
@@ -102,7 +103,7 @@ class BlockLayerWriter:
 
     def __init__(
         self,
-        pool: Any,
+        pool: KVStore,
         keys: Sequence[bytes],
         layout: KVLayout,
         *,
@@ -198,7 +199,7 @@ class BlockLayerLoader:
 
     def __init__(
         self,
-        pool: Any,
+        pool: KVStore,
         keys: Sequence[bytes],
         layout: KVLayout,
         dest: KVBuffers,

@@ -33,6 +33,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvpool.api import KVStore
 from kvpool.index.keys import Namespace, block_keys, root_key, token_array
 from kvpool.serve.runtime.kv_io import BlockLayerLoader, BlockLayerWriter, tail_key, tail_layout
 from kvpool.serve.runtime.model import Transformer
@@ -89,7 +90,7 @@ class PrefillWorker:
     def __init__(
         self,
         model: Transformer,
-        pool: Any,
+        pool: KVStore,
         *,
         chunk_tokens: int = 512,
         namespace: Namespace | None = None,

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
 
+from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.errors import KVPoolError
 from kvpool.index.keys import block_keys
 from kvpool.serve.runtime.http.fleet import WorkerFleet
@@ -180,18 +181,20 @@ class Dispatcher:
         commits the blocks); any failure is a 502 and nothing half-written stays."""
         from kvpool.serve.runtime.pipeline import pipeline_prefill
 
+        pool = self.pool  # stages write into a cluster pool's reservations
         with self.fleet.lock:
-            clients = [h.client for h in stages]
-            if self.pool is None or not all(h.alive for h in stages) or None in clients:
+            clients = [h.client for h in stages if h.client is not None]
+            ready = len(clients) == len(stages) and all(h.alive for h in stages)
+            if not isinstance(pool, RemotePool) or not ready:
                 raise ApiError(503, f"pipeline group {group} is not available", "server_error")
             for h in stages:  # counts as queued work on every member (routing, /health)
                 h.inflight[req.id] = req
         try:
             res = await run_in_threadpool(
                 pipeline_prefill,
-                self.pool,
+                pool,
                 self.settings.model,
-                clients,  # type: ignore[arg-type]
+                clients,
                 req.tokens,
                 chunk_tokens=self.settings.chunk_tokens,
                 request_id=req.id,
