@@ -30,18 +30,23 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.args import positive_int, positive_ints, size_arg
 from kvpool.bench.common import write_json
 from kvpool.procs import Child, spawn_kvpool
 
 
 def register_cpp(suites: Any) -> None:
     p = suites.add_parser("cpp", help="long-prompt TTFT: 1 prefill worker vs a k-stage pipeline")
-    p.add_argument("--tokens", type=int, default=16384)
-    p.add_argument("--stages", type=int, default=2)
+    p.add_argument("--tokens", type=positive_int, default=16384)
+    p.add_argument("--stages", type=positive_int, default=2)
     p.add_argument("--preset", default="tiny")
-    p.add_argument("--chunks", default="512,1024,2048,4096", help="chunk sizes to sweep")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--dram", default="512MiB", help="the node's DRAM (holds a few prompts)")
+    p.add_argument(
+        "--chunks", type=positive_ints, default="512,1024,2048,4096", help="chunk sizes to sweep"
+    )
+    p.add_argument("--rounds", type=positive_int, default=3)
+    p.add_argument(
+        "--dram", type=size_arg, default="512MiB", help="the node's DRAM (holds a few prompts)"
+    )
     p.add_argument("--json", default=None, metavar="F")
     p.set_defaults(func=_run)
 
@@ -145,11 +150,8 @@ def run_cpp(
 
 
 def _run(args: argparse.Namespace) -> int:
-    chunks = [int(c) for c in args.chunks.split(",") if c.strip()]
-    if not chunks or min(chunks) <= 0:
-        raise SystemExit("--chunks needs positive chunk sizes")
     result = run_cpp(
-        args.tokens, args.stages, chunks, args.rounds, preset=args.preset, dram=args.dram
+        args.tokens, args.stages, args.chunks, args.rounds, preset=args.preset, dram=str(args.dram)
     )
     summary = {k: v for k, v in result.items() if k != "runs"}
     print(json.dumps(summary, indent=2))

@@ -28,6 +28,7 @@ from typing import Any, cast
 
 from kvpool import procs
 from kvpool.api import KVStore
+from kvpool.args import non_negative_int, positive_int
 from kvpool.bench.common import write_json
 from kvpool.serve.runtime.http.load import (
     LoadResult,
@@ -154,16 +155,18 @@ def start_server(extra: list[str], timeout: float = 120.0) -> procs.Child:
 def register_serve(suites: Any) -> None:
     p = suites.add_parser("serve", help="concurrent streaming completions against kvpool serve")
     p.add_argument("--url", default=None, help="a running server (default: start one)")
-    p.add_argument("--concurrency", type=int, default=8)
-    p.add_argument("--requests", type=int, default=64)
-    p.add_argument("--max-tokens", type=int, default=32)
-    p.add_argument("--prompt-tokens", type=int, default=256)
-    p.add_argument("--shared-prefix", type=int, default=128)
+    p.add_argument("--concurrency", type=positive_int, default=8)
+    p.add_argument("--requests", type=positive_int, default=64)
+    p.add_argument("--max-tokens", type=positive_int, default=32)
+    p.add_argument("--prompt-tokens", type=positive_int, default=256)
+    p.add_argument("--shared-prefix", type=non_negative_int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="tiny", help="(own server) model preset")
-    p.add_argument("--prefill", type=int, default=1, help="(own server) prefill workers")
-    p.add_argument("--decode", type=int, default=1, help="(own server) decode workers")
-    p.add_argument("--block-tokens", type=int, default=64, help="(own server) pool block size")
+    p.add_argument("--prefill", type=positive_int, default=1, help="(own server) prefill workers")
+    p.add_argument("--decode", type=positive_int, default=1, help="(own server) decode workers")
+    p.add_argument(
+        "--block-tokens", type=positive_int, default=64, help="(own server) pool block size"
+    )
     p.add_argument(
         "--no-baseline",
         action="store_true",

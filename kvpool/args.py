@@ -209,3 +209,25 @@ pool_url_arg = _argtype("pool URL", _pool_url)
 positive_int = _argtype("positive int", _positive_int)
 non_negative_int = _argtype("int >= 0", _non_negative_int)
 port_arg = _argtype("port", _port)
+
+
+def _positive_ints(text: str) -> list[int]:
+    values = [_positive_int(part.strip()) for part in text.split(",") if part.strip()]
+    if not values:
+        raise ValueError(f"expected a comma-separated list of positive integers, got {text!r}")
+    return values
+
+
+#: "512,1024" -> [512, 1024] (each > 0, at least one).
+positive_ints = _argtype("positive ints", _positive_ints)
+
+
+def _non_negative_ints(text: str) -> list[int]:
+    values = [_non_negative_int(part.strip()) for part in text.split(",") if part.strip()]
+    if not values:
+        raise ValueError(f"expected a comma-separated list of integers >= 0, got {text!r}")
+    return values
+
+
+#: "0,4096" -> [0, 4096] (each >= 0, at least one).
+non_negative_ints = _argtype("ints >= 0", _non_negative_ints)

@@ -121,7 +121,7 @@ def test_cli_writes_json(tmp_path, trace) -> None:
     assert rc == 0
     data = json.loads(out.read_text())
     assert data["requests"] == 100 and set(KEYS) <= set(data)
-    assert main(["sim", str(path), "--prefill", "3", "--cpp-group", "2"]) == 2  # not a multiple
+    assert main(["sim", str(path), "--prefill", "3", "--cpp-group", "2"]) == 1  # not a multiple
 
 
 def test_sim_report_tables(tmp_path, trace) -> None:

@@ -93,7 +93,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--demo", action="store_true", help="serve a short synthetic load and exit")
     p.add_argument("--demo-requests", type=positive_int, default=12)
     p.add_argument(
-        "--log-level", type=str.upper, default="WARNING", help="DEBUG, INFO, WARNING, ..."
+        "--log-level",
+        type=str.upper,
+        choices=sorted(logging.getLevelNamesMapping()),
+        default="WARNING",
+        metavar="LEVEL",
+        help="logging level of this process and the workers (DEBUG, INFO, WARNING, ...)",
     )
 
 
@@ -120,6 +125,9 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--prefill {args.prefill} is not a multiple of --cpp-group {args.cpp_group}"
         )
+    from kvpool.serve.runtime.launcher import ServeRuntime
+
+    runtime = ServeRuntime(args)  # checks the model and groups before anything starts
     state = {"stopping": False}
 
     def on_signal(_sig: int, _frame: Any) -> None:
@@ -129,9 +137,6 @@ def run(args: argparse.Namespace) -> int:
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, on_signal)
-    from kvpool.serve.runtime.launcher import ServeRuntime
-
-    runtime = ServeRuntime(args)
     try:
         runtime.start()
         if args.demo:

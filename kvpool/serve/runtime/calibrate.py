@@ -32,6 +32,7 @@ import time
 from typing import Any, cast
 
 from kvpool.api import KVStore
+from kvpool.args import non_negative_int, pool_url_arg, positive_int
 from kvpool.serve.sched.cost_model import PrefillCostModel, fit_prefill, grid, summarize_fit
 
 
@@ -143,39 +144,42 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--model", default="tiny", help="preset (tiny on a CPU)")
     p.add_argument("--out", default=None, help="JSON file (default cost_model_<model>.json)")
-    p.add_argument("--max-tokens", type=int, default=4096, help="longest prompt on the grid")
-    p.add_argument("--points", type=int, default=6, help="prompt lengths on the grid")
-    p.add_argument("--block-tokens", type=int, default=64)
-    p.add_argument("--repeats", type=int, default=3, help="timings per point (min is kept)")
+    p.add_argument(
+        "--max-tokens", type=positive_int, default=4096, help="longest prompt on the grid"
+    )
+    p.add_argument("--points", type=positive_int, default=6, help="prompt lengths on the grid")
+    p.add_argument("--block-tokens", type=positive_int, default=64)
+    p.add_argument(
+        "--repeats", type=positive_int, default=3, help="timings per point (min is kept)"
+    )
     p.add_argument(
         "--threads",
-        type=int,
+        type=non_negative_int,
         default=1,
         help="torch threads (default 1: stable timings on a shared 2-core machine; "
         "0 keeps torch's default)",
     )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
-        "--pool", default=None, help="kvpool://HOST:PORT: measure this cluster's bandwidth"
+        "--pool",
+        type=pool_url_arg,
+        default=None,
+        help="kvpool://HOST:PORT: measure this cluster's bandwidth",
     )
     p.set_defaults(func=_run_cli)
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    try:
-        result = calibrate(
-            args.model,
-            max_tokens=args.max_tokens,
-            points=args.points,
-            block_tokens=args.block_tokens,
-            repeats=args.repeats,
-            threads=args.threads,
-            seed=args.seed,
-            pool_url=args.pool,
-        )
-    except (ValueError, OSError) as exc:
-        print(f"kvpool calibrate: {exc}", file=sys.stderr)
-        return 2
+    result = calibrate(
+        args.model,
+        max_tokens=args.max_tokens,
+        points=args.points,
+        block_tokens=args.block_tokens,
+        repeats=args.repeats,
+        threads=args.threads,
+        seed=args.seed,
+        pool_url=args.pool,
+    )
     out = args.out or f"cost_model_{args.model}.json"
     with open(out, "w", encoding="utf-8") as fh:
         json.dump(result, fh, indent=2)

@@ -9,6 +9,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool.args import non_negative_int, non_negative_ints, positive_int, positive_ints
 from kvpool.serve.sched import plan as planner
 from kvpool.serve.sched.conductor import SLO
 from kvpool.serve.sched.cost_model import analytic_cluster
@@ -25,32 +26,42 @@ def register(subparsers: Any) -> None:
         description=(planner.__doc__ or "").split("\n\n")[0] or None,
     )
     p.add_argument("trace", help="JSON-lines trace")
-    p.add_argument("--nodes", type=int, default=20, help="cluster size to split")
+    p.add_argument("--nodes", type=positive_int, default=20, help="cluster size to split")
     p.add_argument("--slo-ttft", type=float, default=10.0, help="x unloaded TTFT (P90)")
     p.add_argument("--slo-tbt", type=float, default=5.0, help="x unloaded TBT (P90)")
     p.add_argument("--speed", type=float, default=1.0, help="arrival rate multiplier")
-    p.add_argument("--cpp-groups", default="1,2", help="pipeline group sizes to try")
+    p.add_argument(
+        "--cpp-groups", type=positive_ints, default="1,2", help="pipeline group sizes to try"
+    )
     p.add_argument("--router", default="conductor")
     p.add_argument("--rejection", default="none")
-    p.add_argument("--capacity-blocks", type=int, default=8192, help="pool blocks per node")
+    p.add_argument(
+        "--capacity-blocks", type=non_negative_int, default=8192, help="pool blocks per node"
+    )
     p.add_argument("--policy", default="lru", help="eviction policy in the cluster simulation")
-    p.add_argument("--limit", type=int, default=0, help="first N requests only")
+    p.add_argument("--limit", type=non_negative_int, default=0, help="first N requests only")
     p.add_argument("--target-speed", type=float, default=None, help="for the smallest cluster")
     p.add_argument("--attainment", type=float, default=0.9, help="share within both SLOs")
-    p.add_argument("--max-nodes", type=int, default=128)
+    p.add_argument("--max-nodes", type=positive_int, default=128)
     p.add_argument("--policies", default="lru,s3fifo,leaf-s3", help="pool sizing policies")
-    p.add_argument("--dram-blocks", default=None, help="comma list (default: from the trace)")
-    p.add_argument("--ssd-blocks", default=None, help="comma list (default: from the trace)")
+    p.add_argument(
+        "--dram-blocks",
+        type=positive_ints,
+        default=None,
+        help="comma list (default: from the trace)",
+    )
+    p.add_argument(
+        "--ssd-blocks",
+        type=non_negative_ints,
+        default=None,
+        help="comma list (default: from the trace)",
+    )
     p.add_argument("--no-pool-sizing", action="store_true")
     p.add_argument("--model", default="llama2-70b")
-    p.add_argument("--block-tokens", type=int, default=512)
+    p.add_argument("--block-tokens", type=positive_int, default=512)
     p.add_argument("--json", default=None, metavar="F")
     p.add_argument("--plot", default=None, metavar="F.png", help="default: next to --json")
     p.set_defaults(func=_run_cli)
-
-
-def _ints(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
 
 
 def plan(args: argparse.Namespace, records: Sequence[Any]) -> dict[str, Any]:
@@ -65,7 +76,7 @@ def plan(args: argparse.Namespace, records: Sequence[Any]) -> dict[str, Any]:
         model=args.model,
         block_tokens=args.block_tokens,
     )
-    planner = Planner(records, base, _ints(args.cpp_groups))
+    planner = Planner(records, base, args.cpp_groups)
     if args.nodes < 2:
         raise ValueError("--nodes must be >= 2")
     curve = planner.curve(args.nodes, args.speed)
@@ -76,8 +87,8 @@ def plan(args: argparse.Namespace, records: Sequence[Any]) -> dict[str, Any]:
     sizing: list[dict[str, Any]] = []
     if not args.no_pool_sizing:
         unique = len({k for ks in planner.keys for k in ks})
-        dram = _ints(args.dram_blocks) if args.dram_blocks else _fractions(unique, (32, 8, 2))
-        ssd = _ints(args.ssd_blocks) if args.ssd_blocks else [0, *_fractions(unique, (4, 1))]
+        dram = args.dram_blocks if args.dram_blocks else _fractions(unique, (32, 8, 2))
+        ssd = args.ssd_blocks if args.ssd_blocks else [0, *_fractions(unique, (4, 1))]
         cost = analytic_cluster(args.model, block_tokens=args.block_tokens)
         policies = [p for p in args.policies.split(",") if p.strip()]
         sizing = pool_sizing(planner.records, planner.keys, cost, policies, dram, ssd)
@@ -116,11 +127,7 @@ def _run_cli(args: argparse.Namespace) -> int:
     )
     if records is None:
         return 2
-    try:
-        out = plan(args, records)
-    except ValueError as exc:
-        print(f"kvpool plan: {exc}", file=sys.stderr)
-        return 2
+    out = plan(args, records)
     print(format_report(out))
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

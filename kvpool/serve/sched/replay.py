@@ -43,7 +43,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.serve.sched.replay_results import Outcome, apply_slos, plot_cdfs, summarize
+from kvpool.serve.sched.cost_model import PrefillCostModel
+from kvpool.serve.sched.replay_results import (
+    Outcome,
+    ReplayError,
+    apply_slos,
+    plot_cdfs,
+    summarize,
+)
 from kvpool.workload.traces import tokens_for_request
 
 
@@ -199,7 +206,7 @@ async def _replay(
                 vocab_size,
             )
             if not probe_out.ok:
-                raise RuntimeError(f"probe request failed: {probe_out.error}")
+                raise ReplayError(f"probe request failed: {probe_out.error}")
         bar = Progress(len(plan.prompts), progress)
         outcomes = [
             Outcome(i, len(p), m)
@@ -235,7 +242,7 @@ def replay(
     tbt_mult: float = 5.0,
     ttft_slo_s: float | None = None,
     tbt_slo_s: float | None = None,
-    cost_model: Any = None,
+    cost_model: PrefillCostModel | None = None,
     probe: bool = True,
     progress: bool = True,
     timeout: float = 600.0,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
+from kvpool.args import non_negative_int, positive_int
 from kvpool.serve.sched.cost_model import PrefillCostModel
 from kvpool.serve.sched.replay import replay
 from kvpool.workload.traces import load_for_command
@@ -23,9 +23,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("trace", help="JSON-lines trace (kvpool trace synth)")
     p.add_argument("--url", default="http://127.0.0.1:8000")
     p.add_argument("--speed", type=float, default=1.0, help="arrival rate multiplier")
-    p.add_argument("--limit", type=int, default=0, help="first N requests only")
-    p.add_argument("--block-tokens", type=int, default=512, help="tokens per trace block sent")
-    p.add_argument("--trace-block-tokens", type=int, default=512)
+    p.add_argument("--limit", type=non_negative_int, default=0, help="first N requests only")
+    p.add_argument(
+        "--block-tokens", type=positive_int, default=512, help="tokens per trace block sent"
+    )
+    p.add_argument("--trace-block-tokens", type=positive_int, default=512)
     p.add_argument(
         "--scale-input",
         type=float,
@@ -33,9 +35,15 @@ def register(subparsers: Any) -> None:
         help="prompt length factor (default block-tokens / trace-block-tokens)",
     )
     p.add_argument("--scale-output", type=float, default=1.0, help="reply length factor")
-    p.add_argument("--max-input", type=int, default=0, help="cap prompt tokens (0: none)")
-    p.add_argument("--max-output", type=int, default=0, help="cap max_tokens (0: none)")
-    p.add_argument("--vocab-size", type=int, default=256, help="token ids drawn below this")
+    p.add_argument(
+        "--max-input", type=non_negative_int, default=0, help="cap prompt tokens (0: none)"
+    )
+    p.add_argument(
+        "--max-output", type=non_negative_int, default=0, help="cap max_tokens (0: none)"
+    )
+    p.add_argument(
+        "--vocab-size", type=positive_int, default=256, help="token ids drawn below this"
+    )
     p.add_argument("--ttft-slo", type=float, default=10.0, help="x unloaded TTFT")
     p.add_argument("--tbt-slo", type=float, default=5.0, help="x unloaded TBT")
     p.add_argument("--ttft-slo-s", type=float, default=None, help="absolute TTFT SLO (s)")
@@ -59,29 +67,25 @@ def _run_cli(args: argparse.Namespace) -> int:
     if records is None:
         return 2
     model = PrefillCostModel.load(args.cost_model) if args.cost_model else None
-    try:
-        result = replay(
-            args.url,
-            records,
-            speed=args.speed,
-            block_tokens=args.block_tokens,
-            scale_input=args.scale_input,
-            scale_output=args.scale_output,
-            max_input=args.max_input,
-            max_output=args.max_output,
-            vocab_size=args.vocab_size,
-            ttft_mult=args.ttft_slo,
-            tbt_mult=args.tbt_slo,
-            ttft_slo_s=args.ttft_slo_s,
-            tbt_slo_s=args.tbt_slo_s,
-            cost_model=model,
-            progress=not args.no_progress,
-            timeout=args.timeout,
-            plot_dir=args.plot,
-        )
-    except (RuntimeError, ValueError) as exc:
-        print(f"kvpool replay: {exc}", file=sys.stderr)
-        return 1
+    result = replay(
+        args.url,
+        records,
+        speed=args.speed,
+        block_tokens=args.block_tokens,
+        scale_input=args.scale_input,
+        scale_output=args.scale_output,
+        max_input=args.max_input,
+        max_output=args.max_output,
+        vocab_size=args.vocab_size,
+        ttft_mult=args.ttft_slo,
+        tbt_mult=args.tbt_slo,
+        ttft_slo_s=args.ttft_slo_s,
+        tbt_slo_s=args.tbt_slo_s,
+        cost_model=model,
+        progress=not args.no_progress,
+        timeout=args.timeout,
+        plot_dir=args.plot,
+    )
     text = json.dumps(result, indent=2)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

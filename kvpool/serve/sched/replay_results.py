@@ -14,7 +14,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.errors import KVPoolError
+from kvpool.serve.sched.cost_model import PrefillCostModel
+
 PERCENTILES = (50, 90, 99)
+
+
+class ReplayError(KVPoolError, RuntimeError):
+    """The replay cannot go on (its probe request failed) or cannot report (no matplotlib)."""
 
 
 @dataclass
@@ -70,7 +77,7 @@ def apply_slos(
     *,
     ttft_mult: float,
     tbt_mult: float,
-    cost_model: Any = None,
+    cost_model: PrefillCostModel | None = None,
     ttft_slo_s: float | None = None,
     tbt_slo_s: float | None = None,
 ) -> dict[str, Any]:
@@ -145,7 +152,7 @@ def plot_cdfs(outcomes: Sequence[Outcome], directory: str) -> list[str]:
     try:
         import matplotlib
     except ImportError:
-        raise RuntimeError("--plot needs matplotlib: pip install 'kvpool[plot]'") from None
+        raise ReplayError("--plot needs matplotlib: pip install 'kvpool[plot]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

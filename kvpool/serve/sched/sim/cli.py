@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from typing import Any
 
+from kvpool.args import non_negative_int, positive_int
 from kvpool.serve.sched.admission import REJECTIONS
 from kvpool.serve.sched.conductor import ROUTE_FNS, SLO
 from kvpool.serve.sched.sim.config import SimConfig
@@ -23,9 +23,11 @@ def register(subparsers: Any) -> None:
         "a JSON-lines trace with the real conductor, index and eviction policies.",
     )
     p.add_argument("trace", help="JSON-lines trace (kvpool trace synth)")
-    p.add_argument("--prefill", type=int, default=10, help="prefill nodes")
-    p.add_argument("--decode", type=int, default=10, help="decode nodes")
-    p.add_argument("--coupled", type=int, default=0, help="N coupled prefill+decode nodes instead")
+    p.add_argument("--prefill", type=non_negative_int, default=10, help="prefill nodes")
+    p.add_argument("--decode", type=non_negative_int, default=10, help="decode nodes")
+    p.add_argument(
+        "--coupled", type=non_negative_int, default=0, help="N coupled prefill+decode nodes instead"
+    )
     p.add_argument("--speed", type=float, default=1.0, help="arrival rate multiplier")
     p.add_argument("--router", choices=sorted(ROUTE_FNS), default="conductor")
     p.add_argument(
@@ -35,7 +37,9 @@ def register(subparsers: Any) -> None:
         help="none | now (= early: on the decode load now) | after (only after prefill) "
         "| predicted (decode load predicted at prefill end)",
     )
-    p.add_argument("--capacity-blocks", type=int, default=8192, help="pool blocks per node")
+    p.add_argument(
+        "--capacity-blocks", type=non_negative_int, default=8192, help="pool blocks per node"
+    )
     p.add_argument("--policy", default="lru", help="eviction policy (kvpool.eviction names)")
     p.add_argument("--ttft-slo", type=float, default=10.0, help="x unloaded TTFT (P90)")
     p.add_argument("--tbt-slo", type=float, default=5.0, help="x unloaded TBT (P90)")
@@ -46,11 +50,13 @@ def register(subparsers: Any) -> None:
         default=0.9,
         help="admission targets this share of the decode pool's capacity",
     )
-    p.add_argument("--block-tokens", type=int, default=512)
+    p.add_argument("--block-tokens", type=positive_int, default=512)
     p.add_argument("--model", default="llama2-70b")
-    p.add_argument("--limit", type=int, default=0, help="first N requests only")
+    p.add_argument("--limit", type=non_negative_int, default=0, help="first N requests only")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--cpp-group", type=int, default=1, help="pipeline prefill over k nodes")
+    p.add_argument(
+        "--cpp-group", type=positive_int, default=1, help="pipeline prefill over k nodes"
+    )
     p.add_argument("--json", default=None, help="write the result object here")
     p.set_defaults(func=_run_cli)
 
@@ -79,11 +85,7 @@ def _run_cli(args: argparse.Namespace) -> int:
         block_tokens=args.block_tokens,
         cpp_group=args.cpp_group,
     )
-    try:
-        result = simulate(records, cfg)
-    except ValueError as exc:
-        print(f"kvpool sim: {exc}", file=sys.stderr)
-        return 2
+    result = simulate(records, cfg)
     text = json.dumps(result, indent=2)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:

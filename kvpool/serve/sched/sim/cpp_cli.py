@@ -6,6 +6,7 @@ import argparse
 import json
 from typing import Any
 
+from kvpool.args import positive_ints
 from kvpool.serve.sched.cost_model import analytic_cluster
 from kvpool.serve.sched.pipeline_model import PROMPT_LENGTHS, ttft_curve
 
@@ -19,8 +20,10 @@ def register(subparsers: Any) -> None:
         "tensor parallelism over k nodes (two all-reduces per layer over 100 GB/s).",
     )
     p.add_argument("--model", default="llama2-70b")
-    p.add_argument("--lengths", default=",".join(str(n) for n in PROMPT_LENGTHS))
-    p.add_argument("--groups", default="2,4", help="node counts for CPP and TP")
+    p.add_argument(
+        "--lengths", type=positive_ints, default=",".join(str(n) for n in PROMPT_LENGTHS)
+    )
+    p.add_argument("--groups", type=positive_ints, default="2,4", help="node counts for CPP and TP")
     p.add_argument("--json", default=None, metavar="F")
     p.set_defaults(func=_run_cli)
 
@@ -43,8 +46,7 @@ def format_curve(rows: list[dict[str, Any]], groups: tuple[int, ...]) -> str:
 
 
 def _run_cli(args: argparse.Namespace) -> int:
-    lengths = tuple(int(x) for x in args.lengths.split(",") if x.strip())
-    groups = tuple(int(x) for x in args.groups.split(",") if x.strip())
+    lengths, groups = tuple(args.lengths), tuple(args.groups)
     cost = analytic_cluster(args.model)
     rows = ttft_curve(cost, lengths, groups)
     print(format_curve(rows, groups))
