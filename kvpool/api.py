@@ -53,6 +53,7 @@ class BlockWriter(ABC):
 
     key: bytes
     size: int
+    done: bool  # committed or aborted: the writer takes no more writes
 
     def write(self, offset: int, data: Buffer) -> None:
         """Copy ``data`` into bytes [offset, offset + len(data)) of the block."""
@@ -164,8 +165,9 @@ class KVStore(Protocol):
         """Forget the block; False if it was not stored."""
         ...
 
-    def lease(self, keys: Sequence[bytes]) -> Lease:
-        """Pin the longest stored prefix of ``keys`` until the lease is released."""
+    def lease(self, keys: Sequence[bytes], *, prefix: bool = True) -> Lease:
+        """Pin the longest stored prefix of ``keys`` (every stored key of ``keys``
+        with ``prefix=False``) until the lease is released."""
         ...
 
     def locate(self, keys: Sequence[bytes]) -> list[list[str]]:

@@ -23,6 +23,7 @@ _UNITS = {
 }
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
+DEFAULT_PORT = 7480  # the master's RPC port when a kvpool:// URL names none
 DEFAULT_DRAM_BYTES = 256 << 20
 DEFAULT_ALIGNMENT = 4096
 
