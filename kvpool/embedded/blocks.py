@@ -197,15 +197,35 @@ class BlockTable:
         else:
             entry.tier.free(entry.offset)
 
-    def drop_corrupt(self, key: bytes, entry: Entry, ssd: SsdTier) -> None:
-        """An SSD block failed its checksum: count it and forget it if still current."""
-        self.stats.corrupt_dropped += 1
-        if self.entries.get(key) is entry:
-            del self.entries[key]
-            ssd.policy.on_remove(key)
-            self.drop(key, entry)
+    def dram_slot(self, size: int) -> int | None:
+        """Room in DRAM to read an SSD block through (and promote it into), or
+        None when DRAM holds only pinned blocks (the read then bypasses DRAM)."""
+        try:
+            return self.make_room(self.tiers.dram, size)
+        except PoolFullError:
+            return None
 
-    def promote(self, key: bytes, entry: Entry, ssd: SsdTier, dram_offset: int) -> None:
+    def settle_ssd_read(
+        self, key: bytes, entry: Entry, ssd: SsdTier, slot: int | None, valid: bool
+    ) -> None:
+        """After an SSD block was read into the DRAM ``slot`` (or around it): forget
+        it if its checksum failed; promote it into the slot if it is still the
+        current block and only the reader pins it; else give the slot back."""
+        current = self.entries.get(key) is entry
+        if not valid:
+            self.stats.corrupt_dropped += 1
+            if current:
+                del self.entries[key]
+                ssd.policy.on_remove(key)
+                self.drop(key, entry)
+        if slot is None:
+            return
+        if valid and current and entry.pins == 1:
+            self._promote(key, entry, ssd, slot)
+        else:
+            self.tiers.dram.free(slot)
+
+    def _promote(self, key: bytes, entry: Entry, ssd: SsdTier, dram_offset: int) -> None:
         """Point an SSD block (pinned only by the caller) at its fresh DRAM copy."""
         ssd.delete(key)
         ssd.policy.on_remove(key)

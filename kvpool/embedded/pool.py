@@ -42,7 +42,7 @@ from kvpool.config import PoolConfig
 from kvpool.embedded.blocks import BlockTable, Entry, open_tiers
 from kvpool.embedded.handles import EmbeddedBlockWriter, EmbeddedLease
 from kvpool.embedded.stats import PoolStats
-from kvpool.errors import KVPoolError, PoolClosedError, PoolFullError
+from kvpool.errors import KVPoolError, PoolClosedError
 from kvpool.eviction import make_policy
 from kvpool.layerwise.api import LayerwiseMethods
 from kvpool.storage.ssd_tier import SsdRecord, SsdTier
@@ -410,10 +410,7 @@ class Pool(LayerwiseMethods):
         """
         dram = self._tiers.dram
         with self._lock:
-            try:
-                slot_offset: int | None = self._blocks.make_room(dram, record.size)
-            except PoolFullError:
-                slot_offset = None
+            slot_offset = self._blocks.dram_slot(record.size)
         if slot_offset is not None:
             staging = dram.region(slot_offset, dram.allocator.size_of(slot_offset))
         elif dst is None or region_is_device(dst) or length != record.size:
@@ -424,14 +421,7 @@ class Pool(LayerwiseMethods):
         if valid and dst is not None and staging is not dst:
             copy_region(dst, staging[start : start + length])
         with self._lock:
-            current = self._blocks.entries.get(key) is entry
-            if not valid:
-                self._blocks.drop_corrupt(key, entry, ssd)
-            if slot_offset is not None:
-                if valid and current and entry.pins == 1:
-                    self._blocks.promote(key, entry, ssd, slot_offset)
-                else:
-                    dram.free(slot_offset)
+            self._blocks.settle_ssd_read(key, entry, ssd, slot_offset, valid)
         return valid
 
     def _check_open(self) -> None:

@@ -80,6 +80,7 @@ class RemoteBlockWriter(BlockWriter):
         )
 
     def _write(self, offset: int, src: Region) -> None:
+        self._session.check_open()
         if self.done:
             raise KVPoolError("this block writer is already committed or aborted")
         if time.monotonic() > self.deadline:
@@ -88,15 +89,18 @@ class RemoteBlockWriter(BlockWriter):
             self._session.write(placement.node_id, placement.offset + offset, src)
 
     def commit(self) -> None:
+        self._session.check_open()
         if self.done:
             raise KVPoolError("this block writer is already committed or aborted")
         self.done = True
         self._session.rpc.call(COMMIT, IdsRequest(self._ids))
 
     def abort(self) -> None:
+        """Revoke the allocation; after the pool closed, the master's TTL does it."""
         if not self.done:
             self.done = True
-            self._session.rpc.submit(REVOKE, IdsRequest(self._ids))
+            if not self._session.closed:
+                self._session.rpc.submit(REVOKE, IdsRequest(self._ids))
 
 
 class RemoteLease(Lease):

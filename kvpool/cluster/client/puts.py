@@ -64,6 +64,8 @@ class RemotePutter:
         ``again``: retry, once and without grants, what this pass could not
         finish (a forgotten grant, or a write whose node failed).
         """
+        if not keys:
+            return [], [], ""
         sizes = [region_nbytes(r) for r in regions]
         use_grants = use_grants and replicas == 1 and self.grants.budget_bytes > 0
         writes: Writes = {}
