@@ -1,27 +1,31 @@
 """The embedded pool's committed blocks and the tier chain they move along.
 
 ``BlockTable`` is the pool's state: which tier and offset holds each
-committed block, the tiers themselves (GPU -> DRAM -> SSD, top to bottom) and
-the counters. It makes room by evicting, demotes a victim one tier down and
-promotes an SSD block back to DRAM. It takes no lock of its own: every
-method runs under the owning pool's lock, which is what keeps the table, the
-tiers' allocators and their eviction policies consistent with each other.
+committed block, the tiers themselves (GPU -> DRAM -> SSD, top to bottom),
+the counters, and the lock guarding all of it. It makes room by evicting,
+demotes a victim one tier down and promotes an SSD block back to DRAM. Its
+methods do not take ``lock`` themselves: callers hold it, which is what keeps
+the table, the tiers' allocators and their eviction policies consistent with
+each other across a whole operation.
 
 Invariants:
 - a committed block lives in exactly one tier (``Entry.tier``); its SSD
   ``record`` is set exactly while it lives on SSD;
 - a pinned entry (``pins > 0``) is never chosen as a victim, moved or freed;
-  removing it hides it at once and frees its bytes on the last unpin (``dead``).
+  removing it hides it at once and frees its bytes on the last unpin (``dead``);
+- ``active`` counts copies running outside the lock; ``close`` waits for them,
+  and once ``closed`` no operation starts (``check_open``).
 """
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass, field
 
 from kvpool.bindings.buffers import Region, copy_region
 from kvpool.config import PoolConfig
 from kvpool.embedded.stats import PoolStats
-from kvpool.errors import BlockTooLargeError, PoolFullError, StorageError
+from kvpool.errors import BlockTooLargeError, PoolClosedError, PoolFullError, StorageError
 from kvpool.eviction import make_policy
 from kvpool.storage.memory_tier import DramTier, GpuTier, MemoryTier
 from kvpool.storage.ssd_tier import SsdRecord, SsdTier
@@ -82,12 +86,33 @@ def open_tiers(config: PoolConfig) -> Tiers:
 
 
 class BlockTable:
-    """Committed blocks, their tiers and the pool's counters (caller holds the lock)."""
+    """Committed blocks, their tiers and the pool's counters (callers hold ``lock``)."""
 
     def __init__(self, tiers: Tiers, stats: PoolStats) -> None:
+        self.lock = threading.Condition()
         self.tiers = tiers
         self.stats = stats
         self.entries: dict[bytes, Entry] = {}
+        self.active = 0  # copies running outside the lock
+        self.closed = False
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise PoolClosedError("the pool is closed")
+
+    def copy_ended(self) -> None:
+        """A copy counted in ``active`` finished (wakes ``close`` and waiting writers)."""
+        self.active -= 1
+        self.lock.notify_all()
+
+    def close(self) -> None:
+        """Refuse new operations, wait for running copies, close the tiers. Idempotent."""
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            self.lock.wait_for(lambda: self.active == 0)
+        self.tiers.close()
 
     def load_ssd_blocks(self) -> None:
         """Adopt the blocks a previous pool left on the SSD tier."""

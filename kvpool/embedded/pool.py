@@ -5,10 +5,13 @@ the GPU tier when the data is on a GPU and that tier exists, else in DRAM.
 Eviction demotes a block one tier down (GPU -> DRAM -> SSD -> gone); a hit on
 SSD promotes the block back to DRAM.
 
+The parts: ``blocks`` (the table of committed blocks, the tiers, the lock),
+``reservations`` (the two-phase write path), ``handles`` (writer, lease);
+this module is the public API and the read path.
+
 Invariants:
-- Writes are two-phase: allocate (under the lock) -> copy (outside it) ->
-  commit (under the lock). Until commit the key is invisible to every reader
-  and to ``exists``/``prefix_match``; a failed copy frees its allocation.
+- Writes are two-phase (kvpool.embedded.reservations): until commit a key is
+  invisible to every reader and to ``exists``/``prefix_match``.
 - Committed blocks are immutable; putting an existing key is a no-op.
 - A reader pins the block for the length of its copy. Pinned blocks are never
   evicted, moved or freed; ``remove`` of a pinned block hides it at once and
@@ -18,7 +21,6 @@ Invariants:
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,12 +39,12 @@ from kvpool.args import (
     data_region,
     out_region,
 )
-from kvpool.bindings.buffers import Region, copy_region, region_is_device, region_nbytes
+from kvpool.bindings.buffers import Region, copy_region, region_is_device
 from kvpool.config import PoolConfig
 from kvpool.embedded.blocks import BlockTable, Entry, open_tiers
 from kvpool.embedded.handles import EmbeddedBlockWriter, EmbeddedLease
+from kvpool.embedded.reservations import Reservations
 from kvpool.embedded.stats import PoolStats
-from kvpool.errors import KVPoolError, PoolClosedError
 from kvpool.eviction import make_policy
 from kvpool.layerwise.api import LayerwiseMethods
 from kvpool.storage.ssd_tier import SsdRecord, SsdTier
@@ -75,14 +77,12 @@ class Pool(LayerwiseMethods):
     def __init__(self, config: PoolConfig) -> None:
         make_policy(config.policy)  # fail early on an unknown name
         self.config = config
-        self._lock = threading.Condition()
-        self._writing: dict[bytes, EmbeddedBlockWriter] = {}  # reserved, not yet committed
-        self._active = 0  # operations copying outside the lock
-        self._closed = False
         self._stats = PoolStats()
         self._tiers = open_tiers(config)
         self._blocks = BlockTable(self._tiers, self._stats)
         self._blocks.load_ssd_blocks()
+        self._lock = self._blocks.lock
+        self._reservations = Reservations(self._blocks)
 
     # -- public API -------------------------------------------------------
 
@@ -97,7 +97,7 @@ class Pool(LayerwiseMethods):
         check_key(key)
         check_parent(parent)
         src = data_region(data)
-        return self._put_region(key, src, parent)
+        return self._reservations.put(key, src, parent)
 
     def put_batch(
         self,
@@ -110,7 +110,8 @@ class Pool(LayerwiseMethods):
         """``put`` for each item; every key and buffer is checked before any is stored."""
         filled = check_batch(keys, datas, parents)
         regions = [data_region(d) for d in datas]
-        return [self._put_region(k, r, p) for k, r, p in zip(keys, regions, filled, strict=True)]
+        put = self._reservations.put
+        return [put(k, r, p) for k, r, p in zip(keys, regions, filled, strict=True)]
 
     def reserve(
         self, key: bytes, size: int, *, parent: bytes | None = None, device: bool = False
@@ -122,7 +123,7 @@ class Pool(LayerwiseMethods):
         check_key(key)
         check_parent(parent)
         check_reserve_size(size)
-        return self._reserve(key, size, parent, device)
+        return self._reservations.reserve(key, size, parent, device)
 
     def lease(self, keys: Sequence[bytes], *, prefix: bool = True) -> EmbeddedLease:
         """Pin the longest stored prefix of ``keys`` (every stored key with
@@ -189,14 +190,14 @@ class Pool(LayerwiseMethods):
         """For each key, whether a committed block is stored under it."""
         check_keys(keys)
         with self._lock:
-            self._check_open()
+            self._blocks.check_open()
             return [key in self._blocks.entries for key in keys]
 
     def prefix_match(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` that are stored (the reusable prefix, in blocks)."""
         check_keys(keys)
         with self._lock:
-            self._check_open()
+            self._blocks.check_open()
             entries = self._blocks.entries
             for i, key in enumerate(keys):
                 if key not in entries:
@@ -207,7 +208,7 @@ class Pool(LayerwiseMethods):
         """Forget the block; False if it was not stored."""
         check_key(key)
         with self._lock:
-            self._check_open()
+            self._blocks.check_open()
             if not self._blocks.remove(key):
                 return False
             self._stats.removes += 1
@@ -222,12 +223,7 @@ class Pool(LayerwiseMethods):
 
     def close(self) -> None:
         """Wait for in-flight copies, then release every tier. Idempotent."""
-        with self._lock:
-            if self._closed:
-                return
-            self._closed = True
-            self._lock.wait_for(lambda: self._active == 0)
-        self._tiers.close()
+        self._blocks.close()
 
     def __enter__(self) -> Pool:
         return self
@@ -239,93 +235,11 @@ class Pool(LayerwiseMethods):
         with self._lock:
             return len(self._blocks.entries)
 
-    # -- put path ---------------------------------------------------------
-
-    def _put_region(self, key: bytes, src: Region, parent: bytes | None) -> bool:
-        """put's fast path: reserve (already counted as copying), copy, commit: two
-        trips through the lock, since the writer never escapes."""
-        writer = self._reserve(key, region_nbytes(src), parent, region_is_device(src), True)
-        if writer is None:
-            return False
-        copied = False
-        try:
-            copy_region(writer.tier.region(writer.offset, writer.size), src)
-            copied = True
-        finally:
-            self._finish(writer, commit=copied, copying=True)
-        return True
-
-    def _reserve(
-        self, key: bytes, size: int, parent: bytes | None, device: bool, copying: bool = False
-    ) -> EmbeddedBlockWriter | None:
-        with self._lock:
-            self._check_open()
-            tier = self._tiers.gpu if device and self._tiers.gpu is not None else self._tiers.dram
-            if key in self._blocks.entries or key in self._writing:
-                return None
-            if not tier.policy.admit(key):
-                self._stats.not_admitted += 1
-                return None
-            offset = self._blocks.make_room(tier, size)
-            writer = EmbeddedBlockWriter(
-                key,
-                tier,
-                offset,
-                size,
-                parent,
-                write_range=self._write_reserved,
-                finish=self._finish,
-            )
-            self._writing[key] = writer
-            if copying:
-                writer.copies += 1
-                self._active += 1
-            return writer
-
-    def _write_reserved(self, writer: EmbeddedBlockWriter, offset: int, src: Region) -> None:
-        with self._lock:
-            self._check_open()
-            if writer.done:
-                raise KVPoolError("this block writer is already committed or aborted")
-            writer.copies += 1
-            self._active += 1
-        try:
-            copy_region(writer.tier.region(writer.offset + offset, region_nbytes(src)), src)
-        finally:
-            with self._lock:
-                writer.copies -= 1
-                self._active -= 1
-                self._lock.notify_all()
-
-    def _finish(self, writer: EmbeddedBlockWriter, commit: bool, copying: bool = False) -> None:
-        """Make a reserved block visible (commit) or give its space back (abort).
-
-        ``copying``: the caller's own copy (counted by ``_reserve``) just ended.
-        """
-        with self._lock:
-            if copying:
-                writer.copies -= 1
-                self._active -= 1
-                self._lock.notify_all()
-            self._lock.wait_for(lambda: writer.copies == 0)
-            if writer.done:
-                if commit:
-                    raise KVPoolError("this block writer is already committed or aborted")
-                return
-            writer.done = True
-            del self._writing[writer.key]
-            if not commit:
-                writer.tier.free(writer.offset)
-                return
-            if self._closed:
-                raise PoolClosedError("the pool was closed before this block was committed")
-            self._blocks.insert(writer.key, writer.tier, writer.offset, writer.size, writer.parent)
-
     # -- read path --------------------------------------------------------
 
     def _pin_for_lease(self, key: bytes) -> Entry | None:
         with self._lock:
-            self._check_open()
+            self._blocks.check_open()
             entry = self._blocks.entries.get(key)
             if entry is None:
                 return None
@@ -334,17 +248,16 @@ class Pool(LayerwiseMethods):
             if not isinstance(entry.tier, SsdTier):
                 return entry
             ssd, record = entry.tier, entry.record
-            self._active += 1
+            self._blocks.active += 1
         assert record is not None
         valid = False
         try:
             valid = self._read_from_ssd(key, entry, ssd, record, None, 0, record.size)
         finally:
             with self._lock:
-                self._active -= 1
                 if not valid:
                     self._blocks.unpin(entry)
-                self._lock.notify_all()
+                self._blocks.copy_ended()
         return entry if valid else None
 
     def _release(self, entries: Sequence[Entry]) -> None:
@@ -360,7 +273,7 @@ class Pool(LayerwiseMethods):
 
     def _entry_or_miss(self, key: bytes) -> Entry | None:
         """The block's entry, or None counted as a miss (caller holds the lock)."""
-        self._check_open()
+        self._blocks.check_open()
         entry = self._blocks.entries.get(key)
         if entry is None:
             self._stats.misses += 1
@@ -376,7 +289,7 @@ class Pool(LayerwiseMethods):
             want = block_range(start, length, entry.size)
             check_out_fits(dst, want)
             entry.pins += 1
-            self._active += 1
+            self._blocks.active += 1
             entry.tier.policy.on_access(key)
             tier, offset, record = entry.tier, entry.offset, entry.record
             self._stats.count_hit(tier.name, want)
@@ -390,8 +303,7 @@ class Pool(LayerwiseMethods):
         finally:
             with self._lock:
                 self._blocks.unpin(entry)
-                self._active -= 1
-                self._lock.notify_all()
+                self._blocks.copy_ended()
 
     def _read_from_ssd(
         self,
@@ -423,7 +335,3 @@ class Pool(LayerwiseMethods):
         with self._lock:
             self._blocks.settle_ssd_read(key, entry, ssd, slot_offset, valid)
         return valid
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise PoolClosedError("the pool is closed")
