@@ -63,7 +63,8 @@ def run_demo(
 
     from kvpool.embedded.pool import Pool
     from kvpool.index.keys import Namespace, block_keys
-    from kvpool.workload.traces import synthesize, tokens_for_request
+    from kvpool.workload.synth import synthesize
+    from kvpool.workload.tokens import tokens_for_request
 
     trace = synthesize(requests=requests, seed=seed)
     namespace = Namespace("demo-model")
