@@ -15,7 +15,7 @@ from typing import Any
 
 from kvpool.args import address_arg, port_arg, positive_int, size_arg, size_or_zero_arg
 
-LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
 def register(subparsers: Any) -> None:
