@@ -11,8 +11,8 @@ Invariants:
 - a ``RangeFreed`` only ever follows the ``BlockCommitted`` (or restored
   block) that filled the range; a range is never reused before its free is
   queued, so a node replaying in order never forgets a live block;
-- events carry no kvpool wire format: the master turns them into the
-  heartbeat payload in one place (kvpool.cluster.master).
+- events carry no wire format: the master turns them into the heartbeat
+  payload in one place (kvpool.cluster.master.nodes.event_wire).
 """
 
 from __future__ import annotations

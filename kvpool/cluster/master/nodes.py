@@ -15,7 +15,15 @@ from typing import Any
 
 from kvpool.cluster.master.config import SSD_CLEAN_BATCH
 from kvpool.cluster.master.state import MasterState
-from kvpool.cluster.wire import SSD_STORE, Heartbeat, HeartbeatReply, RegisterNode
+from kvpool.cluster.wire import (
+    EVENT_COMMIT,
+    EVENT_FREE,
+    EVENT_SSD_DROP,
+    SSD_STORE,
+    Heartbeat,
+    HeartbeatReply,
+    RegisterNode,
+)
 from kvpool.errors import KVPoolError
 from kvpool.index.catalog import BlockCommitted, NodeEvent, RangeFreed, SsdCopyDropped
 from kvpool.rpc.client import RpcClient
@@ -27,11 +35,11 @@ def event_wire(event: NodeEvent) -> list[Any]:
     """A catalog event as a heartbeat reply carries it (see kvpool.cluster.node)."""
     match event:
         case BlockCommitted(key, offset, size, parent):
-            return ["commit", key, offset, size, parent]
+            return [EVENT_COMMIT, key, offset, size, parent]
         case RangeFreed(offset):
-            return ["free", offset]
+            return [EVENT_FREE, offset]
         case SsdCopyDropped(key):
-            return ["ssd_drop", key]
+            return [EVENT_SSD_DROP, key]
     raise TypeError(f"not a node event: {event!r}")
 
 

@@ -80,10 +80,6 @@ class Master:
         self._reaper = threading.Thread(target=self._reap_loop, name="kvpool-reaper", daemon=True)
 
     @property
-    def catalog(self) -> BlockCatalog:
-        return self.state.catalog
-
-    @property
     def address(self) -> tuple[str, int]:
         return self._server.address
 
