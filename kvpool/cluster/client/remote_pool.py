@@ -33,7 +33,6 @@ from kvpool.cluster.client.lease_cache import (
     LeaseCache,
 )
 from kvpool.cluster.client.puts import RemotePutter
-from kvpool.cluster.master import DEFAULT_PORT
 from kvpool.cluster.wire import (
     ALLOCATE,
     COMMIT,
@@ -56,6 +55,7 @@ from kvpool.cluster.wire import (
     ReplicateReply,
     ReplicateRequest,
 )
+from kvpool.config import DEFAULT_PORT
 from kvpool.errors import BufferSpecError, KVPoolError, PoolClosedError, PoolFullError
 from kvpool.layerwise.api import LayerwiseMethods
 from kvpool.rpc.client import RpcClient
