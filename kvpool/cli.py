@@ -52,6 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_name(args: argparse.Namespace) -> str:
+    """``kvpool bench local``, ``kvpool trace synth``: the words that chose the command."""
+    words = [args.command, getattr(args, "suite", None), getattr(args, "trace_command", None)]
+    return " ".join(["kvpool", *(str(w) for w in words if w)])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
@@ -65,7 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except EXPECTED_FAILURES as exc:
         if os.environ.get("KVPOOL_TRACEBACK") == "1":
             raise
-        print(f"kvpool {args.command}: error: {exc}", file=sys.stderr)
+        print(f"{command_name(args)}: error: {exc}", file=sys.stderr)
         return 1
 
 

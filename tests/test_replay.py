@@ -11,7 +11,8 @@ from typing import ClassVar
 import pytest
 
 from kvpool.serve.sched.replay import build_plan, percentile_of
-from kvpool.workload.traces import synthesize, write_trace
+from kvpool.workload.synth import synthesize
+from kvpool.workload.traces import write_trace
 
 pytest.importorskip("httpx")
 

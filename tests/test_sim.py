@@ -9,7 +9,8 @@ import pytest
 from kvpool.serve.sched.cost_model import DecodeCostModel
 from kvpool.serve.sched.sim.cluster import DecodeEngine, SimConfig, simulate
 from kvpool.workload.cachesim import trace_keys
-from kvpool.workload.traces import synthesize, write_trace
+from kvpool.workload.synth import synthesize
+from kvpool.workload.traces import write_trace
 
 KEYS = (
     "requests",

@@ -15,7 +15,7 @@ from kvpool.serve.sched.sim.cpp import (
     ttft_curve,
 )
 from kvpool.workload.cachesim import trace_keys
-from kvpool.workload.traces import synthesize
+from kvpool.workload.synth import synthesize
 
 COST = analytic_cluster("llama2-70b")
 

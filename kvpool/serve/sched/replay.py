@@ -2,7 +2,7 @@
 
 Each record is sent at its timestamp (divided by ``--speed``) as a streaming
 ``POST /v1/completions`` whose prompt is a list of token ids from
-``kvpool.workload.traces.tokens_for_request`` — same hash id => same block of tokens,
+``kvpool.workload.tokens.tokens_for_request`` — same hash id => same block of tokens,
 so the server's own block hashing sees exactly the trace's prefix sharing —
 and ``max_tokens`` = the record's output length (``ignore_eos`` so the reply
 has that length).
@@ -117,7 +117,7 @@ def build_plan(
     vocab_size: int = 256,
 ) -> ReplayPlan:
     """Token ids and send times for ``records`` (see the module doc for the scaling)."""
-    from kvpool.workload.traces import tokens_for_request
+    from kvpool.workload.tokens import tokens_for_request
 
     if speed <= 0:
         raise ValueError("speed must be > 0")
