@@ -47,7 +47,7 @@ class ClientSession:
     def __init__(
         self, master: str, *, token: str | None, timeout: float, transport: str | None
     ) -> None:
-        self.master, self.token, self.timeout = master, token, timeout
+        self.token, self.timeout = token, timeout
         self.rpc = RpcClient(master, token=token, timeout=timeout, name="kvpool-client")
         self.regions: dict[str, RegionInfo] = {}
         self.peers = PeerTransports(token=token, timeout=timeout, override=transport)
