@@ -7,6 +7,8 @@ import importlib
 import json
 from typing import Any
 
+from kvpool.args import positive_int, sizes_arg
+
 # Suites in their own modules: (module under kvpool.bench, its register function).
 SUITES = [
     ("remote", "register_remote"),
@@ -24,32 +26,38 @@ def register(subparsers: Any) -> None:
     suites = parser.add_subparsers(dest="suite", metavar="SUITE", required=True)
 
     local = suites.add_parser("local", help="put/get_into per tier vs memcpy and O_DIRECT")
-    local.add_argument("--sizes", default="64KiB,1MiB,4MiB,16MiB")
-    local.add_argument("--tiers", default="dram,ssd", help="comma list of dram, ssd")
+    local.add_argument("--sizes", type=sizes_arg, default="64KiB,1MiB,4MiB,16MiB")
+    local.add_argument("--tiers", type=_tiers, default="dram,ssd", help="comma list of dram, ssd")
     local.add_argument("--ssd-dir", default=None, help="directory for the SSD tier (default /tmp)")
-    local.add_argument("--rounds", type=int, default=5)
+    local.add_argument("--rounds", type=positive_int, default=5)
     local.add_argument("--json", default=None, metavar="F")
     local.set_defaults(func=_run_local)
 
     prefix = suites.add_parser("prefix", help="block_keys + prefix_match on a 128k prompt")
-    prefix.add_argument("--tokens", type=int, default=131_072)
-    prefix.add_argument("--catalog-blocks", type=int, default=1_000_000)
-    prefix.add_argument("--samples", type=int, default=300)
+    prefix.add_argument("--tokens", type=positive_int, default=131_072)
+    prefix.add_argument("--catalog-blocks", type=positive_int, default=1_000_000)
+    prefix.add_argument("--samples", type=positive_int, default=300)
     prefix.add_argument("--json", default=None, metavar="F")
     prefix.set_defaults(func=_run_prefix)
     for module, function in SUITES:
         getattr(importlib.import_module(f"kvpool.bench.{module}"), function)(suites)
 
 
+def _tiers(text: str) -> list[str]:
+    tiers = [t.strip() for t in text.split(",") if t.strip()]
+    unknown = set(tiers) - {"dram", "ssd"}
+    if not tiers or unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown tier(s) {sorted(unknown)}; choose from dram, ssd"
+        )
+    return tiers
+
+
 def _run_local(args: argparse.Namespace) -> int:
-    from kvpool.bench.common import parse_sizes, print_table, write_json
+    from kvpool.bench.common import print_table, write_json
     from kvpool.bench.local import run_local
 
-    tiers = [t.strip() for t in args.tiers.split(",") if t.strip()]
-    unknown = set(tiers) - {"dram", "ssd"}
-    if unknown:
-        raise SystemExit(f"unknown tier(s) {sorted(unknown)}; choose from dram, ssd")
-    rows = run_local(parse_sizes(args.sizes), tiers, args.ssd_dir, args.rounds)
+    rows = run_local(args.sizes, args.tiers, args.ssd_dir, args.rounds)
     print_table(rows)
     write_json(args.json, rows)
     return 0

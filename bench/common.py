@@ -15,15 +15,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.config import format_size, parse_size
-
-
-def parse_sizes(text: str) -> list[int]:
-    """'64KiB,1MiB' -> [65536, 1048576]."""
-    sizes = [parse_size(part) for part in text.split(",") if part.strip()]
-    if not sizes or min(sizes) <= 0:
-        raise ValueError(f"--sizes needs positive sizes, got {text!r}")
-    return sizes
+from kvpool.config import format_size
 
 
 def faulted(nbytes: int, fill: int | None = None) -> np.ndarray:

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.args import positive_int, size_arg
 from kvpool.bench.common import write_json
-from kvpool.config import parse_size
 from kvpool.procs import Child as Proc
 from kvpool.procs import spawn_kvpool
 
@@ -65,10 +65,10 @@ class HotRow:
 
 def register_hot(suites: Any) -> None:
     parser = suites.add_parser("hot", help="readers hammering hot blocks, replication off vs on")
-    parser.add_argument("--nodes", type=int, default=3)
-    parser.add_argument("--readers", type=int, default=3)
-    parser.add_argument("--blocks", type=int, default=4)
-    parser.add_argument("--block-size", default="4MiB")
+    parser.add_argument("--nodes", type=positive_int, default=3)
+    parser.add_argument("--readers", type=positive_int, default=3)
+    parser.add_argument("--blocks", type=positive_int, default=4)
+    parser.add_argument("--block-size", type=size_arg, default="4MiB")
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument(
         "--transport", default="tcp", help="what readers use (tcp: served by nodes)"
@@ -169,7 +169,7 @@ def _main(args: argparse.Namespace) -> int:
         args.nodes,
         args.readers,
         args.blocks,
-        parse_size(args.block_size),
+        args.block_size,
         args.seconds,
         args.transport,
     )

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.args import positive_int
 from kvpool.bench.common import faulted, write_json
 from kvpool.embedded.pool import Pool
 from kvpool.index.keys import Namespace, block_keys
@@ -45,12 +46,12 @@ _MM = 256  # matmul edge: ~0.3 ms per product on one core (long GIL-free stretch
 
 def register_layerwise(suites: Any) -> None:
     parser = suites.add_parser("layerwise", help="layer-wise store/load overlapped with compute")
-    parser.add_argument("--layers", type=int, default=32)
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--head-dim", type=int, default=128)
-    parser.add_argument("--block-tokens", type=int, default=512)
-    parser.add_argument("--rounds", type=int, default=11)
+    parser.add_argument("--layers", type=positive_int, default=32)
+    parser.add_argument("--tokens", type=positive_int, default=4096)
+    parser.add_argument("--kv-heads", type=positive_int, default=8)
+    parser.add_argument("--head-dim", type=positive_int, default=128)
+    parser.add_argument("--block-tokens", type=positive_int, default=512)
+    parser.add_argument("--rounds", type=positive_int, default=11)
     parser.add_argument(
         "--url", default=None, help="a running cluster (kvpool://host:port) instead of embedded"
     )

@@ -110,7 +110,7 @@ def chain_keys(records: Any, block_tokens: int = 512) -> list[list[bytes]]:
 def measure_sim(names: list[str], requests: int, capacity: int, seed: int = 0) -> list[dict]:
     from kvpool.eviction import make_policy
     from kvpool.workload.cachesim import simulate
-    from kvpool.workload.traces import synthesize
+    from kvpool.workload.synth import synthesize
 
     keys = chain_keys(synthesize(requests=requests, seed=seed))
     total = sum(len(k) for k in keys)

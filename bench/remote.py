@@ -51,10 +51,11 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bench.common import Timing, count_for, faulted, paired, parse_sizes, write_json
+from kvpool.args import positive_int, size_arg, sizes_arg
+from kvpool.bench.common import Timing, count_for, faulted, paired, write_json
 from kvpool.bench.remote_transport import _cpus, _RawClient
 from kvpool.cluster.master import MasterConfig
-from kvpool.config import format_size, parse_size
+from kvpool.config import format_size
 from kvpool.procs import spawn_kvpool, stop_by_stdin
 
 WORKING_SET = 64 << 20
@@ -606,14 +607,17 @@ def register_remote(suites: Any) -> None:
     parser = suites.add_parser(
         "remote", help="distributed pool (master + node processes) per transport vs raw baselines"
     )
-    parser.add_argument("--sizes", default="64KiB,1MiB,4MiB,16MiB")
+    parser.add_argument("--sizes", type=sizes_arg, default="64KiB,1MiB,4MiB,16MiB")
     parser.add_argument("--transport", default="shm,tcp,ucx", help="comma list of shm, tcp, ucx")
-    parser.add_argument("--batch", type=int, default=8, help="blocks per batch call")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--batch", type=positive_int, default=8, help="blocks per batch call")
+    parser.add_argument("--rounds", type=positive_int, default=5)
     parser.add_argument("--json", default=None, metavar="F")
     parser.add_argument("--peer", default=None, choices=["mooncake"], help="also measure a peer")
     parser.add_argument(
-        "--working-set", default="64MiB", help="bytes of distinct blocks per size (8-512 blocks)"
+        "--working-set",
+        type=size_arg,
+        default="64MiB",
+        help="bytes of distinct blocks per size (8-512 blocks)",
     )
     parser.add_argument("--no-pin", action="store_true", help="do not split CPUs between sides")
     parser.set_defaults(func=_run)
@@ -621,18 +625,15 @@ def register_remote(suites: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     transports = [t.strip().lower() for t in args.transport.split(",") if t.strip()]
-    try:
-        rows = run_remote(
-            parse_sizes(args.sizes),
-            transports,
-            args.batch,
-            args.rounds,
-            not args.no_pin,
-            args.peer,
-            parse_size(args.working_set),
-        )
-    except ValueError as exc:
-        raise SystemExit(str(exc)) from exc
+    rows = run_remote(
+        args.sizes,
+        transports,
+        args.batch,
+        args.rounds,
+        not args.no_pin,
+        args.peer,
+        args.working_set,
+    )
     print_rows(rows)
     write_json(args.json, [asdict(r) for r in rows])
     return 0

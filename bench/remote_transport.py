@@ -33,13 +33,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvpool.args import positive_int, sizes_arg
 from kvpool.bench.common import (
     Row,
     count_for,
     faulted,
     make_row,
     paired,
-    parse_sizes,
     print_table,
     write_json,
 )
@@ -239,9 +239,9 @@ def run_remote_transport(
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--sizes", default="64KiB,1MiB,4MiB,16MiB")
+    p.add_argument("--sizes", type=sizes_arg, default="64KiB,1MiB,4MiB,16MiB")
     p.add_argument("--transport", default="tcp,shm")
-    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--rounds", type=positive_int, default=5)
     p.add_argument("--json")
     p.add_argument("--no-pin", action="store_true", help="do not split CPUs between processes")
     p.add_argument("--node", type=int, help=argparse.SUPPRESS)
@@ -251,7 +251,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _node(args.node, args.ucx)
         return 0
     rows = run_remote_transport(
-        parse_sizes(args.sizes), args.transport.split(","), args.rounds, args.json, not args.no_pin
+        args.sizes, args.transport.split(","), args.rounds, args.json, not args.no_pin
     )
     print_table(rows)
     return 0

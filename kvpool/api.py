@@ -16,6 +16,19 @@ Invariants every store keeps:
   so both stores raise the same error types with the same messages).
 - Bytes leased by a ``Lease`` are neither evicted nor freed until it is
   released, so a reader may take them piecewise.
+- After ``close`` every call, and every write or commit of a writer the store
+  gave out, raises ``PoolClosedError``; ``close`` and ``abort`` stay harmless.
+
+Documented differences (tested in tests/test_store_contract.py):
+
+- a block larger than the whole store: the embedded pool raises
+  ``BlockTooLargeError``, the cluster's master ``PoolFullError``;
+- ``stats()`` shares ``mode``, ``policy``, ``blocks`` and ``transport``; the
+  rest is per store (tiers, or nodes and the client's counters);
+- only the cluster's writers can leave their process:
+  ``RemoteBlockWriter.export()`` gives a wire-safe ticket that
+  ``RemotePool.adopt`` in another process turns into a writer onto the same
+  reservation (pipeline prefill's stages fill the layers they own that way).
 
 Buffers (``data``, ``out``) are anything ``kvpool.bindings.buffers.as_region``
 accepts: bytes, bytearray, memoryview, numpy arrays, torch tensors (CPU or
@@ -53,6 +66,7 @@ class BlockWriter(ABC):
 
     key: bytes
     size: int
+    done: bool  # committed or aborted: the writer takes no more writes
 
     def write(self, offset: int, data: Buffer) -> None:
         """Copy ``data`` into bytes [offset, offset + len(data)) of the block."""
@@ -164,8 +178,9 @@ class KVStore(Protocol):
         """Forget the block; False if it was not stored."""
         ...
 
-    def lease(self, keys: Sequence[bytes]) -> Lease:
-        """Pin the longest stored prefix of ``keys`` until the lease is released."""
+    def lease(self, keys: Sequence[bytes], *, prefix: bool = True) -> Lease:
+        """Pin the longest stored prefix of ``keys`` (every stored key of ``keys``
+        with ``prefix=False``) until the lease is released."""
         ...
 
     def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
@@ -191,7 +206,8 @@ class KVStore(Protocol):
         ...
 
     def stats(self) -> dict[str, Any]:
-        """Counters and capacity, as plain data."""
+        """Counters and capacity, as plain data: ``mode`` ("embedded" or
+        "distributed"), ``policy``, ``blocks``, ``transport``, plus per-store keys."""
         ...
 
     def close(self) -> None:

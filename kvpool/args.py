@@ -2,8 +2,9 @@
 
 Two kinds live here:
 
-- **Store checks** (``check_key``, ``check_batch``, ``check_reserve_size``,
-  ``check_read_range``, ``check_write_range``, ``data_region``, ``out_region``):
+- **Store checks** (``check_key``, ``check_parent``, ``check_batch``,
+  ``check_reserve_size``, ``check_read_range``/``block_range``,
+  ``check_out_fits``, ``check_write_range``, ``data_region``, ``out_region``):
   the embedded pool and the cluster client call the same functions, so the
   same bad input raises the same error type with the same message on both
   stores. Each raises before any state changes.
@@ -109,7 +110,7 @@ def block_range(offset: int, length: int | None, size: int) -> int:
 
     ``length=None`` means to the end of the block. A range past the block's
     end is a caller error (BufferSpecError), not a miss."""
-    if offset > size or (offset == size and length is not None):
+    if offset >= size:
         raise BufferSpecError(f"offset {offset} is past the end of the {size}-byte block")
     take = size - offset if length is None else length
     if offset + take > size:
@@ -117,6 +118,13 @@ def block_range(offset: int, length: int | None, size: int) -> int:
             f"range [{offset}, {offset + take}) is outside the block of {size} bytes"
         )
     return take
+
+
+def check_out_fits(out: Region, nbytes: int) -> None:
+    """``out`` must hold the ``nbytes`` a read copies into it."""
+    have = region_nbytes(out)
+    if have < nbytes:
+        raise BufferSpecError(f"out has {have} bytes but {nbytes} are asked")
 
 
 # -- command-line types ---------------------------------------------------------

@@ -47,13 +47,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def command_name(args: argparse.Namespace) -> str:
+    """``kvpool bench local``, ``kvpool trace synth``: the words that chose the command."""
+    words = [args.command, getattr(args, "suite", None), getattr(args, "trace_command", None)]
+    return " ".join(["kvpool", *(str(w) for w in words if w)])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    return run_command(f"kvpool {args.command}", args.func, args)
+    return run_command(command_name(args), args.func, args)
 
 
 if __name__ == "__main__":

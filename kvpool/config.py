@@ -24,6 +24,9 @@ _UNITS = {
 _SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
 
 DEFAULT_DRAM_BYTES = 256 << 20
+# Where ``kvpool master`` listens, and the port a ``kvpool://host`` URL means.
+# Here rather than in the master so that clients need not import it.
+DEFAULT_PORT = 7480
 DEFAULT_ALIGNMENT = 4096
 
 

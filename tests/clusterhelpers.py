@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.procs import Child as Proc
@@ -53,7 +53,9 @@ def start_cluster(node_drams: Sequence[str], *master_args: str) -> Cluster:
     return cluster
 
 
-def wait_until(predicate, timeout: float = 10.0, interval: float = 0.05) -> bool:  # type: ignore[no-untyped-def]
+def wait_until(
+    predicate: Callable[[], object], timeout: float = 10.0, interval: float = 0.05
+) -> bool:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -1,4 +1,11 @@
-"""Shared fixtures: small embedded pools, deterministic keys and payloads."""
+"""Shared fixtures: small embedded pools, deterministic keys and payloads.
+
+Hypothesis profiles: ``ci`` (loaded when ``CI=true``) is derandomized, so the
+same commit always runs the same examples and a green main stays green; a
+failure prints its reproduction blob. ``dev`` (the default elsewhere) keeps
+hypothesis' randomness, to keep finding new cases on developers' machines.
+``HYPOTHESIS_PROFILE`` picks one explicitly.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +13,25 @@ import os
 from collections.abc import Iterator
 
 import pytest
+from hypothesis import HealthCheck, settings
 from poolhelpers import BLOCK, make_keys
 
 from kvpool import Pool
+
+settings.register_profile(
+    "ci",
+    derandomize=True,
+    database=None,  # nothing replayed from earlier runs: the examples depend on the code only
+    max_examples=50,
+    deadline=None,
+    print_blob=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+settings.register_profile("dev", deadline=None, print_blob=True)
+settings.load_profile(
+    os.environ.get("HYPOTHESIS_PROFILE")
+    or ("ci" if os.environ.get("CI", "").lower() == "true" else "dev")
+)
 
 
 @pytest.fixture

@@ -10,7 +10,8 @@ import pytest
 from kvpool.cli import main
 from kvpool.eviction import ONLINE_POLICIES, BeladyPolicy, make_policy
 from kvpool.workload.cachesim import infinite_hits, run_cachesim, simulate, trace_keys
-from kvpool.workload.traces import TraceRecord, synthesize, write_trace
+from kvpool.workload.synth import synthesize
+from kvpool.workload.traces import TraceRecord, write_trace
 
 B = 512
 

@@ -8,7 +8,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from poolhelpers import make_keys
 
-from kvpool.index.catalog import BlockCatalog, CatalogFullError
+from kvpool.index.catalog import (
+    BlockCatalog,
+    BlockCommitted,
+    BlockMeta,
+    CatalogFullError,
+    RangeFreed,
+    SsdCopyDropped,
+)
 
 PAGE = 4096
 
@@ -133,26 +140,27 @@ def test_replicas_on_distinct_nodes_and_node_loss() -> None:
     assert cat.exists(keys) == [True, False]
 
 
-def test_node_outbox_and_restore_after_master_restart() -> None:
+def test_node_events_and_restore_after_master_restart() -> None:
     cat, _ = catalog({"a": 4})
     keys = make_keys(3)
     for key in keys:
         put(cat, key)
     cat.remove(keys[1])
-    outbox = cat.nodes["a"].outbox
-    assert [e[0] for e in outbox] == ["commit", "commit", "commit", "free"]
-    held = {e[2]: e for e in outbox if e[0] == "commit"}
-    for event in outbox:
-        if event[0] == "free":
-            del held[event[1]]
+    events = cat.drain_events("a")
+    assert [type(e) for e in events] == [BlockCommitted] * 3 + [RangeFreed]
+    assert cat.drain_events("a") == [] and cat.drain_events("nobody") == []  # handed out once
+    held = {e.offset: e for e in events if isinstance(e, BlockCommitted)}
+    for event in events:
+        if isinstance(event, RangeFreed):
+            del held[event.offset]
     # A fresh master learns the node's blocks back from the node.
     fresh, _ = catalog({"a": 4})
-    restored = [(e[1], e[2], e[3], 123, e[4]) for e in held.values()]
-    restored.append((make_keys(9, seed=5)[0], held[next(iter(held))][2], PAGE, None, None))
+    restored = [(e.key, e.offset, e.size, 123, e.parent) for e in held.values()]
+    restored.append((make_keys(9, seed=5)[0], next(iter(held)), PAGE, None, None))
     assert fresh.restore_blocks("a", restored) == 2  # the overlapping one is refused
     assert fresh.exists(keys) == [True, False, True]
     assert fresh.blocks[keys[0]].checksum == 123
-    assert fresh.nodes["a"].outbox == []
+    assert fresh.drain_events("a") == []
 
 
 def test_ids_of_a_restarted_master_never_collide_with_the_old_ones() -> None:
@@ -179,7 +187,7 @@ def test_a_grant_holds_space_invisibly_until_bound_to_a_key() -> None:
     assert cat.exists([key]) == [True] and cat.blocks[key].parent == parent
     assert cat.blocks[key].replicas[0].offset == grants[0].offset
     assert cat.granted_bytes == 2 * PAGE
-    assert cat.nodes["b"].outbox[-1] == ("commit", key, grants[0].offset, PAGE, parent)
+    assert cat.drain_events("b")[-1] == BlockCommitted(key, grants[0].offset, PAGE, parent)
     assert cat.commit_grant(grants[0].alloc_id, key, None) is None  # used up
 
 
@@ -221,6 +229,46 @@ def test_grants_evict_like_puts_and_stop_when_nothing_is_evictable() -> None:
     assert len(cat.grant(PAGE, 3)) == 1  # evicts keys[0]; keys[1] is leased
     assert cat.exists(keys) == [False, True] and cat.evictions == 1
     cat.release(lease_id)
+
+
+def removed_but_leased(cat: BlockCatalog) -> list[BlockMeta]:
+    """Removed blocks some lease still holds, each once however many leases hold it:
+    their extents stay allocated until the last of those leases ends."""
+    held = {id(b): b for rec in cat.leases.values() for b in rec.blocks if b.removed}
+    return list(held.values())
+
+
+def test_a_removed_block_leased_twice_is_freed_once_by_its_last_lease() -> None:
+    """Regression (hypothesis once found it): put, lease twice, remove. The bytes stay
+    allocated once (not once per lease) until the last lease ends, then are freed once."""
+    cat, _ = catalog({"a": 4})
+    key = make_keys(1)[0]
+    put(cat, key)
+    first, _ = cat.lease([key])
+    second, _ = cat.lease([key])
+    assert cat.remove(key) and cat.exists([key]) == [False]
+    assert removed_but_leased(cat) and cat.nodes["a"].allocator.used_bytes == PAGE
+    cat.release(first)
+    assert cat.nodes["a"].allocator.used_bytes == PAGE  # the second reader still copies
+    cat.release(second)
+    assert cat.nodes["a"].allocator.used_bytes == 0 and not removed_but_leased(cat)
+    cat.nodes["a"].allocator.check()
+    assert [type(e) for e in cat.drain_events("a")] == [BlockCommitted, RangeFreed]
+
+
+def test_a_node_restart_takes_its_hidden_leased_ranges_with_it() -> None:
+    """A node re-registering under the same id starts empty: a lease on a removed block
+    that ends later must not free a range of the new, empty node."""
+    cat, _ = catalog({"a": 4})
+    key = make_keys(1)[0]
+    put(cat, key)
+    lease_id, _ = cat.lease([key])
+    cat.remove(key)
+    cat.add_node("a", 4 * PAGE, {"node_id": "a"})  # restarted
+    put(cat, make_keys(2)[1])  # reuses offset 0
+    cat.release(lease_id)
+    assert cat.nodes["a"].allocator.used_bytes == PAGE
+    cat.nodes["a"].allocator.check()
 
 
 class CatalogMachine(RuleBasedStateMachine):
@@ -268,17 +316,21 @@ class CatalogMachine(RuleBasedStateMachine):
         for _ in range(reads):
             lease_id, found = self.cat.lease(self.keys[i : i + 1])
             self.cat.release(lease_id)
-        for alloc in self.cat.hot_replicas(found):
+        for alloc in self.cat.replication.hot_replicas(found):
             self.cat.commit(alloc.alloc_id)
 
     @rule()
     def cool(self) -> None:
         self.clock.now += 100
-        self.cat.cool_down()
+        self.cat.replication.cool_down()
 
     @rule(i=st.integers(0, 11))
     def remove(self, i: int) -> None:
         self.cat.remove(self.keys[i])
+
+    @rule(node=st.sampled_from(["a", "b"]))
+    def node_restarts(self, node: str) -> None:
+        self.cat.add_node(node, {"a": 6, "b": 4}[node] * PAGE, {"node_id": node})
 
     @rule()
     def time_passes(self) -> None:
@@ -297,9 +349,7 @@ class CatalogMachine(RuleBasedStateMachine):
             )
             hidden = sum(
                 -(-r.size // PAGE) * PAGE
-                for rec in self.cat.leases.values()
-                for b in set(rec.blocks)
-                if b.removed
+                for b in removed_but_leased(self.cat)
                 for r in b.replicas
                 if r.node_id == node.node_id
             )
@@ -328,7 +378,7 @@ def hot(cat: BlockCatalog, key: bytes, reads: int) -> list:
     orders = []
     for _ in range(reads):
         lease_id, found = cat.lease([key])
-        orders += cat.hot_replicas(found)
+        orders += cat.replication.hot_replicas(found)
         cat.release(lease_id)
     return orders
 
@@ -348,7 +398,7 @@ def test_a_hot_block_gains_replicas_then_cools_down() -> None:
     assert len(cat.blocks[key].replicas) == 3
     assert hot(cat, key, 5) == []  # capped by max_replicas (3)
     clock.now += 60  # heat halves every 10 s: ~16 reads -> < 1
-    assert cat.cool_down() == 2
+    assert cat.replication.cool_down() == 2
     assert [r.primary for r in cat.blocks[key].replicas] == [True]
     assert sum(n.allocator.used_bytes for n in cat.nodes.values()) == PAGE
 
@@ -358,7 +408,7 @@ def test_extras_are_evicted_before_primaries() -> None:
     keys = make_keys(4)
     put(cat, keys[0])  # a
     put(cat, keys[1])  # b
-    extra = cat.allocate_replica(keys[0], "b")
+    extra = cat.replication.allocate_replica(keys[0], "b")
     assert extra is not None and cat.commit(extra.alloc_id)
     put(cat, keys[2])  # a (a: 1 free, b: full)
     put(cat, keys[3])  # both full: b has an extra to drop, so b makes room
@@ -370,7 +420,7 @@ def test_the_extra_replica_survives_its_primarys_node() -> None:
     cat, _ = catalog({"a": 2, "b": 2})
     key = make_keys(1)[0]
     assert put(cat, key) == ["a"]
-    alloc = cat.allocate_replica(key, "b")
+    alloc = cat.replication.allocate_replica(key, "b")
     assert alloc is not None and alloc.node_id == "b"
     cat.commit(alloc.alloc_id)
     assert cat.remove_node("a") == []
@@ -383,8 +433,8 @@ def test_explicit_replica_lands_on_the_chosen_node() -> None:
     cat, _ = catalog({"a": 4, "b": 4, "c": 4})
     key = make_keys(1)[0]
     put(cat, key)  # a
-    assert cat.allocate_replica(key, "a") is None  # already there
-    alloc = cat.allocate_replica(key, "c")
+    assert cat.replication.allocate_replica(key, "a") is None  # already there
+    alloc = cat.replication.allocate_replica(key, "c")
     assert alloc is not None and alloc.node_id == "c"
     cat.commit(alloc.alloc_id)
     assert sorted(r.node_id for r in cat.blocks[key].replicas) == ["a", "c"]
@@ -394,7 +444,7 @@ def test_reads_go_to_the_least_loaded_replica() -> None:
     cat, _ = catalog({"a": 4, "b": 4})
     key = make_keys(1)[0]
     put(cat, key)
-    alloc = cat.allocate_replica(key, "b")
+    alloc = cat.replication.allocate_replica(key, "b")
     assert alloc is not None
     cat.commit(alloc.alloc_id)
     first = []
@@ -412,25 +462,25 @@ def test_ssd_copies_turn_evictions_into_demotions() -> None:
     keys = make_keys(4)
     put(cat, keys[0])
     put(cat, keys[1])
-    picked = cat.pick_for_ssd("a", PAGE)  # the oldest DRAM-only block
+    picked = cat.ssd_tier.pick_for_ssd("a", PAGE)  # the oldest DRAM-only block
     assert [b.key for b in picked] == [keys[0]]
-    assert cat.dram_offset(picked[0], "a") == 0
-    cat.ssd_stored("a", picked, [keys[0]], [])
+    assert cat.ssd_tier.dram_offset(picked[0], "a") == 0
+    cat.ssd_tier.ssd_stored("a", picked, [keys[0]], [])
     put(cat, keys[2])  # evicts 0: it has an SSD copy, so it stays as an SSD-only replica
     assert cat.exists(keys) == [True, True, True, False]
     block = cat.blocks[keys[0]]
-    assert cat.ssd_only(block)
+    assert cat.ssd_tier.ssd_only(block)
     put(cat, keys[3])  # evicts 1: no SSD copy, dropped
     assert cat.exists(keys) == [True, False, True, True]
     assert cat.locate(keys[:1]) == [["a"]]
     # A read promotes it back into DRAM first.
     lease_id, found = cat.lease(keys[:1])
     assert found[0] is block
-    alloc = cat.reserve_promotion(block)
+    alloc = cat.ssd_tier.reserve_promotion(block)
     assert alloc is not None  # evicted 2 to make room
-    cat.finish_promotion(block, alloc, ok=True)
-    assert not cat.ssd_only(block) and cat.dram_offset(block, "a") == alloc.offset
-    assert cat.nodes["a"].outbox[-1][:3] == ("commit", keys[0], alloc.offset)
+    cat.ssd_tier.finish_promotion(block, alloc, ok=True)
+    assert not cat.ssd_tier.ssd_only(block) and cat.ssd_tier.dram_offset(block, "a") == alloc.offset
+    assert cat.drain_events("a")[-1] == BlockCommitted(keys[0], alloc.offset, PAGE, None)
     cat.release(lease_id)
     cat.nodes["a"].allocator.check()
 
@@ -440,24 +490,24 @@ def test_ssd_loss_and_remove() -> None:
     cat.add_node("a", PAGE, {}, has_ssd=True)
     keys = make_keys(3)
     put(cat, keys[0])
-    cat.ssd_stored("a", cat.pick_for_ssd("a", PAGE), [keys[0]], [])
+    cat.ssd_tier.ssd_stored("a", cat.ssd_tier.pick_for_ssd("a", PAGE), [keys[0]], [])
     put(cat, keys[1])  # 0 -> SSD-only
     lease_id, found = cat.lease(keys[:1])
-    alloc = cat.reserve_promotion(found[0])  # type: ignore[arg-type]
+    alloc = cat.ssd_tier.reserve_promotion(found[0])  # type: ignore[arg-type]
     assert alloc is not None
-    cat.finish_promotion(found[0], alloc, ok=False)  # type: ignore[arg-type]  # bad checksum
+    cat.ssd_tier.finish_promotion(found[0], alloc, ok=False)  # type: ignore[arg-type]  # bad checksum
     cat.release(lease_id)
     # Making room for the promotion dropped 1 (no SSD copy), and 0 failed its load.
     assert cat.exists(keys[:2]) == [False, False]
     assert cat.nodes["a"].allocator.used_bytes == 0
     put(cat, keys[1])
-    cat.ssd_stored("a", cat.pick_for_ssd("a", PAGE), [keys[1]], [])
+    cat.ssd_tier.ssd_stored("a", cat.ssd_tier.pick_for_ssd("a", PAGE), [keys[1]], [])
     put(cat, keys[2])  # 1 -> SSD-only
-    cat.ssd_stored("a", [], [], [keys[1]])  # the node's SSD evicted it
+    cat.ssd_tier.ssd_stored("a", [], [], [keys[1]])  # the node's SSD evicted it
     assert cat.exists(keys) == [False, False, True]
-    cat.ssd_stored("a", cat.pick_for_ssd("a", PAGE), [keys[2]], [])
+    cat.ssd_tier.ssd_stored("a", cat.ssd_tier.pick_for_ssd("a", PAGE), [keys[2]], [])
     assert cat.remove(keys[2])
-    assert cat.nodes["a"].outbox[-2:] == [("ssd_drop", keys[2]), ("free", 0)]
+    assert cat.drain_events("a")[-2:] == [SsdCopyDropped(keys[2]), RangeFreed(0)]
 
 
 def test_restore_ssd_blocks_after_a_master_restart() -> None:
@@ -465,7 +515,9 @@ def test_restore_ssd_blocks_after_a_master_restart() -> None:
     cat.add_node("a", 2 * PAGE, {}, has_ssd=True)
     keys = make_keys(3)
     cat.restore_blocks("a", [(keys[0], 0, PAGE, 1, None)])
-    assert cat.restore_ssd("a", [(keys[0], PAGE, None), (keys[1], PAGE, keys[0])]) == 2
+    assert cat.ssd_tier.restore("a", [(keys[0], PAGE, None), (keys[1], PAGE, keys[0])]) == 2
     assert cat.exists(keys) == [True, True, False]
-    assert not cat.ssd_only(cat.blocks[keys[0]]) and cat.ssd_only(cat.blocks[keys[1]])
-    assert cat.pick_for_ssd("a", 10 * PAGE) == []  # 0 already has its SSD copy
+    assert not cat.ssd_tier.ssd_only(cat.blocks[keys[0]]) and cat.ssd_tier.ssd_only(
+        cat.blocks[keys[1]]
+    )
+    assert cat.ssd_tier.pick_for_ssd("a", 10 * PAGE) == []  # 0 already has its SSD copy

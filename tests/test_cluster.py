@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool
 from kvpool import HandshakeRefusedError, RemotePool
+from kvpool.cluster.client.handles import ReservationTicket
 
 
 def nodes_up(pool: RemotePool, n: int) -> bool:
@@ -77,30 +79,6 @@ def test_put_here_get_in_another_process(
     stats = pool.stats()
     assert stats["blocks"] == 20
     assert sorted(n["blocks"] for n in stats["nodes"].values()) == [10, 10]  # spread by free space
-
-
-def test_same_api_as_embedded(pool: RemotePool) -> None:
-    keys = make_keys(4)
-    assert pool.put(keys[0], b"abc")
-    assert pool.put(keys[0], b"zzz") is False
-    assert pool.get(keys[0]) == b"abc"
-    assert pool.get(keys[1]) is None
-    out = bytearray(5)
-    assert pool.get_into(keys[0], out) == 3 and out == b"abc\0\0"
-    assert pool.exists(keys[:2]) == [True, False]
-    assert pool.prefix_match(keys) == 1
-    with pool.reserve(keys[1], 1000) as writer:  # type: ignore[union-attr]
-        writer.write(500, np.full(500, 2, np.uint8))
-        writer.write(0, np.full(500, 1, np.uint8))
-        assert pool.exists([keys[1]]) == [False]
-    assert pool.get(keys[1]) == b"\1" * 500 + b"\2" * 500
-    assert pool.get_into(keys[1], out, offset=498, length=4) == 4 and out[:4] == b"\1\1\2\2"
-    assert pool.remove(keys[0]) and not pool.remove(keys[0])
-    with pytest.raises(kvpool.InvalidKeyError):
-        pool.put(b"short", b"x")
-    with pytest.raises(kvpool.BufferSpecError):
-        pool.get_into(keys[1], bytearray(10))
-    assert pool.get_into_batch([keys[1], keys[2]], [bytearray(1000), bytearray(10)]) == [1000, None]
 
 
 def test_eviction_under_pressure_across_two_nodes(cluster: Cluster) -> None:
@@ -336,3 +314,32 @@ def test_a_node_restarted_on_the_same_port_never_serves_stale_offsets() -> None:
                 assert reader.get_into(key, out) == BLOCK and np.array_equal(out, payload(10 + i))
     finally:
         cluster.stop()
+
+
+def test_a_reservation_exported_to_another_client(pool: RemotePool, cluster: Cluster) -> None:
+    """Pipeline prefill's hand-off: one client reserves and commits, another fills
+    the bytes through ``adopt`` of the exported ticket (plain, msgpack-safe data)."""
+    import msgpack
+
+    key = make_keys(1, seed=21)[0]
+    writer = pool.reserve(key, BLOCK)
+    assert writer is not None
+    ticket = writer.export()
+    wire = msgpack.unpackb(msgpack.packb(dataclasses.asdict(ticket)), use_list=True)
+    assert wire["key"] == key and wire["size"] == BLOCK and 0 < wire["ttl_s"] <= 120
+    with kvpool.connect(cluster.url, timeout=5) as other:
+        adopted = other.adopt(
+            ReservationTicket(
+                key=wire["key"],
+                size=wire["size"],
+                allocations=[tuple(a) for a in wire["allocations"]],
+                ttl_s=wire["ttl_s"],
+                nodes=wire["nodes"],
+            )
+        )
+        assert adopted.node_ids == writer.node_ids
+        adopted.write(BLOCK // 2, payload(3)[BLOCK // 2 :])
+        adopted.write(0, payload(3)[: BLOCK // 2])
+        assert other.exists([key]) == [False]  # invisible until the owner commits
+    writer.commit()
+    assert pool.get(key) == payload(3).tobytes()

@@ -11,7 +11,8 @@ import pytest
 from kvpool.cli import main
 from kvpool.eviction.horizon import keep_for_h_bound, keep_for_h_points, use_gaps
 from kvpool.workload.cachesim import infinite_hits, trace_keys
-from kvpool.workload.traces import TraceRecord, synthesize, write_trace
+from kvpool.workload.synth import synthesize
+from kvpool.workload.traces import TraceRecord, write_trace
 
 # Chained keys (a key spells its whole prefix), 9 blocks, times in seconds.
 HAND = [[b"A", b"AB"], [b"A", b"AC"], [b"A", b"AB", b"ABD"], [b"A", b"AC"]]

@@ -11,7 +11,7 @@ import pytest
 from poolhelpers import BLOCK, make_keys, payload
 
 from kvpool import BufferSpecError, KVLayout, KVPoolError, Pool
-from kvpool.embedded.handles import BlockWriter
+from kvpool.embedded.handles import EmbeddedBlockWriter
 from kvpool.layerwise import LayerReader, LayerTransferError, LayerWriter
 
 # 4 layers x 2 heads x 32 dims x 64 tokens, float16: 16 KiB per layer, one BLOCK per block
@@ -52,7 +52,7 @@ def used(pool: Pool) -> int:
 
 
 def pins(pool: Pool, keys: list[bytes]) -> list[int]:
-    return [pool._entries[k].pins for k in keys]
+    return [pool._blocks.entries[k].pins for k in keys]
 
 
 @pytest.mark.parametrize("order", [[0, 1, 2, 3], [3, 1, 0, 2]])
@@ -69,7 +69,7 @@ def test_round_trip_exact_bytes(pool: Pool, order: list[int]) -> None:
             np.testing.assert_array_equal(k, kv[layer][0])
             np.testing.assert_array_equal(v, kv[layer][1])
     assert pins(pool, keys) == [0, 0, 0]
-    assert pool._entries[keys[1]].parent == keys[0]  # default parents chain the keys
+    assert pool._blocks.entries[keys[1]].parent == keys[0]  # default parents chain the keys
 
 
 def test_blocks_invisible_until_wait_commits(pool: Pool) -> None:
@@ -91,14 +91,14 @@ def test_failed_copy_mid_stream_aborts_everything(
     pool: Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     keys, kv = make_keys(3), layers(3)
-    real_write = BlockWriter.write
+    real_write = EmbeddedBlockWriter.write
 
-    def failing(self: BlockWriter, offset: int, data: Any) -> None:
+    def failing(self: EmbeddedBlockWriter, offset: int, data: Any) -> None:
         if offset >= 2 * LAYOUT.layer_bytes:
             raise OSError("injected copy failure in layer 2")
         real_write(self, offset, data)
 
-    monkeypatch.setattr(BlockWriter, "write", failing)
+    monkeypatch.setattr(EmbeddedBlockWriter, "write", failing)
     writer = pool.layer_writer(keys, LAYOUT)
     for layer in range(LAYOUT.num_layers):
         writer.write_layer(layer, *kv[layer])  # failures never raise here
@@ -106,7 +106,7 @@ def test_failed_copy_mid_stream_aborts_everything(
         writer.wait()
     assert isinstance(info.value.__cause__, OSError)
     assert pool.prefix_match(keys) == 0 and used(pool) == 0
-    monkeypatch.setattr(BlockWriter, "write", real_write)
+    monkeypatch.setattr(EmbeddedBlockWriter, "write", real_write)
     assert store(pool, keys, kv) == 3  # the keys are free again
     assert pool.get(keys[2]) == block_bytes(kv, 2)
 

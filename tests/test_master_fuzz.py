@@ -22,7 +22,11 @@ from kvpool.errors import CallTimeoutError, ConnectionLostError, KVPoolError
 from kvpool.rpc import RpcClient, encode_frame
 from kvpool.rpc.messages import Hello, Request, encode_envelope
 
-METHODS = [getattr(protocol, n) for n in dir(protocol) if n.isupper() and "_" not in n[:1]]
+METHODS = [
+    getattr(protocol, n)
+    for n in dir(protocol)
+    if n.isupper() and "_" not in n[:1] and not n.startswith("EVENT_")
+]
 values = st.recursive(
     st.none()
     | st.booleans()

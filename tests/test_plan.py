@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from kvpool.cli import main
-from kvpool.workload.traces import synthesize, write_trace
+from kvpool.workload.synth import synthesize
+from kvpool.workload.traces import write_trace
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,9 @@ import numpy as np
 import pytest
 from poolhelpers import BLOCK, make_keys, payload
 
+import kvpool.embedded.blocks as blocks_module
 import kvpool.embedded.pool as pool_module
+import kvpool.embedded.reservations as reservations_module
 from kvpool import Pool, PoolFullError
 
 
@@ -39,7 +41,8 @@ def gated_copy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Any], thre
         gate.entered = entered  # type: ignore[attr-defined]
         return release
 
-    monkeypatch.setattr(pool_module, "copy_region", copy)
+    for module in (pool_module, reservations_module, blocks_module):  # reads, writes, moves
+        monkeypatch.setattr(module, "copy_region", copy)
     yield gate
 
 
@@ -67,7 +70,7 @@ def test_failed_copy_frees_its_allocation(pool: Pool, monkeypatch: pytest.Monkey
     def broken(dst: Any, src: Any) -> None:
         raise RuntimeError("device lost")
 
-    monkeypatch.setattr(pool_module, "copy_region", broken)
+    monkeypatch.setattr(reservations_module, "copy_region", broken)  # the put path
     with pytest.raises(RuntimeError, match="device lost"):
         pool.put(key, payload(0))
     monkeypatch.undo()

@@ -160,16 +160,16 @@ def test_zero_budget_turns_grants_off(cluster: Cluster) -> None:
 def test_a_changed_node_region_drops_its_grants(pool: RemotePool) -> None:
     put_all(pool, make_keys(2, seed=16))
     stock = pool._putter.grants
-    node_id, region = next(iter(pool._regions.items()))
+    node_id, region = next(iter(pool._session.regions.items()))
     mine = [g.alloc_id for q in stock._stock.values() for g in q if g.node_id == node_id]
     assert mine
     restarted = type(region).from_dict({**region.to_dict(), "shm_name": "kvpool-new-arena"})
-    pool._learn({node_id: restarted})
+    pool._session.learn({node_id: restarted})
     assert all(g.node_id != node_id for q in stock._stock.values() for g in q)
     dropped = stock.stale()
     assert set(mine) <= set(dropped)
     pool._putter._revoke(dropped)  # what the janitor does with them
-    pool._learn({node_id: region})
+    pool._session.learn({node_id: region})
 
 
 def test_bad_grant_requests_are_refused_and_change_nothing(
@@ -201,7 +201,7 @@ def test_a_failed_grant_write_is_retried_the_classic_way(
 ) -> None:
     keys = make_keys(2, seed=17)
     put_all(pool, keys[:1])
-    real = pool._transport
+    real = pool._session.transport
     failures = []
 
     class Flaky:
@@ -214,7 +214,7 @@ def test_a_failed_grant_write_is_retried_the_classic_way(
                 raise ConnectionLostError("node restarted")
             self.inner.write_many(plan)  # type: ignore[attr-defined]
 
-    monkeypatch.setattr(pool, "_transport", lambda node_id: Flaky(real(node_id)))
+    monkeypatch.setattr(pool._session, "transport", lambda node_id: Flaky(real(node_id)))
     used = pool.stats()["client"]["put_grants_used"]
     assert put_all(pool, keys[1:], first=1) == [True]
     assert failures == [1] and pool.stats()["client"]["put_grants_used"] == used + 1
@@ -227,7 +227,7 @@ def test_a_failed_classic_write_is_retried_once(
 ) -> None:
     with kvpool.connect(cluster.url, timeout=5, put_grant_bytes=0) as p:
         keys = make_keys(2, seed=18)
-        real = p._transport
+        real = p._session.transport
         calls: list[int] = []
 
         class Failing:
@@ -241,7 +241,7 @@ def test_a_failed_classic_write_is_retried_once(
                 self.inner.write_many(plan)  # type: ignore[attr-defined]
 
         pending = p.stats()["pending_allocations"]
-        monkeypatch.setattr(p, "_transport", lambda node_id: Failing(real(node_id)))
+        monkeypatch.setattr(p._session, "transport", lambda node_id: Failing(real(node_id)))
         assert p.put(keys[0], payload(0)) is True and calls == [1, 1]
         _stored.append(keys[1])
         assert p.put(keys[1], payload(1)) is False and len(calls) == 4  # failed twice

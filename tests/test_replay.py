@@ -12,7 +12,8 @@ import pytest
 
 from kvpool.serve.sched.replay import build_plan
 from kvpool.serve.sched.replay_results import percentile_of
-from kvpool.workload.traces import synthesize, write_trace
+from kvpool.workload.synth import synthesize
+from kvpool.workload.traces import write_trace
 
 pytest.importorskip("httpx")
 

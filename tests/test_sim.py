@@ -11,7 +11,8 @@ from kvpool.serve.sched.sim.config import SimConfig
 from kvpool.serve.sched.sim.decode_engine import DecodeEngine
 from kvpool.serve.sched.sim.runner import simulate
 from kvpool.workload.cachesim import trace_keys
-from kvpool.workload.traces import synthesize, write_trace
+from kvpool.workload.synth import synthesize
+from kvpool.workload.traces import write_trace
 
 KEYS = (
     "requests",

@@ -16,7 +16,7 @@ from kvpool.serve.sched.sim.config import SimConfig
 from kvpool.serve.sched.sim.cpp import CppCluster
 from kvpool.serve.sched.sim.runner import simulate
 from kvpool.workload.cachesim import trace_keys
-from kvpool.workload.traces import synthesize
+from kvpool.workload.synth import synthesize
 
 COST = analytic_cluster("llama2-70b")
 

@@ -14,16 +14,9 @@ from hypothesis import strategies as st
 
 from kvpool.cli import main
 from kvpool.index.keys import Namespace, block_keys
-from kvpool.workload.traces import (
-    SynthConfig,
-    TraceError,
-    TraceRecord,
-    block_tokens_for_ids,
-    load_trace,
-    synthesize,
-    tokens_for_request,
-    write_trace,
-)
+from kvpool.workload.synth import SynthConfig, synthesize
+from kvpool.workload.tokens import block_tokens_for_ids, tokens_for_request
+from kvpool.workload.traces import TraceError, TraceRecord, load_trace, write_trace
 
 NS = Namespace(model="trace-test")
 GOOD = (

@@ -14,14 +14,15 @@ import threading
 from typing import Any
 
 from kvpool.args import address_arg, port_arg, positive_int, size_arg, size_or_zero_arg
+from kvpool.config import DEFAULT_PORT
 
-LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR"]
+LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
 
 def register(subparsers: Any) -> None:
     master = subparsers.add_parser("master", help="run the metadata server")
     master.add_argument("--host", default="127.0.0.1")
-    master.add_argument("--port", type=port_arg, default=7480)
+    master.add_argument("--port", type=port_arg, default=DEFAULT_PORT)
     master.add_argument("--token", default=None, help="shared token (default $KVPOOL_TOKEN)")
     master.add_argument("--policy", default="lru", help="eviction policy for every node")
     master.add_argument("--node-ttl", type=float, default=5.0, help="seconds without heartbeat")

@@ -32,6 +32,9 @@ import xxhash
 from kvpool.cluster.metrics import Metrics
 from kvpool.cluster.node_ssd import NodeSsd
 from kvpool.cluster.wire import (
+    EVENT_COMMIT,
+    EVENT_FREE,
+    EVENT_SSD_DROP,
     HEARTBEAT,
     REGISTER,
     SSD_LOAD,
@@ -218,15 +221,15 @@ class StorageNode:
         """Replay commits and frees in order; checksum the blocks that survive the batch."""
         committed: list[HeldBlock] = []
         for event in events:
-            if event[0] == "commit":
+            if event[0] == EVENT_COMMIT:
                 _, key, offset, size, parent = event
                 block = HeldBlock(key, offset, size, parent, 0)
                 self._forget_overlaps(offset, size)
                 self.blocks[offset] = block
                 committed.append(block)
-            elif event[0] == "free":
+            elif event[0] == EVENT_FREE:
                 self.blocks.pop(event[1], None)
-            elif event[0] == "ssd_drop" and self.ssd is not None:
+            elif event[0] == EVENT_SSD_DROP and self.ssd is not None:
                 self.ssd.drop(event[1])
         for block in committed:
             if self.blocks.get(block.offset) is block:

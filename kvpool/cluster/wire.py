@@ -32,6 +32,11 @@ STATS = "stats"
 # Node RPC method names (the master calls these on nodes with an SSD tier).
 SSD_STORE = "ssd.store"  # [[key, offset, size, parent]] -> {"stored": [...], "dropped": [...]}
 SSD_LOAD = "ssd.load"  # [[key, offset]] -> [ok, ...]
+# What a heartbeat reply tells a node about its own region, in order (the
+# master turns the catalog's typed events into these lists):
+EVENT_COMMIT = "commit"  # [EVENT_COMMIT, key, offset, size, parent]: a block is now there
+EVENT_FREE = "free"  # [EVENT_FREE, offset]: the block at offset is gone, its range reusable
+EVENT_SSD_DROP = "ssd_drop"  # [EVENT_SSD_DROP, key]: drop the SSD copy of key
 
 
 @dataclass
@@ -54,7 +59,7 @@ class Heartbeat(WireMessage):
 @dataclass
 class HeartbeatReply(WireMessage):
     known: bool  # False: the master does not know this node (it restarted): register again
-    events: list[list[Any]] = field(default_factory=list)  # ["commit", key, off, size, parent]
+    events: list[list[Any]] = field(default_factory=list)  # EVENT_* lists, oldest first
 
 
 @dataclass

@@ -1,27 +1,39 @@
-"""``layer_writer`` / ``layer_reader`` for every pool kind (embedded and remote).
+"""``layer_writer`` / ``layer_reader`` for every store (embedded and remote).
 
 Both pools inherit these two methods; the writer and reader only use the
-pool's public API (reserve, lease, ranged get_into), so they work the same
-against a local arena or a cluster.
+store contract (``reserve``, ``lease``, ranged ``get_into``; see
+``kvpool.api.KVStore``), so they work the same against a local arena or a
+cluster.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from kvpool.layerwise.reader import LayerReader
+from kvpool.layerwise.writer import LayerWriter
+from kvpool.layout import KVLayout
+
+if TYPE_CHECKING:
+    from kvpool.api import KVStore
 
 
 class LayerwiseMethods:
+    """Mixin: the layer-wise half of ``KVStore``, built on its other methods."""
+
     def layer_writer(
-        self, keys: Sequence[bytes], layout: Any, parents: Any = None, **kw: Any
-    ) -> Any:
+        self: KVStore,
+        keys: Sequence[bytes],
+        layout: KVLayout,
+        parents: Sequence[bytes | None] | None = None,
+        **options: Any,
+    ) -> LayerWriter:
         """Store ``keys``' KV layer by layer in the background (``kvpool.layerwise``)."""
-        from kvpool.layerwise import LayerWriter
+        return LayerWriter(self, keys, layout, parents, **options)
 
-        return LayerWriter(self, keys, layout, parents, **kw)
-
-    def layer_reader(self, keys: Sequence[bytes], layout: Any, **kw: Any) -> Any:
+    def layer_reader(
+        self: KVStore, keys: Sequence[bytes], layout: KVLayout, **options: Any
+    ) -> LayerReader:
         """Load the stored prefix of ``keys`` layer by layer, prefetching (``kvpool.layerwise``)."""
-        from kvpool.layerwise import LayerReader
-
-        return LayerReader(self, keys, layout, **kw)
+        return LayerReader(self, keys, layout, **options)

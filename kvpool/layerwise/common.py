@@ -9,12 +9,10 @@ of ``n*block_tokens`` tokens each; block i's K is bytes
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 from kvpool.bindings.buffers import Region, as_region, region_is_device, region_nbytes
 from kvpool.errors import BufferSpecError, KVPoolError
-from kvpool.index.keys import KEY_BYTES
 from kvpool.layout import KVLayout
 
 
@@ -30,16 +28,6 @@ def check_layout(layout: object) -> KVLayout:
     if not isinstance(layout, KVLayout):
         raise TypeError(f"layout must be a kvpool.KVLayout, got {type(layout).__name__}")
     return layout
-
-
-def check_keys(keys: Sequence[bytes]) -> list[bytes]:
-    keys = list(keys)
-    for key in keys:
-        if not isinstance(key, bytes) or len(key) != KEY_BYTES:
-            raise BufferSpecError(
-                f"every key must be bytes of length {KEY_BYTES} (from kvpool.block_keys)"
-            )
-    return keys
 
 
 def check_layer(layer: object, layout: KVLayout) -> int:

@@ -33,12 +33,13 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.api import KVStore
+from kvpool.args import check_keys
 from kvpool.bindings.buffers import Region, region_is_device
 from kvpool.errors import KVPoolError
 from kvpool.layerwise.common import (
     LayerTransferError,
     SideStream,
-    check_keys,
     check_layer,
     check_layout,
     layer_region,
@@ -61,7 +62,7 @@ class LayerReader:
 
     def __init__(
         self,
-        pool: Any,
+        pool: KVStore,
         keys: Sequence[bytes],
         layout: KVLayout,
         out: Sequence[tuple[Any, Any]] | None = None,
@@ -70,7 +71,8 @@ class LayerReader:
         torch: bool = False,
     ) -> None:
         self.layout = check_layout(layout)
-        keys = check_keys(keys)
+        keys = list(keys)
+        check_keys(keys)
         if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
             raise ValueError(f"depth must be an int >= 0, got {depth!r}")
         if out is not None:

@@ -37,12 +37,13 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
+from kvpool.api import BlockWriter, KVStore
+from kvpool.args import check_keys
 from kvpool.bindings.buffers import Region, region_is_device
 from kvpool.errors import BufferSpecError, KVPoolError
 from kvpool.layerwise.common import (
     LayerTransferError,
     SideStream,
-    check_keys,
     check_layer,
     check_layout,
     device_event,
@@ -58,7 +59,7 @@ class LayerWriter:
 
     def __init__(
         self,
-        pool: Any,
+        pool: KVStore,
         keys: Sequence[bytes],
         layout: KVLayout,
         parents: Sequence[bytes | None] | None = None,
@@ -74,7 +75,8 @@ class LayerWriter:
         buffers at once. ``device=True`` asks for GPU-tier blocks.
         """
         self.layout = check_layout(layout)
-        self.keys = check_keys(keys)
+        self.keys = list(keys)
+        check_keys(self.keys)
         n = len(self.keys)
         if parents is None:
             parents = [None, *self.keys[:-1]] if n else []
@@ -83,7 +85,7 @@ class LayerWriter:
             raise ValueError(f"parents has {len(parents)} entries for {n} keys")
         self._copy = copy
         self._layer_nbytes = n * layout.half_layer_bytes
-        self._writers: list[Any] = []
+        self._writers: list[BlockWriter | None] = []
         try:
             for key, parent in zip(self.keys, parents, strict=True):
                 self._writers.append(

@@ -1,7 +1,7 @@
 """Trace-driven cache simulation: block prefix-hit ratio per policy and capacity.
 
 Requests are replayed through the real index — each record becomes tokens
-(``kvpool.workload.traces.tokens_for_request``) and then chained block keys
+(``kvpool.workload.tokens.tokens_for_request``) and then chained block keys
 (``kvpool.index.keys.block_keys``), so only full blocks count, exactly as
 the pool keys them — and through the policies, with no data.
 
@@ -23,7 +23,8 @@ from typing import Any
 
 from kvpool.eviction import ONLINE_POLICIES, BeladyPolicy, EvictionPolicy, make_policy
 from kvpool.index.keys import Namespace, block_keys
-from kvpool.workload.traces import DEFAULT_BLOCK_TOKENS, TraceRecord, tokens_for_request
+from kvpool.workload.tokens import tokens_for_request
+from kvpool.workload.traces import DEFAULT_BLOCK_TOKENS, TraceRecord
 
 Keys = list[bytes]
 

@@ -14,7 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from kvpool.config import format_size, parse_size
+from kvpool.args import non_negative_int, size_arg
+from kvpool.config import format_size
 
 
 @dataclass
@@ -35,11 +36,15 @@ def register(subparsers: Any) -> None:
     parser = subparsers.add_parser(
         "demo", help="fill an embedded pool from a synthetic multi-turn trace"
     )
-    parser.add_argument("--requests", type=int, default=400)
-    parser.add_argument("--block-bytes", default="1MiB", help="KV bytes per 512-token block")
-    parser.add_argument("--dram", default="256MiB", help="DRAM tier size")
+    parser.add_argument("--requests", type=non_negative_int, default=400)
+    parser.add_argument(
+        "--block-bytes", type=size_arg, default="1MiB", help="KV bytes per 512-token block"
+    )
+    parser.add_argument("--dram", type=size_arg, default="256MiB", help="DRAM tier size")
     parser.add_argument("--ssd-dir", default=None, help="add an SSD tier in this directory")
-    parser.add_argument("--ssd", default="1GiB", help="SSD tier size (with --ssd-dir)")
+    parser.add_argument(
+        "--ssd", type=size_arg, default="1GiB", help="SSD tier size (with --ssd-dir)"
+    )
     parser.add_argument("--policy", default="lru")
     parser.add_argument("--seed", type=int, default=0)
     parser.set_defaults(func=_main)
@@ -58,7 +63,8 @@ def run_demo(
 
     from kvpool.embedded.pool import Pool
     from kvpool.index.keys import Namespace, block_keys
-    from kvpool.workload.traces import synthesize, tokens_for_request
+    from kvpool.workload.synth import synthesize
+    from kvpool.workload.tokens import tokens_for_request
 
     trace = synthesize(requests=requests, seed=seed)
     namespace = Namespace("demo-model")
@@ -113,10 +119,10 @@ def _print(result: DemoResult, stats: dict[str, Any], block_bytes: int) -> None:
 def _main(args: argparse.Namespace) -> int:
     run_demo(
         requests=args.requests,
-        block_bytes=parse_size(args.block_bytes),
-        dram_bytes=parse_size(args.dram),
+        block_bytes=args.block_bytes,
+        dram_bytes=args.dram,
         ssd_dir=args.ssd_dir,
-        ssd_bytes=parse_size(args.ssd),
+        ssd_bytes=args.ssd,
         policy=args.policy,
         seed=args.seed,
     )

@@ -7,7 +7,8 @@ import json
 import sys
 from typing import Any
 
-from kvpool.workload.traces import DEFAULT_BLOCK_TOKENS, SynthConfig
+from kvpool.workload.synth import SynthConfig
+from kvpool.workload.traces import DEFAULT_BLOCK_TOKENS
 
 
 def register(subparsers: Any) -> None:
@@ -55,7 +56,8 @@ def register(subparsers: Any) -> None:
 
 
 def _run_synth(args: argparse.Namespace) -> int:
-    from kvpool.workload.traces import synthesize, write_trace
+    from kvpool.workload.synth import synthesize
+    from kvpool.workload.traces import write_trace
 
     cfg = SynthConfig(
         requests=args.requests,

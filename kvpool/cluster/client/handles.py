@@ -1,30 +1,44 @@
-"""Handles the remote client gives out: a reserved block being written, a lease."""
+"""Handles the cluster client gives out: a reserved block being written, a lease,
+and the ticket that hands a reservation to another process.
+
+They take the client's ``ClientSession`` (RPC client, regions, transports),
+never the pool, so this module imports neither the pool nor the reads.
+"""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
+from kvpool.api import BlockWriter, Lease
 from kvpool.bindings.buffers import Region
+from kvpool.cluster.client.session import ClientSession, Placement
 from kvpool.cluster.wire import COMMIT, DEFAULT_ALLOC_TTL, REVOKE, IdsRequest
-from kvpool.embedded.handles import PiecewiseWriter
 from kvpool.errors import KVPoolError
-
-if TYPE_CHECKING:
-    from kvpool.cluster.client.lease_cache import CachedLease
-    from kvpool.cluster.client.remote_pool import RemotePool
 
 
 @dataclass(frozen=True)
-class Placement:
-    node_id: str
-    offset: int
-    size: int = 0
+class ReservationTicket:
+    """A reservation exported by ``RemoteBlockWriter.export`` for ``RemotePool.adopt``.
+
+    Plain data (bytes, str, int, float, dicts and lists), so it crosses
+    process boundaries in any msgpack payload. ``ttl_s`` is the time left
+    before the master revokes the allocation, counted when the ticket was
+    made: monotonic clocks are per host, so the adopter re-bases it on its
+    own clock. ``nodes`` holds the regions of the nodes in ``allocations``,
+    so the adopter can reach them before it ever talked to the master.
+    """
+
+    key: bytes
+    size: int
+    allocations: list[tuple[int, str, int]]  # (allocation id, node id, offset) per replica
+    ttl_s: float
+    nodes: dict[str, dict[str, Any]]
 
 
-class RemoteBlockWriter(PiecewiseWriter):
+class RemoteBlockWriter(BlockWriter):
     """A block allocated on the master, filled on its node(s), visible after ``commit``.
 
     Every write goes to every replica; a failed write aborts the block. The
@@ -35,68 +49,81 @@ class RemoteBlockWriter(PiecewiseWriter):
 
     def __init__(
         self,
-        pool: RemotePool,
+        session: ClientSession,
         key: bytes,
         size: int,
         placements: list[Placement],
         ids: list[int],
         deadline: float | None = None,
     ) -> None:
-        self._pool, self.key, self.size = pool, key, size
+        self._session, self.key, self.size = session, key, size
         self._placements, self._ids = placements, ids
         # Without a deadline from the allocation reply, assume the default TTL.
         self.deadline = deadline or time.monotonic() + 0.9 * DEFAULT_ALLOC_TTL
         self.done = False
 
+    @property
+    def node_ids(self) -> list[str]:
+        """The nodes holding a replica of this block."""
+        return [p.node_id for p in self._placements]
+
+    def export(self) -> ReservationTicket:
+        """A ticket another process's ``RemotePool.adopt`` turns into a writer onto
+        the same reserved space. This writer stays valid: whichever side commits
+        (or aborts) first decides, and every writer must finish writing first."""
+        return ReservationTicket(
+            self.key,
+            self.size,
+            [(a, p.node_id, p.offset) for a, p in zip(self._ids, self._placements, strict=True)],
+            self.deadline - time.monotonic(),
+            self._session.region_dicts(set(self.node_ids)),
+        )
+
     def _write(self, offset: int, src: Region) -> None:
+        self._session.check_open()
         if self.done:
             raise KVPoolError("this block writer is already committed or aborted")
         if time.monotonic() > self.deadline:
             raise KVPoolError("this block's reservation expired before it was written; retry")
         for placement in self._placements:
-            self._pool._write(placement.node_id, placement.offset + offset, src)
+            self._session.write(placement.node_id, placement.offset + offset, src)
 
     def commit(self) -> None:
+        self._session.check_open()
         if self.done:
             raise KVPoolError("this block writer is already committed or aborted")
         self.done = True
-        self._pool._rpc.call(COMMIT, IdsRequest(self._ids))
+        self._session.rpc.call(COMMIT, IdsRequest(self._ids))
 
     def abort(self) -> None:
+        """Revoke the allocation; after the pool closed, the master's TTL does it."""
         if not self.done:
             self.done = True
-            self._pool._rpc.submit(REVOKE, IdsRequest(self._ids))
+            if not self._session.closed:
+                self._session.rpc.submit(REVOKE, IdsRequest(self._ids))
 
 
-class RemoteLease:
+class RemoteLease(Lease):
     """Blocks pinned on the master; reads of them need no further round trip.
 
-    Releasing hands the lease to the client's lease cache, which gives it
-    back to the master shortly after (see kvpool.cluster.client.lease_cache).
+    ``sizes[i]`` and ``nodes[i]`` are the size and replica nodes of
+    ``keys[i]`` (the cluster's extra over ``kvpool.api.Lease``). Releasing
+    calls ``unpin``, which hands the lease to the client's lease cache; the
+    cache gives it back to the master shortly after
+    (kvpool.cluster.client.lease_cache).
     """
 
     def __init__(
         self,
-        pool: RemotePool,
-        lease: CachedLease,
         keys: Sequence[bytes],
         sizes: Sequence[int],
         nodes: Sequence[list[str]],
+        unpin: Callable[[], None],
     ) -> None:
-        self._pool, self._lease = pool, lease
         self.keys, self.sizes, self.nodes = list(keys), list(sizes), list(nodes)
-        self._released = False
+        self._unpin: Callable[[], None] | None = unpin
 
     def release(self) -> None:
-        if not self._released:
-            self._released = True
-            self._pool._unpin(self._lease)
-
-    def __len__(self) -> int:
-        return len(self.keys)
-
-    def __enter__(self) -> RemoteLease:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.release()
+        unpin, self._unpin = self._unpin, None
+        if unpin is not None:
+            unpin()

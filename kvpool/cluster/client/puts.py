@@ -22,10 +22,11 @@ import contextlib
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvpool.bindings.buffers import Region, region_nbytes
 from kvpool.cluster.client.grants import Grant, GrantStock, use_window
+from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.wire import (
     ALLOCATE,
     COMMIT,
@@ -37,21 +38,17 @@ from kvpool.cluster.wire import (
 )
 from kvpool.errors import KVPoolError
 
-if TYPE_CHECKING:
-    from kvpool.cluster.client.remote_pool import RemotePool
-
-WRITE_ERRORS = (ConnectionError, TimeoutError, OSError)
-
 # (index into the batch, allocation or grant id, offset) per node
 Writes = dict[str, list[tuple[int, int, int]]]
 
 
 class RemotePutter:
-    """Runs puts for one RemotePool and keeps its stock of grants."""
+    """Runs puts for one cluster client's session and keeps its stock of grants."""
 
-    def __init__(self, pool: RemotePool, grant_bytes: int) -> None:
-        self._pool = pool
+    def __init__(self, session: ClientSession, grant_bytes: int) -> None:
+        self._session = session
         self.grants = GrantStock(grant_bytes)
+        session.on_region_change(self.forget_node)
 
     def put_once(
         self,
@@ -67,6 +64,8 @@ class RemotePutter:
         ``again``: retry, once and without grants, what this pass could not
         finish (a forgotten grant, or a write whose node failed).
         """
+        if not keys:
+            return [], [], ""
         sizes = [region_nbytes(r) for r in regions]
         use_grants = use_grants and replicas == 1 and self.grants.budget_bytes > 0
         writes: Writes = {}
@@ -118,7 +117,7 @@ class RemotePutter:
 
     def _take(self, size: int) -> Grant | None:
         """A grant whose node still has the region it was granted in."""
-        regions = self._pool._regions
+        regions = self._session.regions
         while (grant := self.grants.take(size)) is not None:
             if regions.get(grant.node_id) == grant.region:
                 return grant
@@ -146,7 +145,7 @@ class RemotePutter:
             spare=spare,
             spare_size=spare_size if spare else 0,
         )
-        reply = self._pool._rpc.call(ALLOCATE, request, response_type=AllocateReply)
+        reply = self._session.rpc.call(ALLOCATE, request, response_type=AllocateReply)
         self._absorb_reply(spare_size, reply)
         for i, placements in zip(rest, reply.placements, strict=True):
             for alloc_id, node_id, offset in placements or ():
@@ -160,7 +159,7 @@ class RemotePutter:
             return
         request = AllocateRequest([], [], [], spare=want, spare_size=size)
         try:
-            fut = self._pool._rpc.submit(ALLOCATE, request)
+            fut = self._session.rpc.submit(ALLOCATE, request)
         except KVPoolError:
             return  # the next put allocates the classic way
         self.grants.refilling(size, fut, lambda f: self._refilled(size, f))
@@ -178,9 +177,9 @@ class RemotePutter:
     def _absorb_reply(
         self, size: int, reply: AllocateReply, fut: Future[Any] | None = None
     ) -> None:
-        self._pool._learn(reply.nodes)
+        self._session.learn(reply.nodes)
         expires = time.monotonic() + use_window(reply.spare_ttl)
-        regions = self._pool._regions
+        regions = self._session.regions
         grants = [Grant(a, n, o, regions.get(n), expires) for a, n, o in reply.spares]
         self.grants.add(size, grants, fut)
 
@@ -192,10 +191,10 @@ class RemotePutter:
         written, failed, lost = [], [], []
         for node_id, items in writes.items():
             try:
-                transport = self._pool._transport(node_id)
+                transport = self._session.transport(node_id)
                 transport.write_many([(off, regions[i]) for i, _, off in items])
                 written += items
-            except WRITE_ERRORS:
+            except TRANSFER_ERRORS:
                 failed += [alloc_id for _, alloc_id, _ in items]
                 lost += [i for i, _, _ in items]
                 self.forget_node(node_id)
@@ -218,7 +217,7 @@ class RemotePutter:
         if granted:
             request.keys = [keys[i] if i in granted else None for i, _, _ in written]
             request.parents = [parents[i] if i in granted else None for i, _, _ in written]
-        done = self._pool._rpc.call(COMMIT, request)
+        done = self._session.rpc.call(COMMIT, request)
         retry = []
         for (i, _, _), ok in zip(written, done, strict=True):
             if ok is None and i in granted:
@@ -230,4 +229,4 @@ class RemotePutter:
     def _revoke(self, ids: list[int]) -> None:
         if ids:
             with contextlib.suppress(KVPoolError):
-                self._pool._rpc.submit(REVOKE, IdsRequest(ids))
+                self._session.rpc.submit(REVOKE, IdsRequest(ids))

@@ -16,10 +16,11 @@ which would move every byte twice):
    matches the cached prefix and *reserves* every new block (and the
    request's private tail block, ``kv_io.tail_key``) with ``pool.reserve``;
 2. it hands each stage the reservations' placements (allocation id, node,
-   offset) and the nodes' addresses; each stage writes the byte ranges of its
-   own layers of each block straight into the reserved space
-   (``RemoteBlockWriter.write``, same transports as any client write) as soon
-   as the chunk completing that block has passed its layers;
+   offset: ``RemoteBlockWriter.export``) and the nodes' addresses; each stage
+   adopts them (``RemotePool.adopt``) and writes the byte ranges of its own
+   layers of each block straight into the reserved space (same transports as
+   any client write) as soon as the chunk completing that block has passed
+   its layers;
 3. when every stage has reported its writes done, the coordinator commits
    the blocks. A block therefore becomes visible only when all of its layers
    are written, exactly as after a single-worker prefill; if any stage fails
@@ -52,6 +53,8 @@ from typing import Any
 import numpy as np
 
 import kvpool
+from kvpool.cluster.client.handles import RemoteBlockWriter, ReservationTicket
+from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.index.keys import block_keys, root_key, token_array
 from kvpool.procs import wait_for_ready
 from kvpool.rpc import RpcClient
@@ -218,7 +221,7 @@ class CppGroup:
 
 
 def pipeline_prefill(
-    pool: Any,
+    pool: RemotePool,
     cfg: ModelConfig,
     clients: Sequence[RpcClient],
     tokens: Sequence[int] | np.ndarray,
@@ -251,9 +254,9 @@ def pipeline_prefill(
     keys = block_keys(ids, namespace, bt)
     hit = pool.prefix_match(keys) if keys else 0
     cached = min(hit * bt, total - 1)
-    writers: list[Any] = []
+    writers: list[RemoteBlockWriter] = []
     writes: list[dict[str, Any]] = []
-    nodes: set[str] = set()
+    regions: dict[str, dict[str, Any]] = {}
     tail = None
     try:
         for i in range(hit, len(keys)):
@@ -261,8 +264,7 @@ def pipeline_prefill(
             w = pool.reserve(keys[i], layout.block_bytes, parent=parent)
             if w is not None:
                 writers.append(w)
-                writes.append(_write_spec(w, i * bt, bt))
-                nodes.update(p.node_id for p in w._placements)
+                writes.append(_write_spec(w.export(), i * bt, bt, regions))
         if store_tail and total % bt:
             start = (total // bt) * bt
             parent = keys[-1] if keys else root_key(namespace, bt)
@@ -271,9 +273,7 @@ def pipeline_prefill(
             tail = pool.reserve(tkey, size)
             if tail is not None:
                 writers.append(tail)
-                writes.append(_write_spec(tail, start, total - start))
-                nodes.update(p.node_id for p in tail._placements)
-        regions = {n: pool._regions[n].to_dict() for n in nodes}
+                writes.append(_write_spec(tail.export(), start, total - start, regions))
         begin = {
             "rid": rid,
             "total": total,
@@ -350,15 +350,16 @@ def _results(clients: Sequence[RpcClient], rid: str, timeout: float) -> list[dic
     return [f.result() for f in futs]
 
 
-def _write_spec(writer: Any, start: int, rows: int) -> dict[str, Any]:
-    deadline = getattr(writer, "deadline", None)
+def _write_spec(
+    ticket: ReservationTicket, start: int, rows: int, regions: dict[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """One ``begin`` write: the exported reservation ``ticket`` and the token rows
+    [start, start+rows) it holds; its nodes' regions join ``regions``."""
+    regions.update(ticket.nodes)
     return {
-        "ttl_s": None if deadline is None else deadline - time.monotonic(),
-        "key": writer.key,
+        "ttl_s": ticket.ttl_s,
+        "key": ticket.key,
         "start": start,
         "rows": rows,
-        "alloc": [
-            [aid, p.node_id, p.offset]
-            for aid, p in zip(writer._ids, writer._placements, strict=True)
-        ],
+        "alloc": [list(alloc) for alloc in ticket.allocations],
     }

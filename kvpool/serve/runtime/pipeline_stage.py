@@ -20,7 +20,7 @@ RPC methods (driven by ``kvpool.serve.runtime.pipeline.CppGroup``):
   stage, the first output token).
 
 Each stage writes only its own layers' byte ranges of each block
-(``RemoteBlockWriter.write`` to the coordinator's placements); the
+(``RemotePool.adopt`` of the coordinator's exported reservations); the
 coordinator commits a block once every stage reported, so a block still
 becomes visible only with all of its layers, and decode loads it exactly as
 after a single-worker prefill. Activations travel stage to stage over the
@@ -44,7 +44,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from kvpool.cluster.client.handles import Placement, RemoteBlockWriter
+from kvpool.cluster.client.handles import RemoteBlockWriter, ReservationTicket
+from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.rpc import RpcClient, RpcServer, ServerConfig
 from kvpool.serve.runtime.model import Transformer, build_model
 
@@ -83,20 +84,10 @@ class _Request:
     sends: list[Future[Any]] = field(default_factory=list)
 
 
-def _remote_writer(
-    pool: Any, key: bytes, size: int, placements: list[Placement], ids: list[int], ttl: Any
-) -> RemoteBlockWriter:
-    """A writer onto the coordinator's reservation. ``ttl``: seconds left before
-    the master revokes it (the coordinator's writer deadline, re-based on this
-    process's clock, since monotonic clocks are per host)."""
-    deadline = time.monotonic() + (DEFAULT_TTL_S if ttl is None else float(ttl))
-    return RemoteBlockWriter(pool, key, size, placements, ids, deadline)
-
-
 class Stage:
     """A pipeline stage: layers ``[first, last)`` of ``model`` plus the pool it writes to."""
 
-    def __init__(self, model: Transformer, pool: Any, first: int, last: int) -> None:
+    def __init__(self, model: Transformer, pool: RemotePool, first: int, last: int) -> None:
         self.model, self.pool = model, pool
         self.first, self.last = first, last
         self.is_first = first == 0
@@ -109,6 +100,22 @@ class Stage:
         self._thread = threading.Thread(target=self._loop, name="kvpool-cpp-stage", daemon=True)
         self._thread.start()
 
+    def _adopt(self, write: dict[str, Any], nodes: dict[str, Any]) -> RemoteBlockWriter:
+        """A writer onto the coordinator's reservation for one ``begin`` write. Its
+        ``ttl_s`` (seconds left before the master revokes it) is re-based on this
+        process's clock by ``adopt``, since monotonic clocks are per host."""
+        cfg = self.model.cfg
+        allocations = [(int(a), str(n), int(o)) for a, n, o in write["alloc"]]
+        ttl = write.get("ttl_s")
+        ticket = ReservationTicket(
+            key=write["key"],
+            size=2 * write["rows"] * cfg.num_layers * cfg.kv_dim * cfg.dtype_bytes,
+            allocations=allocations,
+            ttl_s=DEFAULT_TTL_S if ttl is None else float(ttl),
+            nodes={n: nodes[n] for _, n, _ in allocations},
+        )
+        return self.pool.adopt(ticket)
+
     # -- RPC handlers -----------------------------------------------------------
 
     def link(self, params: dict[str, Any]) -> bool:
@@ -119,9 +126,6 @@ class Stage:
         return True
 
     def begin(self, params: dict[str, Any]) -> bool:
-        from kvpool.transport.base import RegionInfo
-
-        self.pool._learn({n: RegionInfo.from_dict(d) for n, d in params["nodes"].items()})
         total, cfg = int(params["total"]), self.model.cfg
         shape = (total, cfg.num_kv_heads, cfg.head_dim)
         dt = self.model.dtype
@@ -131,11 +135,7 @@ class Stage:
         }
         writes = []
         for w in params["writes"]:
-            placements = [Placement(node, off) for _, node, off in w["alloc"]]
-            ids = [a for a, _, _ in w["alloc"]]
-            size = 2 * w["rows"] * cfg.num_layers * cfg.kv_dim * cfg.dtype_bytes
-            writer = _remote_writer(self.pool, w["key"], size, placements, ids, w.get("ttl_s"))
-            writes.append(_Write(w["start"], w["rows"], writer))
+            writes.append(_Write(w["start"], w["rows"], self._adopt(w, params["nodes"])))
         tokens = params.get("tokens")
         ids_t = None if tokens is None else torch.from_numpy(np.frombuffer(tokens, "<i4").copy())
         req = _Request(

@@ -2,7 +2,7 @@
 
 Each record is sent at its timestamp (divided by ``--speed``) as a streaming
 ``POST /v1/completions`` whose prompt is a list of token ids from
-``kvpool.workload.traces.tokens_for_request`` — same hash id => same block of tokens,
+``kvpool.workload.tokens.tokens_for_request`` — same hash id => same block of tokens,
 so the server's own block hashing sees exactly the trace's prefix sharing —
 and ``max_tokens`` = the record's output length (``ignore_eos`` so the reply
 has that length).
@@ -51,7 +51,7 @@ from kvpool.serve.sched.replay_results import (
     plot_cdfs,
     summarize,
 )
-from kvpool.workload.traces import tokens_for_request
+from kvpool.workload.tokens import tokens_for_request
 
 
 @dataclass

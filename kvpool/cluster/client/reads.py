@@ -1,0 +1,273 @@
+"""The distributed read: lease, copy from a replica, hand the lease back later.
+
+Every read runs under a lease, so the master cannot free or reuse a block's
+range while it is copied. Leases are cached (kvpool.cluster.client.lease_cache):
+a repeated read of a block skips the master. A read whose node fails tries
+the block's other replicas and is a miss only when none serves, never wrong
+bytes. A lease reply may carry *replica orders* (the master wants a hot
+block copied to another node): the read that copies the whole block fulfils
+it on the way.
+
+Invariants:
+- an entry ``resolve`` returns pins its lease once until the caller unpins
+  it, so the cache never hands back a lease while one of its blocks is copied;
+- a replica order is fulfilled (written and committed) only from a read of
+  the whole block, and revoked when its lease is handed back unfulfilled;
+- argument checks are the caller's (``kvpool.args``); range checks against
+  the block's size happen here, before any byte moves.
+Thread-safe: one lock guards the lease cache and the replica orders.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+
+from kvpool.args import block_range, check_out_fits
+from kvpool.bindings.buffers import Region
+from kvpool.cluster.client.handles import RemoteLease
+from kvpool.cluster.client.lease_cache import CachedLease, LeaseCache
+from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession, Placement
+from kvpool.cluster.wire import (
+    COMMIT,
+    LEASE,
+    RELEASE,
+    REVOKE,
+    IdsRequest,
+    LeaseReply,
+    LeaseRequest,
+    ReleaseRequest,
+)
+from kvpool.errors import KVPoolError
+
+#: A leased block: its replicas, its size and the cached lease that pins it.
+Found = tuple[list[Placement], int, CachedLease]
+
+
+class LeasedReads:
+    """Reads, leases and the lease cache of one cluster client."""
+
+    def __init__(self, session: ClientSession, hold_s: float, max_bytes: int) -> None:
+        self._session = session
+        self._lock = threading.Lock()
+        self.cache = LeaseCache(hold_s, max_bytes)
+        # hot blocks to copy to a new replica: key -> (alloc id, target, lease that asked)
+        self._orders: dict[bytes, tuple[int, Placement, int]] = {}
+
+    # -- what the pool's read methods call -------------------------------------------
+
+    def read_into(self, key: bytes, dst: Region, start: int, length: int | None) -> int | None:
+        """``get_into``: from a cached lease when there is one, else after a LEASE."""
+        with self._lock:  # fast path: a cached lease, no generator, no dict of one
+            hit = self.cache.lookup(key)
+            if hit is not None:
+                hit[2].pins += 1
+        if hit is None:
+            with self.reading([key]) as found:
+                if key not in found:
+                    return None
+                return self.read_range(key, found[key], dst, start, length)
+        try:
+            return self.read_range(key, hit, dst, start, length)
+        finally:
+            with self._lock:
+                self.cache.unpin(hit[2])
+
+    def read_batch(self, keys: Sequence[bytes], regions: list[Region]) -> list[int | None]:
+        """``get_into_batch``: one pipelined exchange per node, replicas on failure."""
+        with self.reading(keys) as found:
+            sizes: list[int | None] = [found[k][1] if k in found else None for k in keys]
+            for size, region in zip(sizes, regions, strict=True):
+                if size is not None:
+                    check_out_fits(region, size)
+            by_node: dict[str, list[int]] = {}
+            for i, key in enumerate(keys):
+                if key in found:
+                    node_id = self._session.preferred(found[key][0]).node_id
+                    by_node.setdefault(node_id, []).append(i)
+            for node_id, items in by_node.items():
+                plan = [
+                    (self._session.preferred(found[keys[i]][0]).offset, regions[i][: sizes[i]])
+                    for i in items
+                ]
+                try:  # one pipelined exchange per node
+                    self._session.transport(node_id).read_many(plan)
+                    self._session.counts["hits"] += len(items)
+                except TRANSFER_ERRORS:  # that node failed: each block tries its other replicas
+                    for i in items:
+                        sizes[i] = self.read_range(keys[i], found[keys[i]], regions[i], 0, None)
+            return sizes
+
+    def lease(self, keys: Sequence[bytes], prefix: bool) -> RemoteLease:
+        """Pin the stored prefix of ``keys`` (or every stored key) until released."""
+        lease, held = self.take_lease(keys, prefix, pins=1)
+        return RemoteLease(
+            [k for k, _, _ in held],
+            [s for _, _, s in held],
+            [[p.node_id for p in placements] for _, placements, _ in held],
+            lambda: self._unpin(lease),
+        )
+
+    def forget(self, key: bytes) -> None:
+        """This client removes ``key``: stop serving it from the cache, and hand its
+        lease back at once if nothing else uses it (before the remove, on the same
+        connection, so the master frees the range)."""
+        with self._lock:
+            done = self.cache.forget(key)
+        if done is not None:
+            self.hand_back([done], wait=False)
+
+    # -- leases ------------------------------------------------------------------------
+
+    @contextmanager
+    def reading(self, keys: Sequence[bytes]) -> Iterator[dict[bytes, Found]]:
+        """Where each stored key can be read, its lease pinned until the block exits
+        (so the cache never hands a lease back while one of its blocks is copied)."""
+        found = self._resolve(keys)
+        try:
+            yield found
+        finally:
+            with self._lock:
+                for _, _, lease in found.values():
+                    self.cache.unpin(lease)
+
+    def _resolve(self, keys: Sequence[bytes]) -> dict[bytes, Found]:
+        """From the lease cache, else from one LEASE round trip for all the rest (their
+        lease then joins the cache); every entry returned pins its lease once."""
+        self._session.check_open()
+        found: dict[bytes, Found] = {}
+        with self._lock:
+            for key in keys:
+                hit = self.cache.lookup(key)
+                if hit is not None:
+                    hit[2].pins += 1
+                    found[key] = hit
+        missing = [k for k in keys if k not in found]
+        if missing:
+            lease, held = self.take_lease(missing, prefix=False, pins=-1)
+            for key, placements, size in held:
+                found[key] = (placements, size, lease)
+        return found
+
+    def take_lease(
+        self, keys: Sequence[bytes], prefix: bool, pins: int
+    ) -> tuple[CachedLease, list[tuple[bytes, list[Placement], int]]]:
+        """LEASE round trip; the lease joins the cache with ``pins`` holders (-1: one
+        per block held, for readers that unpin block by block)."""
+        session = self._session
+        request = LeaseRequest(list(keys), prefix)
+        session.counts["lease_round_trips"] += 1
+        reply = session.rpc.call(LEASE, request, response_type=LeaseReply)
+        if reply.busy and self.release_cached():  # blocks on SSD found no room in memory
+            session.rpc.submit(RELEASE, ReleaseRequest([reply.lease_id] if reply.lease_id else []))
+            reply = session.rpc.call(LEASE, request, response_type=LeaseReply)
+        session.learn(reply.nodes)
+        held = [
+            (key, [Placement(n, o, block[0]) for n, o in block[1]], block[0])
+            for key, block in zip(keys, reply.blocks, strict=False)
+            if block is not None
+        ]
+        session.counts["misses"] += len(keys) - len(held)
+        with self._lock:
+            lease = self.cache.add(reply.lease_id, held, reply.ttl, len(held) if pins < 0 else pins)
+            superseded = self.cache.superseded
+            for index, alloc_id, node_id, offset in reply.replicate:
+                self._orders[keys[index]] = (alloc_id, Placement(node_id, offset), reply.lease_id)
+        if superseded:
+            self.hand_back(superseded, wait=False)
+        return lease, held
+
+    def _unpin(self, lease: CachedLease) -> None:
+        with self._lock:
+            self.cache.unpin(lease)
+        self.hand_back_due()
+
+    def release_cached(self) -> bool:
+        """Hand back every unpinned cached lease and wait for the master to take them;
+        True if there were any (so a retry may now find room)."""
+        with self._lock:
+            due = self.cache.due(unpinned=True)
+        self.hand_back(due, wait=True)
+        return bool(due)
+
+    def hand_back_due(self, everything: bool = False) -> None:
+        """Release the leases the cache is done with (all of them when closing)."""
+        if self._session.closed and not everything:
+            return
+        with self._lock:
+            due = self.cache.due(everything)
+        self.hand_back(due, wait=everything)
+
+    def hand_back(self, due: list[CachedLease], wait: bool) -> None:
+        """RELEASE ``due`` leases with the reads they served; give back replica orders
+        whose block was never read whole. Without ``wait`` nothing blocks: if the master
+        is unreachable the leases expire there anyway."""
+        rpc = self._session.rpc
+        with self._lock:
+            # Replica orders that came with these leases and were never fulfilled.
+            orphans = [
+                self._orders.pop(k)[0]
+                for d in due
+                for k in d.keys
+                if k in self._orders and self._orders[k][2] == d.lease_id
+            ]
+        if orphans:
+            rpc.submit(REVOKE, IdsRequest(orphans))
+        ids = [d.lease_id for d in due if d.lease_id]
+        if ids:
+            release = ReleaseRequest(ids, [[k, n] for d in due for k, n in d.reads.items()])
+            with contextlib.suppress(KVPoolError):
+                if wait:
+                    rpc.call(RELEASE, release)
+                else:
+                    rpc.submit(RELEASE, release)
+
+    # -- bytes -------------------------------------------------------------------------
+
+    def read_range(
+        self, key: bytes, found: Found, dst: Region, start: int, length: int | None
+    ) -> int | None:
+        """Bytes [start, start+length) of a leased block into ``dst``; None if no
+        replica serves. A whole-block read fulfils the block's replica order."""
+        placements, size, _ = found
+        want = block_range(start, length, size)
+        check_out_fits(dst, want)
+        got = self.read_replicas(placements, dst[:want], start, want)
+        with self._lock:
+            order = self._orders.pop(key, None) if got == size else None
+        if order is not None:
+            self._fulfil_order(order, dst[:want])
+        return got
+
+    def read_replicas(
+        self, placements: list[Placement], dst: Region, start: int, want: int
+    ) -> int | None:
+        """Read from the best replica, falling back to the others; None if none serves."""
+        session = self._session
+        ordered = placements
+        if len(placements) > 1:  # same host first
+            first = session.preferred(placements)
+            ordered = sorted(placements, key=lambda p: p is not first)
+        for placement in ordered:
+            try:
+                session.read(placement, start, dst)
+            except TRANSFER_ERRORS:
+                continue
+            session.counts["hits"] += 1
+            return want
+        session.counts["misses"] += 1
+        return None
+
+    def _fulfil_order(self, order: tuple[int, Placement, int], block: Region) -> None:
+        """Copy a just-read hot block to the replica the master asked for (or give it back)."""
+        alloc_id, target, _ = order
+        rpc = self._session.rpc
+        try:
+            self._session.write(target.node_id, target.offset, block)
+        except TRANSFER_ERRORS:
+            rpc.submit(REVOKE, IdsRequest([alloc_id]))
+            return
+        rpc.submit(COMMIT, IdsRequest([alloc_id]))  # no need to wait
+        self._session.counts["replicas_added"] += 1

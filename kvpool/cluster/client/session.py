@@ -1,0 +1,113 @@
+"""One cluster client's shared state: the master connection, node regions, transports.
+
+A ``RemotePool`` is a thin facade over parts that each need the same three
+things: the RPC client to the master (metadata), the regions the nodes
+advertise (where a placement's offset points) and the data-plane transport
+to each node (shm, UCX or TCP; kvpool.transport.select). ``ClientSession``
+holds exactly those, and the puts, reads and handles take the session
+instead of the pool, so none of them reaches into another's private state.
+
+Invariants:
+- ``regions[node_id]`` is the newest region the master reported for the
+  node; a transport is reused only while its node's region is unchanged
+  (a restarted node's new arena gets a new transport);
+- listeners registered with ``on_region_change`` hear of every node whose
+  region changed (grants on the old region must not be used);
+- ``check_open`` raises ``PoolClosedError`` once ``close`` began.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvpool.bindings.buffers import Region
+from kvpool.errors import PoolClosedError
+from kvpool.rpc.client import RpcClient
+from kvpool.transport.base import RegionInfo, Transport, host_identity
+from kvpool.transport.peers import PeerTransports
+
+#: What a failed data-plane transfer raises (the node died, restarted, or is unreachable).
+TRANSFER_ERRORS = (ConnectionError, TimeoutError, OSError)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """One replica of a block: ``size`` bytes at ``offset`` of ``node_id``'s region."""
+
+    node_id: str
+    offset: int
+    size: int = 0
+
+
+class ClientSession:
+    """The RPC client, the nodes' regions and the transports of one cluster client."""
+
+    def __init__(
+        self, master: str, *, token: str | None, timeout: float, transport: str | None
+    ) -> None:
+        self.token, self.timeout = token, timeout
+        self.rpc = RpcClient(master, token=token, timeout=timeout, name="kvpool-client")
+        self.regions: dict[str, RegionInfo] = {}
+        self.peers = PeerTransports(token=token, timeout=timeout, override=transport)
+        self.counts: Counter[str] = Counter()  # the client's own counters, for stats()
+        self.closed = False
+        self._by_region: dict[str, tuple[RegionInfo, Transport]] = {}  # skips peers' lock
+        self._listeners: list[Callable[[str], None]] = []
+
+    def on_region_change(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(node_id)`` whenever a known node's region changes."""
+        self._listeners.append(listener)
+
+    def check_open(self) -> None:
+        if self.closed:
+            raise PoolClosedError("the pool is closed")
+
+    def learn(self, nodes: dict[str, RegionInfo]) -> None:
+        """Take in the regions a master reply names (maybe restarted nodes)."""
+        regions = self.regions
+        for node_id, region in nodes.items():
+            old = regions.get(node_id)
+            regions[node_id] = region  # a restarted node's new region replaces its transport
+            if old is not None and old != region:
+                for listener in self._listeners:
+                    listener(node_id)
+
+    def region_dicts(self, node_ids: set[str]) -> dict[str, dict[str, object]]:
+        """The known regions of ``node_ids`` as plain, wire-safe data."""
+        return {n: self.regions[n].to_dict() for n in node_ids}
+
+    def transport(self, node_id: str) -> Transport:
+        """The transport to ``node_id``'s current region (connected on demand)."""
+        region = self.regions[node_id]
+        known = self._by_region.get(node_id)
+        if known is not None and known[0] is region:  # the common case: nothing changed
+            return known[1]
+        transport = self.peers.get(region)
+        self._by_region[node_id] = (region, transport)
+        return transport
+
+    def write(self, node_id: str, offset: int, src: Region) -> None:
+        """Bytes to a node's range (CUDA buffers: the transport stages them)."""
+        self.transport(node_id).write(offset, src)
+
+    def read(self, placement: Placement, start: int, dst: Region) -> None:
+        """Bytes [start, start + len(dst)) of a replica into ``dst``."""
+        self.transport(placement.node_id).read_into(placement.offset + start, dst)
+
+    def preferred(self, placements: list[Placement]) -> Placement:
+        """The replica to read first: one on this host, else the master's first
+        (least loaded)."""
+        if len(placements) > 1:
+            here = host_identity()
+            for placement in placements:
+                if self.regions[placement.node_id].host_id == here:
+                    return placement
+        return placements[0]
+
+    def close(self) -> None:
+        """Refuse further calls and drop the transports and the master connection."""
+        self.closed = True
+        self.peers.close()
+        self.rpc.close()

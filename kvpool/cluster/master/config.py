@@ -1,0 +1,38 @@
+"""``MasterConfig``: the master's address, timeouts, replication and grant settings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvpool.cluster.wire import DEFAULT_ALLOC_TTL
+from kvpool.config import DEFAULT_PORT
+from kvpool.index.heat import ReplicationConfig
+
+SSD_CLEAN_BATCH = 256 << 20  # bytes per node per reaper pass
+MAX_GRANTS = 64  # keyless allocations one allocate call may hand out
+
+
+@dataclass(frozen=True)
+class MasterConfig:
+    host: str = "127.0.0.1"
+    port: int = DEFAULT_PORT
+    token: str | None = None
+    policy: str = "lru"
+    node_ttl: float = 5.0  # a node silent this long is dead
+    lease_ttl: float = 30.0
+    alloc_ttl: float = DEFAULT_ALLOC_TTL
+    reap_interval: float = 0.5
+    metrics_port: int | None = None  # None: no /metrics server; 0: any free port
+    replication: ReplicationConfig = field(default_factory=ReplicationConfig)
+    # Copy a node's DRAM blocks to its SSD once DRAM is this full (0: write every
+    # block behind, so evictions almost always demote instead of dropping).
+    ssd_clean_at: float = 0.0
+    # A node re-joining (after a master restart) takes no new allocations for
+    # this long, so ranges named in leases the old master granted are not reused
+    # while clients may still read them (covers the client lease cache's hold).
+    rejoin_grace_s: float = 2.0
+    # Keyless allocations handed to clients for their next puts expire after this;
+    # clients use them for at most half of min(grant_ttl, rejoin_grace_s), and 1 s.
+    grant_ttl: float = 5.0
+    # Grants held by all clients together stay under this share of the cluster's DRAM.
+    grant_share: float = 1 / 16

@@ -1,0 +1,40 @@
+"""The layout stays readable: light ``import kvpool``, modules of readable size.
+
+The import layers and the absence of cycles are checked by import-linter
+(``.ci/layers``, contracts in pyproject.toml); these are the rules it cannot
+express.
+"""
+
+from __future__ import annotations
+
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+#: Folders that ship as the ``kvpool`` package (bench/ and tests/ are exempt).
+PACKAGE_DIRS = ["kvpool", "index", "eviction", "transport", "bindings"]
+#: "None over ~400 lines": a module past this is split along its concepts.
+MAX_LINES = 400
+#: What ``import kvpool`` must not load: the servers, their state, and heavy deps.
+HEAVY = ("kvpool.cluster.master", "kvpool.index.catalog", "prometheus_client", "torch")
+
+
+def test_import_kvpool_is_light() -> None:
+    code = (
+        "import kvpool, sys; "
+        f"heavy = sorted(m for m in sys.modules if m.startswith({HEAVY!r})); "
+        "print(','.join(heavy))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == "", f"import kvpool loaded {done.stdout.strip()}"
+
+
+def test_no_module_is_too_long() -> None:
+    long = {
+        str(path.relative_to(ROOT)): n
+        for folder in PACKAGE_DIRS
+        for path in (ROOT / folder).rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"modules over {MAX_LINES} lines: {long}"

@@ -1,0 +1,76 @@
+"""The master's heartbeat replies carry the catalog's node events in their wire form.
+
+The catalog queues typed events; nodes (and nodes of older releases) read
+plain lists: ["commit", key, offset, size, parent], ["free", offset],
+["ssd_drop", key]. This pins that wire shape.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from poolhelpers import make_keys
+
+from kvpool.cluster.master import Master, MasterConfig
+from kvpool.cluster.master.nodes import event_wire
+from kvpool.cluster.wire import (
+    ALLOCATE,
+    COMMIT,
+    HEARTBEAT,
+    REGISTER,
+    REMOVE,
+    AllocateReply,
+    AllocateRequest,
+    CommitRequest,
+    Heartbeat,
+    HeartbeatReply,
+    KeysRequest,
+    RegisterNode,
+)
+from kvpool.index.catalog import BlockCommitted, RangeFreed, SsdCopyDropped
+from kvpool.rpc.client import RpcClient
+from kvpool.transport.base import RegionInfo
+
+PAGE = 4096
+
+
+def test_each_event_has_its_wire_list() -> None:
+    key, parent = make_keys(2)
+    assert event_wire(BlockCommitted(key, 8192, 100, parent)) == ["commit", key, 8192, 100, parent]
+    assert event_wire(RangeFreed(4096)) == ["free", 4096]
+    assert event_wire(SsdCopyDropped(key)) == ["ssd_drop", key]
+
+
+@pytest.fixture
+def master() -> Iterator[Master]:
+    m = Master(MasterConfig(port=0, reap_interval=60.0))
+    m.start()
+    yield m
+    m.close()
+
+
+def test_heartbeats_replay_commits_and_frees_once_in_order(master: Master) -> None:
+    keys = make_keys(2)
+    with RpcClient(master.address, timeout=5) as rpc:
+        rpc.call(REGISTER, RegisterNode(RegionInfo(node_id="n1", size=4 * PAGE)))
+        reply = rpc.call(
+            ALLOCATE,
+            AllocateRequest(keys, [PAGE, PAGE], [None, keys[0]]),
+            response_type=AllocateReply,
+        )
+        ids = [p[0][0] for p in reply.placements if p]
+        offsets = [p[0][2] for p in reply.placements if p]
+        assert rpc.call(COMMIT, CommitRequest(ids)) == [True, True]
+        assert rpc.call(REMOVE, KeysRequest(keys[:1])) == [True]
+        beat = rpc.call(HEARTBEAT, Heartbeat("n1"), response_type=HeartbeatReply)
+        assert beat.known
+        assert beat.events == [
+            ["commit", keys[0], offsets[0], PAGE, None],
+            ["commit", keys[1], offsets[1], PAGE, keys[0]],
+            ["free", offsets[0]],
+        ]
+        again = rpc.call(HEARTBEAT, Heartbeat("n1"), response_type=HeartbeatReply)
+        assert again.known and again.events == []
+        stranger = rpc.call(HEARTBEAT, Heartbeat("n2"), response_type=HeartbeatReply)
+        assert not stranger.known
