@@ -24,10 +24,9 @@ import argparse
 import itertools
 import time
 from dataclasses import asdict
-from typing import Any, cast
+from typing import Any
 
 from kvpool import procs
-from kvpool.api import KVStore
 from kvpool.args import non_negative_int, positive_int
 from kvpool.bench.common import write_json
 from kvpool.serve.runtime.http.load import (
@@ -79,11 +78,11 @@ def run_colocated(
     times: dict[str, list[float]] = {}
     cached = 0
     with (
-        Pool.embedded(dram_bytes=256 << 20) as embedded,
-        PrefillWorker(m, cast(KVStore, embedded)) as pw,
+        Pool.embedded(dram_bytes=256 << 20) as pool,
+        PrefillWorker(m, pool) as pw,
         DecodeEngine(
             m,
-            cast(KVStore, embedded),
+            pool,
             num_pages=pages,
             page_tokens=page,
             max_batch=concurrency,

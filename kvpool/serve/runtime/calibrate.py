@@ -29,7 +29,7 @@ import argparse
 import json
 import sys
 import time
-from typing import Any, cast
+from typing import Any
 
 from kvpool.api import KVStore
 from kvpool.args import non_negative_int, pool_url_arg, positive_int
@@ -88,8 +88,7 @@ def calibrate(
     block_bytes = cfg.kv_bytes_per_token * block_tokens
     need = sum(lengths) * 4 * repeats * cfg.kv_bytes_per_token * 2 + (64 << 20)
     samples: list[tuple[int, int, float]] = []
-    with kvpool.Pool.embedded(dram_bytes=need) as embedded:
-        pool = cast(KVStore, embedded)  # the contract PrefillWorker types against
+    with kvpool.Pool.embedded(dram_bytes=need) as pool:
         worker = PrefillWorker(model, pool, chunk_tokens=512)
         try:
             # warm-up: first calls pay allocation and kernel selection
@@ -122,7 +121,7 @@ def calibrate(
             worker.close()
     if pool_url is not None:
         with kvpool.connect(pool_url) as remote:
-            bandwidth = measure_bandwidth(cast(KVStore, remote), block_bytes)
+            bandwidth = measure_bandwidth(remote, block_bytes)
     fit = fit_prefill(samples, model=cfg.name, source="kvpool calibrate")
     fit.meta.update(
         {"block_tokens": block_tokens, "threads": torch.get_num_threads(), "grid": lengths}

@@ -17,13 +17,11 @@ import socket
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import cast
 
 import uvicorn
 
 import kvpool
 from kvpool import procs
-from kvpool.api import KVStore
 from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.procs import Child, ChildStartError
 from kvpool.rpc.frame import listen
@@ -122,7 +120,7 @@ class ServeRuntime:
                 chunk_tokens=args.chunk_tokens,
             ),
         )
-        fe = self.frontend = Frontend(settings, router, self.launch, cast(KVStore, self.pool))
+        fe = self.frontend = Frontend(settings, router, self.launch, self.pool)
         ids = [("prefill", f"p{i}") for i in range(args.prefill)]
         ids += [("decode", f"d{i}") for i in range(args.decode)]
         # start every worker from this (main) thread, then wait for them together

@@ -47,14 +47,11 @@ import os
 import signal
 import sys
 import threading
-from typing import TYPE_CHECKING, Any, cast
+from typing import Any
 
 from kvpool.rpc.server import RpcServer, ServerConfig
 from kvpool.serve.runtime.decode_service import DecodeService
 from kvpool.serve.runtime.prefill_service import PrefillService
-
-if TYPE_CHECKING:
-    from kvpool.api import KVStore
 
 log = logging.getLogger("kvpool.serve.runtime.workers")
 
@@ -116,14 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         block_tokens=args.block_tokens,
     )
     pool = kvpool.connect(args.pool)
-    store = cast("KVStore", pool)  # the contract the prefill and decode code types against
     service: PrefillService | DecodeService
     closers: list[Any] = []
     stage: Any = None
     if args.kind == "prefill":
         from kvpool.serve.runtime.prefill import PrefillWorker
 
-        pw = PrefillWorker(model, store, chunk_tokens=args.chunk_tokens)
+        pw = PrefillWorker(model, pool, chunk_tokens=args.chunk_tokens)
         closers.append(pw)
         service = PrefillService(pw, args.worker_id)
         if args.stage:
@@ -137,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
 
         pages = max(1, -(-args.kv_tokens // args.page_tokens))
         engine = DecodeEngine(
-            model, store, num_pages=pages, page_tokens=args.page_tokens, max_batch=args.max_batch
+            model, pool, num_pages=pages, page_tokens=args.page_tokens, max_batch=args.max_batch
         )
         closers.append(engine)
         service = DecodeService(engine, args.worker_id)

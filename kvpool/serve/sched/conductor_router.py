@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 import json
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from kvpool.serve.sched.admission import AdmissionState, admit_decode, normalize_rejection
 from kvpool.serve.sched.conductor import SLO, Conductor, PrefillPlan, WorkerView, prefix_by_node
@@ -262,8 +262,7 @@ def conductor_from_context(ctx: RouterContext) -> ConductorRouter:
         try:
             import kvpool
 
-            # a RemotePool is a KVStore (the cast states it for the type checker)
-            pool = cast("KVStore", kvpool.connect(ctx.pool_url))
+            pool = kvpool.connect(ctx.pool_url)
         except Exception:
             pool = None
     node_of = {}
