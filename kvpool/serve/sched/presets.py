@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from kvpool.index.keys import Namespace
-from kvpool.layout import _DTYPE_BYTES, KVLayout
+from kvpool.layout import KVLayout
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,7 @@ class ModelConfig:
             raise ValueError("num_heads must be a multiple of num_kv_heads")
         if self.head_dim % 2:
             raise ValueError("head_dim must be even (rotary embeddings rotate pairs)")
-        if self.dtype not in _DTYPE_BYTES:
-            raise ValueError(f"unknown dtype {self.dtype!r}")
+        self.kv_layout()  # the pool's checks of the KV geometry and dtype (ValueError)
 
     # -- geometry --------------------------------------------------------------
 
@@ -60,7 +59,7 @@ class ModelConfig:
 
     @property
     def dtype_bytes(self) -> int:
-        return _DTYPE_BYTES[self.dtype]
+        return self.kv_layout().dtype_bytes
 
     def with_block_tokens(self, block_tokens: int) -> ModelConfig:
         """The same model with another pool block size (tests use small blocks)."""
