@@ -1,2 +1,14 @@
-"""The torch side of ``kvpool serve``: model, tokenizer, prefill and decode workers,
-pipeline prefill, and the HTTP front end (``http/``)."""
+"""The torch side of ``kvpool serve``.
+
+- ``model``, ``tokenizer``: the decoder (deterministic random weights) and the
+  byte tokenizer;
+- ``prefill``, ``decode``, ``kv_io``: the prefill worker, the continuous-batching
+  decode engine, and per-layer KV between tensors and the pool (a ``KVStore``);
+- ``workers`` (the worker process), ``worker_messages``, ``prefill_service``,
+  ``decode_service``: the RPC side of the workers;
+- ``pipeline``, ``pipeline_stage``: pipeline (chunked) prefill across workers;
+- ``launcher``: the processes of one ``kvpool serve`` (master, node, workers,
+  front end) and their start and stop;
+- ``http/``: the OpenAI-compatible front end and a load generator for it;
+- ``calibrate``: ``kvpool calibrate`` (fits the conductor's cost model).
+"""
