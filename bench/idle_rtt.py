@@ -56,17 +56,17 @@ def register_idle_rtt(suites: Any) -> None:
 
 
 def run_idle_rtt(idle_ms: Sequence[float], samples: int, pin: bool = True) -> list[IdleRow]:
-    from kvpool.bench.remote import _cluster, _connect
-    from kvpool.bench.remote_transport import _cpus
+    from kvpool.bench.remote import connect_client, local_cluster
+    from kvpool.bench.remote_transport import split_cpus
 
     if samples < 1 or any(g < 0 for g in idle_ms):
         raise ValueError("--samples must be >= 1 and idle gaps >= 0")
-    split = _cpus() if pin else None
+    split = split_cpus() if pin else None
     client_cpus, server_cpus = split if split else (None, None)
     saved = os.sched_getaffinity(0)
     rows = []
-    with _cluster(64 << 20, server_cpus) as url, _echo(server_cpus) as echo:
-        pool = _connect(url, "tcp")
+    with local_cluster(64 << 20, server_cpus) as url, _echo(server_cpus) as echo:
+        pool = connect_client(url, "tcp")
         if client_cpus:
             os.sched_setaffinity(0, client_cpus)
         try:

@@ -53,7 +53,7 @@ import numpy as np
 
 from kvpool.args import positive_int, size_arg, sizes_arg
 from kvpool.bench.common import Timing, count_for, faulted, paired, write_json
-from kvpool.bench.remote_transport import _cpus, _RawClient
+from kvpool.bench.remote_transport import RawClient, split_cpus
 from kvpool.cluster.master import MasterConfig
 from kvpool.config import format_size
 from kvpool.procs import spawn_kvpool, stop_by_stdin
@@ -125,7 +125,7 @@ def _raw_server(region: int, cpus: set[int] | None) -> Iterator[int]:
 
 
 @contextmanager
-def _cluster(dram: int, cpus: set[int] | None) -> Iterator[str]:
+def local_cluster(dram: int, cpus: set[int] | None) -> Iterator[str]:
     """A master and one node (``dram`` bytes) as separate processes; yields the URL."""
     master = spawn_kvpool(["master", "--host", "127.0.0.1", "--port", "0"], cpus=cpus)
     procs = [master]
@@ -138,7 +138,7 @@ def _cluster(dram: int, cpus: set[int] | None) -> Iterator[str]:
             proc.stop()
 
 
-def _connect(url: str, transport: str) -> Any:
+def connect_client(url: str, transport: str) -> Any:
     from kvpool.cluster.client.remote_pool import connect
 
     pool = connect(url, transport=transport, timeout=30.0)
@@ -186,7 +186,7 @@ class _Buffers:
 
 
 def _kvpool_rows(
-    pool: Any, transport: str, bufs: _Buffers, raw: _RawClient | None, batch: int, rounds: int
+    pool: Any, transport: str, bufs: _Buffers, raw: RawClient | None, batch: int, rounds: int
 ) -> list[RemoteRow]:
     from kvpool.index.keys import Namespace, block_keys
 
@@ -302,7 +302,7 @@ def _connect_quiet(url: str, transport: str) -> Iterator[str]:
 
     key = block_keys(np.arange(1, dtype=np.int32), Namespace("bench-probe"), block_tokens=1)[0]
     try:
-        pool = _connect(url, transport)
+        pool = connect_client(url, transport)
     except (KVPoolError, OSError, RuntimeError) as exc:
         yield str(exc)
         return
@@ -340,14 +340,14 @@ def run_remote(
     # grant_share of the DRAM as grants; let that cover 4 blocks of the largest size.
     grants = 4 * max(_rounded(s) for s in sizes) / MasterConfig.grant_share
     dram = max(region + region // 4 + (16 << 20), int(grants))
-    split = _cpus() if pin else None
+    split = split_cpus() if pin else None
     client_cpus, server_cpus = split if split else (None, None)
     saved = os.sched_getaffinity(0)
     rows: list[RemoteRow] = []
-    with _cluster(dram, server_cpus) as url, _raw_server(region, server_cpus) as raw_port:
+    with local_cluster(dram, server_cpus) as url, _raw_server(region, server_cpus) as raw_port:
         usable = _usable(transports, url)
-        pools = {t: _connect(url, t) for t in usable}
-        raw = _RawClient(raw_port)
+        pools = {t: connect_client(url, t) for t in usable}
+        raw = RawClient(raw_port)
         try:
             if client_cpus:
                 os.sched_setaffinity(0, client_cpus)
@@ -449,7 +449,7 @@ def _run_mooncake(
 ) -> list[RemoteRow]:
     from mooncake.store import MooncakeDistributedStore
 
-    split = _cpus() if pin else None
+    split = split_cpus() if pin else None
     client_cpus, server_cpus = split if split else (None, None)
     saved = os.sched_getaffinity(0)
     counts = {s: _count(s, batch, working_set) for s in sizes}
@@ -495,7 +495,7 @@ def _run_mooncake(
             print(f"peer mooncake: skipped (client setup returned {rc})")
             return []
         with _raw_server(region, server_cpus) as raw_port:
-            raw = _RawClient(raw_port)
+            raw = RawClient(raw_port)
             try:
                 if client_cpus:
                     os.sched_setaffinity(0, client_cpus)
@@ -519,7 +519,7 @@ def _run_mooncake(
 
 
 def _mooncake_rows(
-    store: Any, size: int, count: int, raw: _RawClient, batch: int, rounds: int
+    store: Any, size: int, count: int, raw: RawClient, batch: int, rounds: int
 ) -> list[RemoteRow]:
     srcs = [faulted(size) for _ in range(count)]
     outs = [faulted(size, fill=0) for _ in range(count)]

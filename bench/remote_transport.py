@@ -110,7 +110,7 @@ def _node(size: int, with_ucx: bool) -> None:
 # --- client ------------------------------------------------------------------------
 
 
-class _RawClient:
+class RawClient:
     def __init__(self, port: int) -> None:
         self.sock = socket.create_connection(("127.0.0.1", port))
         w.tune(self.sock)
@@ -131,7 +131,7 @@ class _RawClient:
 
 
 def _sizes_rows(
-    size: int, info: RegionInfo, raw: _RawClient, transports: Sequence[str], rounds: int
+    size: int, info: RegionInfo, raw: RawClient, transports: Sequence[str], rounds: int
 ) -> list[Row]:
     count = count_for(size, WORKING_SET)
     outs = [faulted(size, fill=0) for _ in range(count)]
@@ -178,7 +178,7 @@ def _sizes_rows(
     return rows
 
 
-def _cpus() -> tuple[set[int], set[int]] | None:
+def split_cpus() -> tuple[set[int], set[int]] | None:
     """(client CPUs, node CPUs): disjoint halves, or None with fewer than 2 CPUs."""
     cpus = sorted(os.sched_getaffinity(0))
     if len(cpus) < 2:
@@ -201,7 +201,7 @@ def run_remote_transport(
     the client or not) swings small-op results 2x from run to run.
     """
     region = max(count_for(s, WORKING_SET) * s for s in sizes)
-    split = _cpus() if pin else None
+    split = split_cpus() if pin else None
     saved = os.sched_getaffinity(0)
     cmd = [sys.executable, "-m", "kvpool.bench.remote_transport", "--node", str(region)]
     if "ucx" in transports:
@@ -226,7 +226,7 @@ def run_remote_transport(
         info = RegionInfo("bench", region, host_id, "127.0.0.1", int(tcp_port), shm_name)
         if ucx_addr != "-":
             info.ucx = UcxInfo("127.0.0.1", int(ucx_port), bytes.fromhex(ucx_addr))
-        raw = _RawClient(int(raw_port))
+        raw = RawClient(int(raw_port))
         rows = [r for s in sizes for r in _sizes_rows(s, info, raw, transports, rounds)]
         raw.sock.close()
     finally:

@@ -324,6 +324,10 @@ def test_killed_worker_mid_stream_ends_it_with_an_error_event(server: Server) ->
 
 
 def test_sigterm_stops_every_child_and_frees_shared_memory(server: Server) -> None:
+    # The tests before this one kill d0: wait until the supervisor has it back.
+    deadline = time.monotonic() + 40
+    while time.monotonic() < deadline and not all(w["alive"] for w in _health(server.url).values()):
+        time.sleep(0.1)
     kids = _descendants(server.popen.pid)
     assert len(kids) >= 4  # master, node, p0, d0
     server.popen.send_signal(signal.SIGTERM)

@@ -55,7 +55,7 @@ def ucx_available() -> bool:
     return importlib.util.find_spec("ucxx") is not None
 
 
-def _ucxx() -> Any:
+def import_ucxx() -> Any:
     os.environ.setdefault("UCXPY_PROGRESS_MODE", "blocking")
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
     import ucxx
@@ -95,7 +95,7 @@ class _Loop:
 
 
 @cache
-def _loop() -> _Loop:
+def ucx_loop() -> _Loop:
     return _Loop()
 
 
@@ -128,7 +128,7 @@ def _pack_hello(token: str | None, send_tag: int, recv_tag: int, address: bytes)
     return buf
 
 
-def _unpack_hello(buf: np.ndarray) -> tuple[int, int, str, bytes]:
+def unpack_hello(buf: np.ndarray) -> tuple[int, int, str, bytes]:
     raw = buf.tobytes()
     send_tag, recv_tag, tlen, alen = HELLO_HEAD.unpack_from(raw)
     pos = HELLO_HEAD.size
@@ -148,10 +148,10 @@ class UcxTransport(Transport):
         self.timeout = timeout
         self._chan: _Chan | None = None
         self._lock = threading.Lock()
-        self._loop = _loop()
+        self._loop = ucx_loop()
 
     async def _connect(self) -> _Chan:
-        ucxx = _ucxx()
+        ucxx = import_ucxx()
         if self.ucx.worker_address and self.info.host_id == host_identity():
             ep = await ucxx.create_endpoint_from_worker_address(
                 ucxx.get_ucx_address_from_buffer(self.ucx.worker_address),

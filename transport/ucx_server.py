@@ -25,10 +25,10 @@ from kvpool.transport.ucx import (
     ST_OK,
     ST_RANGE,
     _Chan,
-    _loop,
-    _ucxx,
-    _unpack_hello,
+    import_ucxx,
     ucx_has_rdma,
+    ucx_loop,
+    unpack_hello,
 )
 
 
@@ -43,12 +43,12 @@ class UcxDataServer:
         self.host = host
         self.region = as_region(region, writable=True, what="region")
         self.size = region_nbytes(self.region)
-        self._loop = _loop()
+        self._loop = ucx_loop()
         self._tasks: set[asyncio.Future[None]] = set()
         self.port, self.worker_address = self._loop.run(self._start(port), 60)
 
     async def _start(self, port: int) -> tuple[int, bytes]:
-        ucxx = _ucxx()
+        ucxx = import_ucxx()
         self._listener = ucxx.create_listener(self._on_endpoint, port=port)
         self._accept = asyncio.ensure_future(self._accept_by_address())
         return int(self._listener.port), bytes(ucxx.get_worker_address())
@@ -70,14 +70,14 @@ class UcxDataServer:
             await chan.recv(hello)
         except Exception:
             return
-        await self._serve(chan, _unpack_hello(hello)[2])
+        await self._serve(chan, unpack_hello(hello)[2])
 
     async def _accept_by_address(self) -> None:
-        ucxx = _ucxx()
+        ucxx = import_ucxx()
         while True:
             hello = np.empty(HELLO_SIZE, np.uint8)
             await ucxx.recv(hello, tag=HELLO_TAG)
-            send_tag, recv_tag, token, address = _unpack_hello(hello)
+            send_tag, recv_tag, token, address = unpack_hello(hello)
             try:
                 ep = await ucxx.create_endpoint_from_worker_address(
                     ucxx.get_ucx_address_from_buffer(address), endpoint_error_handling=False

@@ -49,9 +49,9 @@ from kvpool.rpc.messages import (
     Request,
     Response,
     WireMessage,
-    _to_wire,
     decode_envelope,
     encode_envelope,
+    to_wire,
 )
 
 W = TypeVar("W", bound=WireMessage)
@@ -170,7 +170,7 @@ class RpcClient:
     def submit(self, method: str, params: Any = None) -> Future[Any]:
         """Send one request now; the Future resolves to its result (or raises)."""
         fut: Future[Any] = Future()
-        req = Request(next(self._ids), method, _to_wire(params))
+        req = Request(next(self._ids), method, to_wire(params))
         frame = encode_frame(encode_envelope(req), max_frame=self.max_frame)
         with self._lock:
             if self._closed:

@@ -30,7 +30,7 @@ class WireMessage:
     """Base of dataclass messages; generic, type-checked to/from dict."""
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: _to_wire(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
+        return {f.name: to_wire(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
     @classmethod
     def from_dict(cls: type[M], data: Any) -> M:
@@ -56,13 +56,13 @@ def _hints(cls: type) -> dict[str, Any]:
     return _HINTS[cls]
 
 
-def _to_wire(value: Any) -> Any:
+def to_wire(value: Any) -> Any:
     if isinstance(value, WireMessage):
         return value.to_dict()
     if isinstance(value, list | tuple):
-        return [_to_wire(v) for v in value]
+        return [to_wire(v) for v in value]
     if isinstance(value, dict):
-        return {k: _to_wire(v) for k, v in value.items()}
+        return {k: to_wire(v) for k, v in value.items()}
     return value
 
 

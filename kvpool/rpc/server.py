@@ -51,9 +51,9 @@ from kvpool.rpc.messages import (
     Request,
     Response,
     WireMessage,
-    _to_wire,
     decode_envelope,
     encode_envelope,
+    to_wire,
 )
 
 log = logging.getLogger("kvpool.rpc")
@@ -269,7 +269,7 @@ class RpcServer:
             if route.request_type is not None:
                 params = route.request_type.from_dict(params)
             result = route.fn(params, conn) if route.pass_conn else route.fn(params)
-            reply = Response(req.id, _to_wire(result))
+            reply = Response(req.id, to_wire(result))
         except ProtocolError as exc:
             reply = ErrorReply(req.id, "bad_params", str(exc), type(exc).__name__)
         except KVPoolError as exc:

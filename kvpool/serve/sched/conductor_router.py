@@ -20,12 +20,12 @@ from kvpool.serve.sched.cost_model import PrefillCostModel, TransferModel
 from kvpool.serve.sched.pipeline_model import choose_pipeline, pipeline_estimate
 from kvpool.serve.sched.presets import ModelConfig
 from kvpool.serve.sched.router_api import (
-    DECODE,
-    PREFILL,
+    NO_LIVE_WORKERS,
     Observation,
     RouteDecision,
     RouterContext,
     WorkerState,
+    live_workers,
 )
 
 if TYPE_CHECKING:
@@ -111,10 +111,9 @@ class ConductorRouter:
     def route(
         self, prompt_tokens: int, keys: list[bytes], workers: list[WorkerState]
     ) -> RouteDecision:
-        prefill = [w for w in workers if w.kind == PREFILL and w.alive]
-        decode = [w for w in workers if w.kind == DECODE and w.alive]
+        prefill, decode = live_workers(workers)
         if not prefill or not decode:
-            return RouteDecision(reject="no live worker of each kind")
+            return NO_LIVE_WORKERS
         views, by_node = self._views(keys, prefill)
         plan = self.conductor.choose(prompt_tokens, views, by_node)
         group, ttft = self._pipeline(prompt_tokens, plan, prefill)

@@ -119,6 +119,17 @@ class RouterContext:
     chunk_tokens: int = 512  # --chunk-tokens, the pipeline's chunk
 
 
+#: The decision when a kind has no live worker (the front end answers 503).
+NO_LIVE_WORKERS = RouteDecision(reject="no live worker of each kind")
+
+
+def live_workers(workers: list[WorkerState]) -> tuple[list[WorkerState], list[WorkerState]]:
+    """(live prefill workers, live decode workers), in the order given."""
+    prefill = [w for w in workers if w.kind == PREFILL and w.alive]
+    decode = [w for w in workers if w.kind == DECODE and w.alive]
+    return prefill, decode
+
+
 def pipeline_groups(workers: list[WorkerState]) -> dict[str, list[WorkerState]]:
     """Ready pipeline groups among ``workers``: id -> live members in stage order."""
     groups: dict[str, list[WorkerState]] = {}

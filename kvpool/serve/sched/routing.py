@@ -13,12 +13,12 @@ from collections.abc import Callable
 
 from kvpool.serve.sched.conductor_router import conductor_from_context
 from kvpool.serve.sched.router_api import (
-    DECODE,
-    PREFILL,
+    NO_LIVE_WORKERS,
     RouteDecision,
     Router,
     RouterContext,
     WorkerState,
+    live_workers,
     pipeline_groups,
 )
 
@@ -50,10 +50,9 @@ class LeastLoadedRouter:
     def route(
         self, prompt_tokens: int, keys: list[bytes], workers: list[WorkerState]
     ) -> RouteDecision:
-        prefill = [w for w in workers if w.kind == PREFILL and w.alive]
-        decode = [w for w in workers if w.kind == DECODE and w.alive]
+        prefill, decode = live_workers(workers)
         if not prefill or not decode:
-            return RouteDecision(reject="no live worker of each kind")
+            return NO_LIVE_WORKERS
         p = min(prefill, key=lambda w: (w.queued_tokens, w.queued_requests, w.worker_id))
         if self.max_queued_tokens and p.queued_tokens >= self.max_queued_tokens:
             return RouteDecision(
