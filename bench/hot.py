@@ -23,10 +23,10 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.api import KVStore
 from kvpool.args import positive_int, size_arg
 from kvpool.bench.common import write_json
-from kvpool.procs import Child as Proc
-from kvpool.procs import spawn_kvpool
+from kvpool.procs import Child, spawn_kvpool
 
 READER = textwrap.dedent(
     """
@@ -98,7 +98,7 @@ def _one_mode(
 ) -> HotRow:
     import kvpool
 
-    procs: list[Proc] = [spawn_kvpool(["master", "--port", "0", "--node-ttl", "3", *flags])]
+    procs: list[Child] = [spawn_kvpool(["master", "--port", "0", "--node-ttl", "3", *flags])]
     try:
         dram = max(64 << 20, 4 * blocks * size)
         for _ in range(nodes):
@@ -156,7 +156,7 @@ def _run_readers(
     return results
 
 
-def _wait_for_nodes(pool: Any, nodes: int, timeout: float = 20.0) -> None:
+def _wait_for_nodes(pool: KVStore, nodes: int, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while len(pool.stats()["nodes"]) < nodes:
         if time.monotonic() > deadline:

@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.api import KVStore
 from kvpool.args import positive_int
 from kvpool.bench.common import faulted, write_json
 from kvpool.embedded.pool import Pool
@@ -101,7 +102,9 @@ def run_layerwise(
 
 
 class _Bench:
-    def __init__(self, pool: Any, keys: list[bytes], layout: KVLayout, sources: Any, outs: Any):
+    def __init__(
+        self, pool: KVStore, keys: list[bytes], layout: KVLayout, sources: Any, outs: Any
+    ) -> None:
         import torch
 
         self.pool, self.keys, self.layout = pool, keys, layout
@@ -135,7 +138,12 @@ class _Bench:
     def store_serial(self) -> None:
         layout = self.layout
         half, lb = layout.half_layer_bytes, layout.layer_bytes
-        writers = [self.pool.reserve(key, layout.block_bytes) for key in self.keys]
+        writers = []
+        for key in self.keys:
+            writer = self.pool.reserve(key, layout.block_bytes)
+            if writer is None:  # each round removes its blocks first
+                raise RuntimeError(f"block {key.hex()} is still stored: the round did not reset")
+            writers.append(writer)
         for layer in range(layout.num_layers):
             self.compute(layer)
             k, v = self.source(layer)

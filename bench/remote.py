@@ -51,9 +51,11 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.api import KVStore
 from kvpool.args import positive_int, size_arg, sizes_arg
 from kvpool.bench.common import Timing, count_for, faulted, paired, write_json
 from kvpool.bench.remote_transport import RawClient, split_cpus
+from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.cluster.master import MasterConfig
 from kvpool.config import format_size
 from kvpool.procs import spawn_kvpool, stop_by_stdin
@@ -138,7 +140,7 @@ def local_cluster(dram: int, cpus: set[int] | None) -> Iterator[str]:
             proc.stop()
 
 
-def connect_client(url: str, transport: str) -> Any:
+def connect_client(url: str, transport: str) -> RemotePool:
     from kvpool.cluster.client.remote_pool import connect
 
     pool = connect(url, transport=transport, timeout=30.0)
@@ -186,7 +188,12 @@ class _Buffers:
 
 
 def _kvpool_rows(
-    pool: Any, transport: str, bufs: _Buffers, raw: RawClient | None, batch: int, rounds: int
+    pool: KVStore,
+    transport: str,
+    bufs: _Buffers,
+    raw: RawClient | None,
+    batch: int,
+    rounds: int,
 ) -> list[RemoteRow]:
     from kvpool.index.keys import Namespace, block_keys
 

@@ -6,26 +6,25 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvpool.procs import Child as Proc
-from kvpool.procs import spawn_kvpool
+from kvpool.procs import Child, spawn_kvpool
 
 
-def spawn(args: Sequence[str], prefix: Sequence[str] = (), timeout: float = 20.0) -> Proc:
+def spawn(args: Sequence[str], prefix: Sequence[str] = (), timeout: float = 20.0) -> Child:
     """Run ``python -m kvpool ARGS`` and wait for its ready line."""
     return spawn_kvpool(args, prefix=prefix, timeout=timeout)
 
 
 @dataclass
 class Cluster:
-    master: Proc
-    nodes: list[Proc] = field(default_factory=list)
+    master: Child
+    nodes: list[Child] = field(default_factory=list)
     master_args: list[str] = field(default_factory=list)
 
     @property
     def url(self) -> str:
         return f"kvpool://{self.master.address}"
 
-    def add_node(self, dram: str, *extra: str) -> Proc:
+    def add_node(self, dram: str, *extra: str) -> Child:
         node = spawn(
             ["node", "--master", self.master.address, "--dram", dram, "--heartbeat", "0.2", *extra]
         )
