@@ -27,13 +27,12 @@ import contextlib
 import ctypes
 import os
 import re
-import selectors
 import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from kvpool.errors import KVPoolError
@@ -138,18 +137,20 @@ def start(
     prefix: Sequence[str] = (),
     cpus: set[int] | None = None,
     stderr: int | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Child:
     """Start ``[PREFIX] python ARGS`` in its own process group (``wait_ready`` next).
 
     ``prefix``: a command to run Python under (``taskset``, ``ip netns exec``);
-    ``cpus``: pin the child to these CPUs; ``stderr``: None inherits ours."""
+    ``cpus``: pin the child to these CPUs; ``stderr``: None inherits ours;
+    ``env``: variables to set on top of ours."""
     popen = subprocess.Popen(
         [*prefix, sys.executable, *args],
         stdout=subprocess.PIPE,
         stderr=stderr,
         stdin=subprocess.DEVNULL,
         text=True,
-        env=dict(os.environ, PYTHONUNBUFFERED="1"),
+        env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"},
         process_group=0,
         preexec_fn=_preexec(cpus),
     )
@@ -221,38 +222,6 @@ def spawn_kvpool(
         cpus=cpus,
         stderr=stderr,
     )
-
-
-def wait_for_ready(
-    popen: subprocess.Popen[str],
-    pattern: re.Pattern[str] = READY,
-    timeout: float = 60.0,
-    lines: list[str] | None = None,
-) -> re.Match[str]:
-    """For a child the caller started itself (stdout piped): the first stdout line
-    matching ``pattern``; ChildStartError (child killed) if the child exits, or
-    ``timeout`` seconds pass, first. Every line read is appended to ``lines``
-    when given (for diagnostics). The caller drains stdout afterwards if the
-    child keeps writing."""
-    assert popen.stdout is not None
-    deadline = time.monotonic() + timeout
-    with selectors.DefaultSelector() as selector:
-        selector.register(popen.stdout, selectors.EVENT_READ)
-        while (left := deadline - time.monotonic()) > 0:
-            if not selector.select(left):
-                continue
-            line = popen.stdout.readline()
-            if not line:
-                break
-            if lines is not None:
-                lines.append(line)
-            match = pattern.search(line)
-            if match:
-                return match
-    popen.kill()
-    popen.wait(10)
-    seen = "".join(lines or [])[-2000:]
-    raise ChildStartError(f"{popen.args!r} did not become ready within {timeout} s: {seen}")
 
 
 def stop_by_stdin(popen: subprocess.Popen[str], wait_s: float) -> None:

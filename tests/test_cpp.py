@@ -89,8 +89,7 @@ def test_a_dead_stage_fails_the_prefill_and_frees_every_reservation(cluster: Clu
     prompt = np.random.default_rng(9).integers(0, 256, 6 * BT + 3).tolist()
     with kvpool.connect(cluster.url, timeout=10) as pool:
         with CppGroup(cluster.url, stages=2, block_tokens=BT, chunk_tokens=CHUNK) as group:
-            group.stages[1].popen.kill()
-            group.stages[1].popen.wait(10)
+            group.stages[1].child.kill()
             with pytest.raises(Exception):  # noqa: B017 - connection loss or remote error
                 group.prefill(prompt)
             keys = kvpool.block_keys(prompt, group.namespace, BT)

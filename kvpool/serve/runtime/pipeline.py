@@ -38,11 +38,6 @@ processes.
 from __future__ import annotations
 
 import contextlib
-import os
-import re
-import signal
-import subprocess
-import sys
 import time
 import uuid
 from collections.abc import Sequence
@@ -56,14 +51,12 @@ import kvpool
 from kvpool.cluster.client.handles import RemoteBlockWriter, ReservationTicket
 from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.index.keys import block_keys, root_key, token_array
-from kvpool.procs import wait_for_ready
+from kvpool.procs import Child, start, wait_ready
 from kvpool.rpc import RpcClient
 from kvpool.serve.runtime.kv_io import tail_key, tail_layout
-from kvpool.serve.runtime.pipeline_stage import MAX_FRAME, READY_PREFIX
+from kvpool.serve.runtime.pipeline_stage import MAX_FRAME
 from kvpool.serve.runtime.prefill import PrefillResult
 from kvpool.serve.sched.presets import ModelConfig, get_preset
-
-_READY = re.compile(re.escape(READY_PREFIX) + r" ([\d.]+):(\d+)")
 
 
 def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
@@ -81,20 +74,17 @@ def split_layers(num_layers: int, stages: int) -> list[tuple[int, int]]:
 
 @dataclass
 class StageProc:
-    popen: subprocess.Popen[str]
-    address: str
+    child: Child
     layers: tuple[int, int]
     client: RpcClient
 
+    @property
+    def address(self) -> str:
+        return self.child.address
+
     def stop(self) -> None:
         self.client.close()
-        if self.popen.poll() is None:
-            self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(10)
-            except subprocess.TimeoutExpired:
-                self.popen.kill()
-                self.popen.wait(10)
+        self.child.stop(10.0)
 
 
 def spawn_stage(
@@ -110,7 +100,6 @@ def spawn_stage(
 ) -> StageProc:
     """Start one stage process and wait for its ready line."""
     args = [
-        sys.executable,
         "-m",
         "kvpool.serve.runtime.pipeline_stage",
         "--pool",
@@ -126,18 +115,11 @@ def spawn_stage(
     ]
     if block_tokens is not None:
         args += ["--block-tokens", str(block_tokens)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=str(threads))
-    popen = subprocess.Popen(
-        args,
-        stdout=subprocess.PIPE,
-        stderr=None,
-        text=True,
-        env=env,
-        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
-    )
-    match = wait_for_ready(popen, _READY, timeout)
-    address = f"{match.group(1)}:{match.group(2)}"
-    return StageProc(popen, address, layers, RpcClient(address, timeout=600.0, max_frame=MAX_FRAME))
+    name = f"stage {layers[0]}:{layers[1]}"
+    child = start(name, args, cpus=cpus, env={"OMP_NUM_THREADS": str(threads)})
+    wait_ready(child, timeout)
+    client = RpcClient(child.address, timeout=600.0, max_frame=MAX_FRAME)
+    return StageProc(child, layers, client)
 
 
 class CppGroup:
