@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import numpy as np
-import pytest
 
 from kvpool import Namespace, block_keys
 
@@ -23,12 +22,10 @@ def payload(i: int, size: int = BLOCK) -> np.ndarray:
 
 def has_cuda() -> bool:
     """What the GPU paths themselves check: a CUDA device torch can use (the
-    driver alone is not enough: a CPU build of torch on a GPU host has none)."""
+    driver alone is not enough: a CPU build of torch on a GPU host has none).
+
+    Imports torch when called, not when this module is imported: the client
+    scripts that tests run in subprocesses import this module too."""
     import torch
 
     return bool(torch.cuda.is_available())
-
-
-needs_cuda = pytest.mark.skipif(
-    not has_cuda(), reason="needs CUDA (torch.cuda.is_available() is False here)"
-)
