@@ -177,24 +177,35 @@ def _pool_url(text: str) -> str:
     return f"kvpool://{host}:{port}"
 
 
-def _positive_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"expected a positive integer, got {text!r}") from None
-    if n <= 0:
-        raise ValueError(f"expected a positive integer, got {text!r}")
-    return n
+def _int_at_least(low: int, what: str) -> Callable[[str], int]:
+    """A parser of one integer >= ``low``; ``what`` names the expectation in errors."""
+
+    def parse(text: str) -> int:
+        try:
+            n = int(text)
+        except ValueError:
+            raise ValueError(f"expected {what}, got {text!r}") from None
+        if n < low:
+            raise ValueError(f"expected {what}, got {text!r}")
+        return n
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise ValueError(f"expected an integer >= 0, got {text!r}") from None
-    if n < 0:
-        raise ValueError(f"expected an integer >= 0, got {text!r}")
-    return n
+def _list_of(parse: Callable[[str], int], what: str) -> Callable[[str], list[int]]:
+    """A parser of a comma-separated, non-empty list of what ``parse`` accepts."""
+
+    def parse_list(text: str) -> list[int]:
+        values = [parse(part.strip()) for part in text.split(",") if part.strip()]
+        if not values:
+            raise ValueError(f"expected a comma-separated list of {what}, got {text!r}")
+        return values
+
+    return parse_list
+
+
+_positive_int = _int_at_least(1, "a positive integer")
+_non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
 def _port(text: str) -> int:
@@ -219,23 +230,7 @@ non_negative_int = _argtype("int >= 0", _non_negative_int)
 port_arg = _argtype("port", _port)
 
 
-def _positive_ints(text: str) -> list[int]:
-    values = [_positive_int(part.strip()) for part in text.split(",") if part.strip()]
-    if not values:
-        raise ValueError(f"expected a comma-separated list of positive integers, got {text!r}")
-    return values
-
-
 #: "512,1024" -> [512, 1024] (each > 0, at least one).
-positive_ints = _argtype("positive ints", _positive_ints)
-
-
-def _non_negative_ints(text: str) -> list[int]:
-    values = [_non_negative_int(part.strip()) for part in text.split(",") if part.strip()]
-    if not values:
-        raise ValueError(f"expected a comma-separated list of integers >= 0, got {text!r}")
-    return values
-
-
+positive_ints = _argtype("positive ints", _list_of(_positive_int, "positive integers"))
 #: "0,4096" -> [0, 4096] (each >= 0, at least one).
-non_negative_ints = _argtype("ints >= 0", _non_negative_ints)
+non_negative_ints = _argtype("ints >= 0", _list_of(_non_negative_int, "integers >= 0"))
