@@ -38,3 +38,28 @@ def test_no_module_is_too_long() -> None:
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines: {long}"
+
+
+def test_readme_layout_table_names_every_package() -> None:
+    """The README's layout table stays true to the tree: each top folder and each
+    folder of ``kvpool/`` has a row (a folder whose sub-folders all have rows, like
+    ``kvpool/serve/``, may go without), and every deeper package is named in it."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("## Repository layout") :].split("\n\n")[2]
+    rows = {line.split("|")[1].strip().strip("`") for line in table.splitlines()[2:]}
+    packages = {
+        init.parent.relative_to(ROOT).as_posix() + "/"
+        for folder in PACKAGE_DIRS
+        for init in (ROOT / folder).rglob("__init__.py")
+    }
+    for package in sorted(packages):
+        depth = package.count("/")
+        needs_row = depth == 1 or (depth == 2 and package.startswith("kvpool/"))
+        children = {p for p in packages if p.startswith(package) and p.count("/") == depth + 1}
+        if package in rows or (children and children <= rows):
+            continue
+        if needs_row:
+            raise AssertionError(f"README layout table has no row for {package}")
+        assert f"`{package.split('/')[-2]}/`" in table, f"README table never names {package}"
+    for folder in ("index/", "eviction/", "transport/", "bindings/", "bench/", "tests/"):
+        assert folder in rows
