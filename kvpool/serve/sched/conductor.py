@@ -43,8 +43,6 @@ from kvpool.serve.sched.cost_model import (
     TransferModel,
 )
 
-ROUTER_NAMES = ("conductor", "random", "least-loaded", "cache-only")
-
 
 @dataclass(frozen=True)
 class SLO:
