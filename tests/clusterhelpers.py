@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from kvpool.procs import Child, spawn_kvpool
+from kvpool.procs import Child, kvpool_args, spawn_kvpool, start, wait_ready
 
 
 def spawn(args: Sequence[str], prefix: Sequence[str] = (), timeout: float = 20.0) -> Child:
@@ -25,9 +26,12 @@ class Cluster:
         return f"kvpool://{self.master.address}"
 
     def add_node(self, dram: str, *extra: str) -> Child:
-        node = spawn(
-            ["node", "--master", self.master.address, "--dram", dram, "--heartbeat", "0.2", *extra]
-        )
+        return wait_ready(self.start_node(dram, *extra), 20.0)
+
+    def start_node(self, dram: str, *extra: str) -> Child:
+        """Start a node without waiting for it (``wait_ready`` next); ``stop`` covers it."""
+        args = ["node", "--master", self.master.address, "--dram", dram, "--heartbeat", "0.2"]
+        node = start("node", kvpool_args(*args, *extra), stderr=subprocess.DEVNULL)
         self.nodes.append(node)
         return node
 
@@ -43,9 +47,9 @@ class Cluster:
 def start_cluster(node_drams: Sequence[str], *master_args: str) -> Cluster:
     args = ["--node-ttl", "1.5", *master_args]
     cluster = Cluster(spawn(["master", "--port", "0", *args]), master_args=args)
-    try:
-        for dram in node_drams:
-            cluster.add_node(dram)
+    try:  # the nodes start side by side: each is a Python start-up of ~0.3 s
+        for node in [cluster.start_node(dram) for dram in node_drams]:
+            wait_ready(node, 20.0)
     except BaseException:
         cluster.stop()
         raise
