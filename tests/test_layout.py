@@ -63,3 +63,15 @@ def test_readme_layout_table_names_every_package() -> None:
         assert f"`{package.split('/')[-2]}/`" in table, f"README table never names {package}"
     for folder in ("index/", "eviction/", "transport/", "bindings/", "bench/", "tests/"):
         assert folder in rows
+
+
+def test_a_command_loads_only_its_own_module() -> None:
+    """``kvpool node`` / ``kvpool master`` start without the serving, simulation and
+    benchmark code (every cluster test and every user's node pays that start-up)."""
+    code = (
+        "import sys; from kvpool.cli import build_parser; build_parser('node'); "
+        "print(','.join(sorted(m for m in sys.modules "
+        "if m.startswith(('kvpool.serve', 'kvpool.bench', 'kvpool.workload')))))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert done.stdout.strip() == ""
