@@ -2,7 +2,8 @@
 
 Bad arguments are argparse usage errors (exit 2, from the ``kvpool.args``
 types); expected failures while running are ``kvpool CMD: error: MSG``
-(exit 1, from ``kvpool.cli.main``).
+(exit 1, from ``kvpool.failures.run_command``); ``kvpool-serve`` fails
+exactly like ``kvpool serve``.
 """
 
 from __future__ import annotations
@@ -10,66 +11,148 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 from kvpool.cli import main
 
 MISSING = "/nonexistent/kvpool-trace.jsonl"
+NO_FILE = f"No such file or directory: {MISSING!r}"
+
+
+def _fails(capsys: pytest.CaptureFixture[str], argv: list[str]) -> tuple[int, str]:
+    """Run ``kvpool ARGV`` in-process; (exit status, stderr). An argparse usage error
+    exits with 2; anything escaping ``main`` would fail the test with its traceback."""
+    try:
+        rc = main(argv)
+    except SystemExit as exc:
+        rc = int(exc.code or 0)
+    return rc, capsys.readouterr().err
+
+
+def _one_error_line(err: str, prefix: str) -> str:
+    """The last stderr line (argparse prints its usage above it), checked."""
+    assert "Traceback" not in err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith(prefix), line
+    return line
+
 
 BAD_ARGUMENTS = [
-    (["node", "--master", "127.0.0.1:7480", "--dram", "64XB"], "--dram: not a size: '64XB'"),
-    (["node", "--master", "nohost"], "--master: address must be HOST:PORT"),
-    (["node", "--master", "h:1", "--ssd-size", "lots"], "--ssd-size: not a size"),
-    (["master", "--port", "99999"], "--port: a port is 0-65535"),
-    (["master", "--log-level", "LOUD"], "--log-level: invalid choice"),
-    (["demo", "--dram", "0"], "--dram: a size must be positive"),
-    (["demo", "--requests", "-1"], "--requests: expected an integer >= 0"),
-    (["bench", "local", "--sizes", "1XB"], "--sizes: not a size: '1XB'"),
-    (["bench", "local", "--tiers", "tape"], "--tiers: unknown tier(s) ['tape']"),
-    (["bench", "prefix", "--tokens", "-5"], "--tokens: expected a positive integer"),
-    (["bench", "remote", "--working-set", "big"], "--working-set: not a size"),
-    (["bench", "hot", "--nodes", "0"], "--nodes: expected a positive integer"),
-    (["bench", "layerwise", "--layers", "0"], "--layers: expected a positive integer"),
+    (
+        ["node", "--master", "h:1", "--dram", "64XB"],
+        "node: error: argument --dram: not a size: '64XB'",
+    ),
+    (["node", "--master", "nohost"], "node: error: argument --master: address must be HOST:PORT"),
+    (
+        ["node", "--master", "h:1", "--ssd-size", "lots"],
+        "node: error: argument --ssd-size: not a size",
+    ),
+    (["master", "--port", "99999"], "master: error: argument --port: a port is 0-65535"),
+    (["master", "--log-level", "LOUD"], "master: error: argument --log-level: invalid choice"),
+    (["demo", "--dram", "0"], "demo: error: argument --dram: a size must be positive"),
+    (["demo", "--requests", "-1"], "demo: error: argument --requests: expected an integer >= 0"),
+    (
+        ["bench", "local", "--sizes", "1XB"],
+        "bench local: error: argument --sizes: not a size: '1XB'",
+    ),
+    (
+        ["bench", "local", "--tiers", "tape"],
+        "bench local: error: argument --tiers: unknown tier(s) ['tape']",
+    ),
+    (
+        ["bench", "prefix", "--tokens", "-5"],
+        "bench prefix: error: argument --tokens: expected a positive",
+    ),
+    (
+        ["bench", "remote", "--working-set", "big"],
+        "bench remote: error: argument --working-set: not a size",
+    ),
+    (
+        ["bench", "hot", "--nodes", "0"],
+        "bench hot: error: argument --nodes: expected a positive integer",
+    ),
+    (
+        ["bench", "layerwise", "--layers", "0"],
+        "bench layerwise: error: argument --layers: expected a positive",
+    ),
+    (["serve", "--prefill", "0"], "serve: error: argument --prefill"),
+    (["serve", "--dram", "64XB"], "serve: error: argument --dram"),
+    (["serve", "--pool", "http://h:1"], "serve: error: argument --pool"),
+    (["serve", "--port", "70000"], "serve: error: argument --port"),
+    (["serve", "--log-level", "loud"], "serve: error: argument --log-level"),
+    (["calibrate", "--points", "-1"], "calibrate: error: argument --points"),
+    (["sim", MISSING, "--cpp-group", "0"], "sim: error: argument --cpp-group"),
+    (["sim-cpp", "--lengths", "8k"], "sim-cpp: error: argument --lengths"),
+    (["plan", MISSING, "--cpp-groups", "1,x"], "plan: error: argument --cpp-groups"),
+    (["replay", MISSING, "--limit", "-3"], "replay: error: argument --limit"),
+    (["bench", "serve", "--requests", "0"], "bench serve: error: argument --requests"),
+    (["bench", "cpp", "--chunks", "512,-1"], "bench cpp: error: argument --chunks"),
+    (["bench", "cpp", "--dram", "lots"], "bench cpp: error: argument --dram"),
 ]
 
 
-@pytest.mark.parametrize(("argv", "message"), BAD_ARGUMENTS, ids=lambda v: " ".join(v[:3]))
+@pytest.mark.parametrize(("argv", "line"), BAD_ARGUMENTS, ids=lambda v: " ".join(v[:3]))
 def test_bad_argument_is_a_usage_error(
-    argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+    capsys: pytest.CaptureFixture[str], argv: list[str], line: str
 ) -> None:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    assert exit_info.value.code == 2
-    err = capsys.readouterr().err
-    assert message in err
-    assert err.strip().splitlines()[-1].startswith(f"kvpool {argv[0]}")
-    assert "Traceback" not in err
+    rc, err = _fails(capsys, argv)
+    assert rc == 2
+    _one_error_line(err, f"kvpool {line}")
 
 
 EXPECTED_FAILURES = [
-    (["master", "--host", "0.0.0.0"], "kvpool master: error: refusing to listen on '0.0.0.0'"),
-    (["trace", "stats", MISSING], "No such file or directory"),
-    (["cachesim", MISSING], "No such file or directory"),
-    (["demo", "--ssd-dir", "/proc/kvpool-nope", "--requests", "1"], "not a writable directory"),
+    (["master", "--host", "0.0.0.0"], 1, "master: error: ", "refusing to listen on '0.0.0.0'"),
+    (
+        ["demo", "--ssd-dir", "/proc/kvpool-nope", "--requests", "1"],
+        1,
+        "demo: error: ",
+        "not a writable directory",
+    ),
+    (
+        ["serve", "--prefill", "3", "--cpp-group", "2"],
+        1,
+        "serve: error: ",
+        "is not a multiple of --cpp-group",
+    ),
+    (["serve", "--model", "nope"], 1, "serve: error: ", "unknown model preset 'nope'"),
+    # A trace that cannot be read: the trace loader's own line (exit status 2).
+    (["trace", "stats", MISSING], 2, "trace stats: ", NO_FILE),
+    (["cachesim", MISSING], 2, "cachesim: ", NO_FILE),
+    (["sim", MISSING], 2, "sim: ", NO_FILE),
+    (["plan", MISSING], 2, "plan: ", NO_FILE),
+    (["replay", MISSING], 2, "replay: ", NO_FILE),
 ]
 
 
-@pytest.mark.parametrize(("argv", "message"), EXPECTED_FAILURES, ids=lambda v: " ".join(v[:2]))
+@pytest.mark.parametrize(
+    ("argv", "status", "start", "message"), EXPECTED_FAILURES, ids=lambda v: str(v)[:40]
+)
 def test_expected_failure_is_one_line(
-    argv: list[str],
-    message: str,
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
+    argv: list[str],
+    status: int,
+    start: str,
+    message: str,
 ) -> None:
+    """Checked before any child process starts; nothing but the one line on stderr."""
     monkeypatch.delenv("KVPOOL_TOKEN", raising=False)
     monkeypatch.delenv("KVPOOL_TRACEBACK", raising=False)
-    code = main(argv)
-    assert code != 0
-    err = capsys.readouterr().err
-    assert message in err
+    rc, err = _fails(capsys, argv)
+    assert rc == status
     assert len(err.strip().splitlines()) == 1, err
-    assert err.startswith(f"kvpool {argv[0]}")
+    assert message in _one_error_line(err, f"kvpool {start}")
+
+
+def test_sim_bad_value_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    trace = tmp_path / "t.jsonl"
+    record = '{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}'
+    trace.write_text(record + "\n")
+    rc, err = _fails(capsys, ["sim", str(trace), "--speed", "0"])
+    assert rc == 1
+    assert "speed must be > 0" in _one_error_line(err, "kvpool sim: error: ")
 
 
 def test_traceback_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -80,20 +163,38 @@ def test_traceback_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
         main(["master", "--host", "0.0.0.0"])
 
 
-def test_real_command_prints_no_traceback() -> None:
-    """The installed entry point, as a user runs it."""
+SERVE_MAIN = "import sys; from kvpool.serve.cli import main; sys.exit(main())"
+
+
+@pytest.mark.parametrize(
+    ("python_args", "status", "line"),
+    [
+        (
+            ["-m", "kvpool", "node", "--master", "h:1", "--dram", "64XB"],
+            2,
+            "kvpool node: error: argument --dram",
+        ),
+        (
+            ["-m", "kvpool", "master", "--host", "0.0.0.0"],
+            1,
+            "kvpool master: error: refusing to listen",
+        ),
+        (["-c", SERVE_MAIN, "--dram", "64XB"], 2, "kvpool-serve: error: argument --dram"),
+        (
+            ["-c", SERVE_MAIN, "--prefill", "3", "--cpp-group", "2"],
+            1,
+            "kvpool-serve: error: --prefill 3 is not",
+        ),
+    ],
+    ids=["kvpool node", "kvpool master", "kvpool-serve usage", "kvpool-serve failure"],
+)
+def test_installed_entry_points_as_processes(
+    python_args: list[str], status: int, line: str
+) -> None:
+    """``kvpool`` and ``kvpool-serve`` (``kvpool.serve.cli:main``) as a user runs them."""
     env = {k: v for k, v in os.environ.items() if k not in ("KVPOOL_TOKEN", "KVPOOL_TRACEBACK")}
-    for argv in (
-        ["node", "--master", "127.0.0.1:7480", "--dram", "64XB"],
-        ["master", "--host", "0.0.0.0"],
-    ):
-        done = subprocess.run(
-            [sys.executable, "-m", "kvpool", *argv],
-            capture_output=True,
-            text=True,
-            env=env,
-            timeout=60,
-        )
-        assert done.returncode != 0
-        assert "Traceback" not in done.stderr
-        assert done.stderr.strip().splitlines()[-1].startswith(f"kvpool {argv[0]}")
+    done = subprocess.run(
+        [sys.executable, *python_args], capture_output=True, text=True, env=env, timeout=120
+    )
+    assert done.returncode == status, done.stderr
+    _one_error_line(done.stderr, line)
