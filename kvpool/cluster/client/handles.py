@@ -52,12 +52,14 @@ class RemoteBlockWriter(BlockWriter):
         session: ClientSession,
         key: bytes,
         size: int,
-        placements: list[Placement],
-        ids: list[int],
+        allocations: Sequence[Sequence[Any]],
         deadline: float | None = None,
     ) -> None:
+        """``allocations``: (allocation id, node id, offset) per replica, as the
+        master's allocate reply and a ``ReservationTicket`` both carry them."""
         self._session, self.key, self.size = session, key, size
-        self._placements, self._ids = placements, ids
+        self._ids = [int(alloc_id) for alloc_id, _, _ in allocations]
+        self._placements = [Placement(str(node), int(offset)) for _, node, offset in allocations]
         # Without a deadline from the allocation reply, assume the default TTL.
         self.deadline = deadline or time.monotonic() + 0.9 * DEFAULT_ALLOC_TTL
         self.done = False

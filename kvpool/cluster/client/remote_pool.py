@@ -43,7 +43,7 @@ from kvpool.cluster.client.handles import RemoteBlockWriter, RemoteLease, Reserv
 from kvpool.cluster.client.lease_cache import DEFAULT_HOLD_S, DEFAULT_MAX_BYTES
 from kvpool.cluster.client.puts import RemotePutter
 from kvpool.cluster.client.reads import LeasedReads
-from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession, Placement
+from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.wire import (
     ALLOCATE,
     COMMIT,
@@ -170,32 +170,21 @@ class RemotePool(LayerwiseMethods):
         session.learn(reply.nodes)
         if reply.error:
             raise PoolFullError(reply.error)
-        placements = reply.placements[0]
-        if placements is None:
+        allocations = reply.placements[0]
+        if allocations is None:
             return None
-        return RemoteBlockWriter(
-            session,
-            key,
-            size,
-            [Placement(n, o) for _, n, o in placements],
-            [a for a, _, _ in placements],
-            deadline=time.monotonic() + 0.9 * reply.ttl,
-        )
+        deadline = time.monotonic() + 0.9 * reply.ttl
+        return RemoteBlockWriter(session, key, size, allocations, deadline)
 
     def adopt(self, ticket: ReservationTicket) -> RemoteBlockWriter:
         """A writer onto a reservation another process exported
         (``RemoteBlockWriter.export``): writes go to the same reserved space; the
         deadline is the ticket's time left, re-based on this process's clock."""
-        self._session.check_open()
-        self._session.learn({n: RegionInfo.from_dict(d) for n, d in ticket.nodes.items()})
-        return RemoteBlockWriter(
-            self._session,
-            ticket.key,
-            ticket.size,
-            [Placement(node, offset) for _, node, offset in ticket.allocations],
-            [alloc_id for alloc_id, _, _ in ticket.allocations],
-            deadline=time.monotonic() + ticket.ttl_s,
-        )
+        session = self._session
+        session.check_open()
+        session.learn({n: RegionInfo.from_dict(d) for n, d in ticket.nodes.items()})
+        deadline = time.monotonic() + ticket.ttl_s
+        return RemoteBlockWriter(session, ticket.key, ticket.size, ticket.allocations, deadline)
 
     # -- reads --------------------------------------------------------------------
 
