@@ -18,6 +18,7 @@ SUITES = [
     ("policy_cost", "register"),
     ("cpp", "register_cpp"),
     ("idle_rtt", "register_idle_rtt"),
+    ("gpu_check", "register_gpu"),  # kvpool bench gpu: the CUDA paths (--dry-run on CPU)
 ]
 
 

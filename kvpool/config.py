@@ -57,6 +57,9 @@ class PoolConfig:
     gpu_bytes: int = 0
     policy: str = "lru"
     alignment: int = DEFAULT_ALIGNMENT
+    # Register the DRAM arena with CUDA where CUDA is present (DMA-speed device
+    # copies); False keeps it pageable. stats()["tiers"]["dram"]["page_lock"] tells.
+    page_lock: bool = True
 
     def __post_init__(self) -> None:
         if self.dram_bytes < self.alignment:

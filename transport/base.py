@@ -104,6 +104,12 @@ class Transport(ABC):
         for offset, data in items:
             self.write(offset, data)
 
+    @property
+    def page_lock_status(self) -> str | None:
+        """How the peer's mapped region is page-locked for CUDA copies (shm only;
+        see kvpool.storage.page_lock); None where the transport maps nothing."""
+        return None
+
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release sockets/mappings; idempotent."""
 

@@ -148,15 +148,20 @@ class PeerTransports:
             acc[0] += t.bytes_read
             acc[1] += t.bytes_written
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        """Bytes moved per transport name, live and retired transports together."""
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Bytes moved per transport name, live and retired transports together
+        (shm also: each node's arena mapping's CUDA page-lock status)."""
         with self._lock:
-            out = {k: {"bytes_read": v[0], "bytes_written": v[1]} for k, v in self._retired.items()}
+            out: dict[str, dict[str, Any]] = {
+                k: {"bytes_read": v[0], "bytes_written": v[1]} for k, v in self._retired.items()
+            }
             for t in self._by_node.values():
                 acc = out.setdefault(t.name, {"bytes_read": 0, "bytes_written": 0})
                 acc["bytes_read"] += t.bytes_read
                 acc["bytes_written"] += t.bytes_written
                 acc["peers"] = acc.get("peers", 0) + 1
+                if t.page_lock_status is not None:
+                    acc.setdefault("page_lock", {})[t.info.node_id] = t.page_lock_status
             return out
 
     def close(self) -> None:

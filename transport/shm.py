@@ -5,10 +5,17 @@ A client on the same host (``host_identity()`` equal) maps it read-write with
 ``mmap`` and moves bytes with one ``copy_region`` (numpy copy for host
 buffers, torch ``copy_`` for CUDA buffers): no socket, no server thread.
 
+CUDA: the first copy between the mapping and a GPU buffer registers the
+whole mapping with CUDA (``cudaHostRegister``, ``kvpool.storage.page_lock``),
+so that copy and every later one is a DMA transfer instead of a staged
+pageable copy. It is lazy so that a client moving only host buffers never
+creates a CUDA context; ``page_lock_status`` (in ``PeerTransports.stats()``)
+reports the outcome, or that no GPU copy has happened yet.
+
 Invariants: the mapping is exactly ``RegionInfo.size`` bytes (a file of
 another size is refused, so a stale or foreign file is never used); every
-range is checked against it before copying; ``close`` drops our views before
-unmapping.
+range is checked against it before copying; ``close`` unregisters the
+mapping from CUDA and drops our views before unmapping.
 """
 
 from __future__ import annotations
@@ -21,8 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bindings.buffers import as_region, copy_region, region_nbytes
+from kvpool.bindings.buffers import as_region, copy_region, region_is_device, region_nbytes
 from kvpool.errors import PoolClosedError, TransportUnavailableError
+from kvpool.storage.page_lock import PageLock, page_lock
 from kvpool.transport.base import RegionInfo, Transport, check_range, host_identity
 
 SHM_DIR = "/dev/shm"
@@ -69,6 +77,18 @@ class ShmTransport(Transport):
             else np.empty(0, np.uint8)
         )
         self._lock = threading.Lock()
+        self._page_lock: PageLock | None = None  # set by the first GPU copy
+
+    @property
+    def page_lock_status(self) -> str:
+        lock = self._page_lock
+        return "not yet: no GPU buffer copied" if lock is None else lock.status
+
+    def _lock_pages(self) -> None:
+        """Register the mapping with CUDA once, before the first GPU copy."""
+        with self._lock:
+            if self._page_lock is None and self._arena is not None and self._arena.size:
+                self._page_lock = page_lock(self._arena.ctypes.data, self._arena.size)
 
     def _span(self, offset: int, length: int) -> np.ndarray:
         if self._arena is None:
@@ -82,6 +102,8 @@ class ShmTransport(Transport):
             self.bytes_read += out.nbytes
             return
         dst = as_region(out, writable=True, what="output buffer")
+        if region_is_device(dst) and self._page_lock is None:
+            self._lock_pages()
         copy_region(dst, self._span(offset, region_nbytes(dst)))
         self.bytes_read += region_nbytes(dst)
 
@@ -91,12 +113,16 @@ class ShmTransport(Transport):
             self.bytes_written += data.nbytes
             return
         src = as_region(data, what="data")
+        if region_is_device(src) and self._page_lock is None:
+            self._lock_pages()
         copy_region(self._span(offset, region_nbytes(src)), src)
         self.bytes_written += region_nbytes(src)
 
     def close(self) -> None:
         with self._lock:
             self._arena = None
+            if self._page_lock is not None:
+                self._page_lock.release()  # before unmapping: CUDA must not keep the pages
             if self._mmap is not None:
                 # BufferError: a view is still alive somewhere; the GC unmaps it later.
                 with contextlib.suppress(BufferError):

@@ -73,7 +73,12 @@ def open_tiers(config: PoolConfig) -> Tiers:
         if config.gpu_bytes:
             gpu = GpuTier(config.gpu_bytes, make_policy(config.policy), config.alignment)
             opened.append(gpu)
-        dram = DramTier(config.dram_bytes, make_policy(config.policy), config.alignment)
+        dram = DramTier(
+            config.dram_bytes,
+            make_policy(config.policy),
+            config.alignment,
+            page_lock=config.page_lock,
+        )
         opened.append(dram)
         ssd = None
         if config.ssd_path is not None:

@@ -6,6 +6,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.storage.memory_tier import DramTier
+
 
 @dataclass
 class PoolStats:
@@ -64,7 +66,7 @@ class PoolStats:
         }
 
     def _tier_snapshot(self, tier: Any) -> dict[str, Any]:
-        return {
+        snap = {
             "capacity_bytes": tier.capacity,
             "used_bytes": tier.allocator.used_bytes,
             "blocks": len(tier.policy),
@@ -73,3 +75,6 @@ class PoolStats:
             "evictions": self.tier_evictions[tier.name],
             "demotions": self.tier_demotions[tier.name],
         }
+        if isinstance(tier, DramTier):
+            snap["page_lock"] = tier.page_lock  # "registered", or why the arena is pageable
+        return snap

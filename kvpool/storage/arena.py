@@ -5,7 +5,8 @@ host can map the same bytes by name (the same-host transport does exactly
 that). It is reserved with posix_fallocate (no SIGBUS later when /dev/shm
 fills up), pre-faulted at creation (first touch costs ~0.45 GB/s here, so
 nobody should pay it on a put), and registered as page-locked with CUDA where
-CUDA is present so device copies DMA straight from it.
+CUDA is present so device copies DMA straight from it (``page_lock`` holds the
+outcome, reported by ``stats()``; see ``kvpool.storage.page_lock``).
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ import errno
 import mmap
 import os
 import secrets
-from typing import Any
 
 import numpy as np
 
 from kvpool.errors import PoolFullError, StorageError
+from kvpool.storage.page_lock import PageLock
+from kvpool.storage.page_lock import page_lock as register_page_lock
 
 SHM_DIR = "/dev/shm"
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14; absent from Python 3.11's mmap module
@@ -32,14 +34,15 @@ class SharedArena:
     are the zero-copy regions tiers read and write.
     """
 
-    def __init__(self, size: int, name: str | None = None, *, create: bool = True) -> None:
+    def __init__(
+        self, size: int, name: str | None = None, *, create: bool = True, page_lock: bool = True
+    ) -> None:
         if size <= 0:
             raise ValueError(f"arena size must be > 0, got {size}")
         self.size = size
         self.name = name or f"kvpool-{os.getpid()}-{secrets.token_hex(4)}"
         self.path = os.path.join(SHM_DIR, self.name)
         self.owner = create
-        self._cuda_registered = False
         fd = self._open(create)
         try:
             self._mmap = mmap.mmap(fd, size)
@@ -48,7 +51,9 @@ class SharedArena:
         if create:
             _prefault(self._mmap, size)
         self.view: np.ndarray = np.frombuffer(self._mmap, dtype=np.uint8)
-        self._register_cuda()
+        self.page_lock: PageLock = register_page_lock(
+            self.view.ctypes.data, size, enabled=page_lock
+        )
 
     @classmethod
     def attach(cls, name: str, size: int) -> SharedArena:
@@ -59,7 +64,7 @@ class SharedArena:
         """Unmap, and unlink if this process created the arena. Idempotent."""
         if self._mmap is None:
             return
-        self._unregister_cuda()
+        self.page_lock.release()
         self.view = np.empty(0, dtype=np.uint8)
         # A caller may still hold a view (BufferError): the mapping then lives
         # until that view is dropped, but the name is released all the same.
@@ -98,24 +103,9 @@ class SharedArena:
             raise StorageError(f"cannot create arena {self.path}: {exc}") from exc
         return fd
 
-    def _register_cuda(self) -> None:
-        torch = _torch_with_cuda()
-        if torch is None:
-            return
-        address = self.view.ctypes.data
-        err = torch.cuda.cudart().cudaHostRegister(address, self.size, 0)
-        self._cuda_registered = int(err) == 0
-
-    def _unregister_cuda(self) -> None:
-        if self._cuda_registered:
-            torch = _torch_with_cuda()
-            if torch is not None:
-                torch.cuda.cudart().cudaHostUnregister(self.view.ctypes.data)
-            self._cuda_registered = False
-
     @property
     def page_locked(self) -> bool:
-        return self._cuda_registered
+        return self.page_lock.registered
 
 
 def sweep_stale_arenas() -> list[str]:
@@ -162,18 +152,3 @@ def _prefault(region: mmap.mmap, size: int) -> None:
 def _shm_free_bytes() -> int:
     stat = os.statvfs(SHM_DIR)
     return stat.f_bavail * stat.f_frsize
-
-
-def _torch_with_cuda() -> Any:
-    """torch if it is importable and sees a GPU, else None (never raises).
-
-    Without an NVIDIA driver there is no point importing torch (a second of
-    start-up), so look for the driver first.
-    """
-    if not os.path.exists("/proc/driver/nvidia"):
-        return None
-    try:
-        import torch
-    except ImportError:
-        return None
-    return torch if torch.cuda.is_available() else None

@@ -40,11 +40,19 @@ class MemoryTier:
 
 
 class DramTier(MemoryTier):
-    """The pool's main tier: a pre-faulted shared-memory arena (page-locked under CUDA)."""
+    """The pool's main tier: a pre-faulted shared-memory arena (page-locked under CUDA;
+    ``page_lock`` says whether that happened, and why not)."""
 
-    def __init__(self, size: int, policy: EvictionPolicy, alignment: int) -> None:
-        self.arena = SharedArena(size)
+    def __init__(
+        self, size: int, policy: EvictionPolicy, alignment: int, *, page_lock: bool = True
+    ) -> None:
+        self.arena = SharedArena(size, page_lock=page_lock)
         super().__init__("dram", self.arena.view, policy, alignment)
+
+    @property
+    def page_lock(self) -> str:
+        """The arena's CUDA registration status (``kvpool.storage.page_lock``)."""
+        return self.arena.page_lock.status
 
     def close(self) -> None:
         super().close()

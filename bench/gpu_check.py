@@ -1,0 +1,255 @@
+"""``kvpool bench gpu``: one prepared run proving kvpool's CUDA paths on a GPU machine.
+
+Sections, run in this order, each independent (a failure is recorded with
+its traceback and the next section still runs):
+
+==========  ===================================================  =============
+section     what                                                 module
+==========  ===================================================  =============
+tier        GPU tier put/get_into vs device copy_; demotion      gpu_tiers
+            GPU -> DRAM -> SSD and promotion back, bytes exact
+pinned      DRAM arena <-> CUDA, page-locked vs not, vs torch    gpu_tiers
+            pinned copies (>= 0.9x); page-lock status in stats
+transports  shm and TCP clients with torch CUDA / cupy buffers   gpu_transports
+ucx         UCX between two processes, CUDA memory both ends,    gpu_transports
+            GB/s vs TCP
+layerwise   layer-wise store/load behind llama2-7b-shaped GPU    gpu_layerwise
+            matmuls on CUDA side streams (overlap <= 1.1)
+serve       tiny greedy CUDA == CPU; llama2-7b TTFT 4k/16k,      gpu_serve
+            prefix reuse, TBT batch 1/16; kvpool serve on CUDA
+==========  ===================================================  =============
+
+Budgets: each section has a time budget (``--budget NAME=SECONDS``) and the
+run an overall one (``--total-budget``, default sized for one ~8 minute
+device call). A section runs on a worker thread; one that outlives its
+budget is recorded as ``timeout`` and the run moves on. Sections check their
+budget between measurements and cut their rounds short rather than overrun.
+
+Output: ``gpu_check.json`` (rewritten after every section, so a run killed
+half-way still leaves what it measured) and ``gpu_check.log`` under
+``--out`` (default ``$OUT`` when set, else ``bench/out/gpu``). Exit status 0
+when no check failed and no section errored or timed out.
+
+``--dry-run``: no GPU needed. The same code paths with CPU tensors where
+they exist, small sizes; every part that needs CUDA (or a package that is
+absent) is listed under ``skipped`` with the reason. CI runs this.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import threading
+import time
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+from kvpool.bench.gpu_common import MiB, Section, SectionTimeout, environment
+
+# name -> (default budget in seconds on a GPU, runner(section, args))
+Runner = Callable[[Section, argparse.Namespace], None]
+
+
+def _tier(s: Section, args: argparse.Namespace) -> None:
+    from kvpool.bench.gpu_tiers import run_tier
+
+    run_tier(s, args.sizes)
+
+
+def _pinned(s: Section, args: argparse.Namespace) -> None:
+    from kvpool.bench.gpu_tiers import run_pinned
+
+    run_pinned(s, args.sizes)
+
+
+def _transports(s: Section, args: argparse.Namespace) -> None:
+    from kvpool.bench.gpu_transports import run_transports
+
+    run_transports(s, args.sizes)
+
+
+def _ucx(s: Section, args: argparse.Namespace) -> None:
+    from kvpool.bench.gpu_transports import run_ucx
+
+    run_ucx(s, args.sizes)
+
+
+def _layerwise(s: Section, args: argparse.Namespace) -> None:
+    from kvpool.bench.gpu_layerwise import run_layerwise
+
+    run_layerwise(s, args.layer_tokens)
+
+
+def _serve(s: Section, args: argparse.Namespace) -> None:
+    from kvpool.bench.gpu_serve import run_serve
+
+    run_serve(s, args.long_tokens)
+
+
+SECTIONS: dict[str, tuple[float, Runner]] = {
+    "tier": (30, _tier),
+    "pinned": (30, _pinned),
+    "transports": (30, _transports),
+    "ucx": (45, _ucx),
+    "layerwise": (45, _layerwise),
+    "serve": (150, _serve),
+}
+TOTAL_BUDGET_S = 330.0  # one device call of timeout_s=420 leaves room for a rerun in 15 min
+DRY_SIZES = [1 * MiB, 4 * MiB]
+GPU_SIZES = [1 * MiB, 4 * MiB, 16 * MiB, 64 * MiB]
+
+
+def register_gpu(suites: Any) -> None:
+    p = suites.add_parser("gpu", help="prove the CUDA paths on a GPU machine (--dry-run: on CPU)")
+    p.add_argument("--dry-run", action="store_true", help="no GPU: CPU tensors, small sizes")
+    p.add_argument("--only", default=None, help=f"comma list of sections ({', '.join(SECTIONS)})")
+    p.add_argument("--out", default=None, help="report folder (default $OUT, else bench/out/gpu)")
+    p.add_argument("--budget", action="append", default=[], metavar="SECTION=SECONDS")
+    p.add_argument("--total-budget", type=float, default=TOTAL_BUDGET_S, metavar="SECONDS")
+    p.add_argument("--layer-tokens", type=int, default=4096, help="layerwise: prompt tokens")
+    p.add_argument("--long-tokens", type=int, default=16384, help="serve: the long prompt")
+    p.set_defaults(func=run)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvpool.bench.gpu_check")
+    register_gpu(parser.add_subparsers(dest="suite", required=True))
+    args = parser.parse_args(["gpu", *(argv if argv is not None else _argv())])
+    return int(args.func(args))
+
+
+def _argv() -> list[str]:
+    import sys
+
+    return sys.argv[1:]
+
+
+def run(args: argparse.Namespace) -> int:
+    names = _names(args.only)
+    budgets = {name: SECTIONS[name][0] for name in names}
+    for item in args.budget:
+        name, _, value = item.partition("=")
+        if name not in SECTIONS or not value:
+            raise SystemExit(f"--budget wants SECTION=SECONDS with SECTION in {sorted(SECTIONS)}")
+        budgets[name] = float(value)
+    device = "cpu" if args.dry_run else _cuda_or_exit()
+    args.sizes = DRY_SIZES if args.dry_run else GPU_SIZES
+    out_dir = args.out or os.environ.get("OUT") or os.path.join("bench", "out", "gpu")
+    os.makedirs(out_dir, exist_ok=True)
+    report = _Report(out_dir, device, args.dry_run)
+    run_deadline = time.monotonic() + args.total_budget
+    for name in names:
+        left = run_deadline - time.monotonic()
+        if left < 5:
+            report.sections[name] = {"status": "skipped", "reason": "overall budget spent"}
+            report.log(f"== {name}: skipped, overall budget spent")
+            continue
+        budget = min(budgets[name], left)
+        report.run_section(name, budget, SECTIONS[name][1], args)
+    return report.finish()
+
+
+def _names(only: str | None) -> list[str]:
+    if only is None:
+        return list(SECTIONS)
+    names = [n.strip() for n in only.split(",") if n.strip()]
+    unknown = [n for n in names if n not in SECTIONS]
+    if unknown or not names:
+        raise SystemExit(f"unknown section(s) {unknown}; choose from {', '.join(SECTIONS)}")
+    return names
+
+
+def _cuda_or_exit() -> str:
+    try:
+        import torch
+    except ImportError:
+        raise SystemExit(
+            "torch is not installed; use --dry-run on a machine without CUDA"
+        ) from None
+    if not torch.cuda.is_available():
+        raise SystemExit("CUDA is not available here; use --dry-run to check the code paths on CPU")
+    return "cuda"
+
+
+class _Report:
+    """The JSON report and its log, written as the run goes."""
+
+    def __init__(self, out_dir: str, device: str, dry_run: bool) -> None:
+        self.json_path = os.path.join(out_dir, "gpu_check.json")
+        self._log = open(os.path.join(out_dir, "gpu_check.log"), "w", buffering=1)  # noqa: SIM115
+        self.started = time.time()
+        self.head: dict[str, Any] = {"dry_run": dry_run, "device": device}
+        self.sections: dict[str, dict[str, Any]] = {}
+        self.head["machine"] = environment(device)
+        self.log(f"kvpool bench gpu: device={device} dry_run={dry_run} {self.head['machine']}")
+
+    def log(self, line: str) -> None:
+        print(line, flush=True)
+        self._log.write(line + "\n")
+
+    def run_section(
+        self, name: str, budget: float, runner: Runner, args: argparse.Namespace
+    ) -> None:
+        self.log(f"== {name} (budget {budget:.0f} s)")
+        start = time.monotonic()
+        s = Section(name, self.head["device"], self.head["dry_run"], start + budget, self.log)
+        outcome: dict[str, Any] = {}
+
+        def body() -> None:
+            try:
+                runner(s, args)
+                outcome["status"] = "ok"
+            except SectionTimeout as exc:
+                outcome.update(status="timeout", error=str(exc))
+            except BaseException as exc:
+                outcome.update(status="error", error=repr(exc), traceback=traceback.format_exc())
+
+        worker = threading.Thread(target=body, name=f"gpu-check-{name}", daemon=True)
+        worker.start()
+        grace = min(10.0, 1.0 + budget / 3)  # sections stop themselves; this covers a last round
+        worker.join(budget + grace)
+        if worker.is_alive():
+            outcome.update(
+                status="timeout", error=f"still running {budget + grace:.0f} s after start"
+            )
+        entry = {**outcome, "seconds": round(time.monotonic() - start, 1), **s.record()}
+        if entry["status"] == "ok" and any(not c["ok"] for c in entry["checks"]):
+            entry["status"] = "failed"
+        if entry["status"] in ("error", "timeout"):
+            self.log(f"  {entry['status'].upper()}: {entry.get('error')}")
+            if "traceback" in entry:
+                self.log(entry["traceback"])
+        self.log(f"== {name}: {entry['status']} in {entry['seconds']} s")
+        self.sections[name] = entry
+        self._write()
+
+    def _write(self) -> None:
+        payload = {
+            **self.head,
+            "seconds": round(time.time() - self.started, 1),
+            "sections": self.sections,
+        }
+        tmp = self.json_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(payload, f, indent=2, default=str)
+        os.replace(tmp, self.json_path)
+
+    def finish(self) -> int:
+        self._write()
+        bad = {
+            n: e["status"]
+            for n, e in self.sections.items()
+            if e["status"] in ("failed", "error", "timeout")
+        }
+        skipped = sum(len(e.get("skipped", [])) for e in self.sections.values())
+        problems = bad or "none"
+        self.log(f"done: {len(self.sections)} sections, problems {problems}, {skipped} skipped")
+        self.log(f"report: {self.json_path}")
+        self._log.close()
+        return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
