@@ -44,6 +44,7 @@ def run_tier(s: Section, sizes: list[int]) -> None:
     if not s.cuda:
         s.skip("GPU tier", "needs CUDA: gpu_bytes>0 raises TierUnavailableError here")
     gpu_bytes = (2 * max(sizes) + 8 * MiB) if s.cuda else 0
+    before = torch.cuda.memory_allocated() if s.cuda else 0
     pool = _pool(dram=2 * max(sizes) + 8 * MiB, gpu=gpu_bytes)
     tier = "gpu" if s.cuda else "dram"
     try:
@@ -77,6 +78,10 @@ def run_tier(s: Section, sizes: list[int]) -> None:
             pool.remove(key)
     finally:
         pool.close()
+    if s.cuda:
+        torch.cuda.synchronize()
+        left = torch.cuda.memory_allocated() - before
+        s.check("closing the pool frees the GPU tier's memory", left < gpu_bytes, f"{left} B")
     _demotion(s)
 
 

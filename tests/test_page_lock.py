@@ -9,6 +9,8 @@ registration (its ``pinned`` and ``transports`` sections).
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -124,3 +126,19 @@ def test_shm_client_registers_its_mapping_only_for_gpu_copies(fake_cuda: FakeCud
         peers.close()
         exposed.close()
         arena.close()
+
+
+def _mapped_arenas() -> set[str]:
+    maps = Path("/proc/self/maps").read_text().split()
+    return {m for m in maps if m.startswith(f"/dev/shm/kvpool-{os.getpid()}-")}
+
+
+def test_closing_a_pool_unregisters_then_unmaps_its_arena(fake_cuda: FakeCudart) -> None:
+    """close() lets go of the arena at once: no view kept alive by a closed tier."""
+    before = _mapped_arenas()
+    pool = Pool.embedded(dram_bytes=1 << 20)
+    pool.put(b"k" * 16, b"x" * 100)
+    assert len(_mapped_arenas() - before) == 1 and fake_cuda.registered
+    pool.close()
+    assert fake_cuda.registered == {}  # unregistered first ...
+    assert _mapped_arenas() == before  # ... then unmapped, not left to the GC

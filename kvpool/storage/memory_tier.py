@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from kvpool.bindings.buffers import Region, region_nbytes
 from kvpool.errors import TierUnavailableError
 from kvpool.eviction import EvictionPolicy
@@ -36,7 +38,10 @@ class MemoryTier:
         self.allocator.free(offset)
 
     def close(self) -> None:
-        self.buffer = self.buffer[:0]
+        """Let go of the backing buffer. Not an empty slice of it: a view keeps its
+        whole base alive (the GPU tier's device memory, the DRAM arena's mapping)."""
+        empty = self.buffer[:0]
+        self.buffer = empty.copy() if isinstance(empty, np.ndarray) else empty.clone()
 
 
 class DramTier(MemoryTier):
