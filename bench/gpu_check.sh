@@ -7,11 +7,11 @@
 #
 #     command:   bash bench/gpu_check.sh
 #     carry:     [".whl"]
-#     timeout_s: 420
+#     timeout_s: 450
 #
 # It installs the carried wheels into /tmp/site (--no-deps: the machine has the rest), records
-# the machine's facts, and runs every section within --total-budget (330 s by default), so the
-# call ends in ~7 minutes including start-up and one rerun of the failing sections still fits in
+# the machine's facts, and runs every section within --total-budget (360 s by default), so the
+# call ends in ~8 minutes including start-up, and one rerun of the failing sections still fits in
 # the 15 minutes of device time:  bash bench/gpu_check.sh --only serve,ucx
 # Extra arguments go to `kvpool bench gpu`. Results come back from $OUT: gpu_check.json,
 # gpu_check.log, machine.txt.
@@ -33,7 +33,7 @@ cd /tmp  # import kvpool from /tmp/site, never from the source tree's unmapped f
   python3 -c 'import kvpool, lmdb, ucxx, starlette, uvicorn; print("imports ok", kvpool.__file__)'
 } >"$OUT/machine.txt" 2>&1
 cat "$OUT/machine.txt"
-timeout "${GPU_CHECK_TIMEOUT:-390}" python3 -m kvpool bench gpu --out "$OUT" "$@"
+timeout "${GPU_CHECK_TIMEOUT:-420}" python3 -m kvpool bench gpu --out "$OUT" "$@"
 rc=$?
 echo "kvpool bench gpu exited $rc"
 exit $rc

@@ -1,4 +1,4 @@
-"""Section ``serve`` of ``kvpool bench gpu``: the reference runtime on CUDA.
+"""Sections ``serve`` and ``serve_cli`` of ``kvpool bench gpu``: the reference runtime on CUDA.
 
 1. Greedy equality: the ``tiny`` model's weights drawn once (on the CPU) and
    loaded into a CPU and a CUDA copy; the same prompts through
@@ -9,7 +9,7 @@
    prefill TTFT of a 4k and a 16k prompt, the 4k prompt's prefix reused
    from the pool (TTFT with the cached prefix vs cold), and decode TBT at
    batch 1 and 16 (steady-state steps, every request admitted).
-3. ``kvpool serve --device cuda --model llama2-7b`` as its own processes
+3. (``serve_cli``) ``kvpool serve --device cuda --model llama2-7b`` as its own processes
    (master, node, one prefill and one decode worker) under a short load
    from ``kvpool bench serve``'s client: TTFT/TBT as the HTTP client sees
    them, and no errors.
@@ -33,11 +33,10 @@ GiB = 1 << 30
 
 
 def run_serve(s: Section, long_tokens: int) -> None:
+    """Parts 1 and 2 (section ``serve``)."""
     _greedy_equal(s)
     s.check_time("llama2-7b in process")
     _in_process(s, long_tokens)
-    s.check_time("kvpool serve")
-    _serve_processes(s)
 
 
 def _generate(model: Any, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
@@ -201,7 +200,8 @@ def _decode_tbt(
     }
 
 
-def _serve_processes(s: Section) -> None:
+def run_serve_cli(s: Section) -> None:
+    """Part 3 (section ``serve_cli``): ``kvpool serve`` in its own processes."""
     from kvpool.bench.serve import start_server
     from kvpool.serve.runtime.http.load import make_prompts, run_load
 

@@ -33,13 +33,14 @@ def main(argv: list[str] | None = None) -> int:
     from kvpool.transport.ucx_server import UcxDataServer
 
     fill = pattern(args.size, "cpu", SEED)
+    # CUDA first: UCX looks for CUDA (cuda_copy, cuda_ipc) when its context is made.
+    region = fill.to("cuda") if args.device == "cuda" else None
     arena = SharedArena(args.size)
     arena.view[:] = fill.numpy()
     host = expose_region(arena.view, node_id="gpu-ucx-host", shm_name="", ucx=True)
     infos = {"host": host.info.to_dict(), "device": None}
     device_server = None
-    if args.device == "cuda":
-        region = fill.to("cuda")
+    if region is not None:
         device_server = UcxDataServer(region, host="127.0.0.1")
         info = RegionInfo(
             "gpu-ucx-device", args.size, host_id=host_identity(), ucx=device_server.info()

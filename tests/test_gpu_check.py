@@ -47,7 +47,7 @@ def test_dry_run_runs_every_section(tmp_path: Path) -> None:
     assert "layer-wise store+load exact bytes, every layer" in checks
     assert "kvpool serve answered every request" in checks
     assert report["sections"]["pinned"]["figures"]["page_lock_status"]
-    assert "done: 6 sections, problems none" in log
+    assert "done: 7 sections, problems none" in log
 
 
 def test_bad_arguments_are_refused(tmp_path: Path) -> None:

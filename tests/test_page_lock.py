@@ -41,6 +41,9 @@ class FakeCudart:
         del self.registered[address]
         return 0
 
+    def cudaGetErrorString(self, code: int) -> str:
+        return {712: "part or all of the requested memory range is already mapped"}[code]
+
 
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> FakeCudart:
@@ -85,7 +88,10 @@ def test_refused_registration_is_reported_with_the_error(fake_cuda: FakeCudart) 
         status = pool.stats()["tiers"]["dram"]["page_lock"]
         pool.put(b"k" * 16, b"x" * 100)  # the pageable arena still works
         assert pool.get(b"k" * 16) == b"x" * 100
-    assert status == "failed: cudaHostRegister returned cudaError (712)"
+    assert status == (
+        "failed: cudaHostRegister returned 712 "
+        "(part or all of the requested memory range is already mapped)"
+    )
     assert [c for c, _ in fake_cuda.calls] == ["register"]  # nothing to unregister
 
 

@@ -75,9 +75,17 @@ def page_lock(address: int, size: int, *, enabled: bool = True) -> PageLock:
         return PageLock(address, size, f"failed: cudaHostRegister raised {exc!r}")
     code = int(err)
     if code != 0:
-        name = getattr(err, "name", "cudaError")
-        return PageLock(address, size, f"failed: cudaHostRegister returned {name} ({code})")
+        why = f"failed: cudaHostRegister returned {code} ({_error_string(cudart, err)})"
+        return PageLock(address, size, why)
     return PageLock(address, size, "registered", cudart)
+
+
+def _error_string(cudart: Any, err: Any) -> str:
+    # torch's binding names only cudaSuccess in its enum; the runtime names the rest.
+    try:
+        return str(cudart.cudaGetErrorString(err))
+    except Exception:
+        return "no error string"
 
 
 def cuda_runtime() -> tuple[Any, str]:
