@@ -40,6 +40,7 @@ absent) is listed under ``skipped`` with the reason. CI runs this.
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import threading
@@ -50,60 +51,30 @@ from typing import Any
 
 from kvpool.bench.gpu_common import MiB, Section, SectionTimeout, environment
 
-# name -> (default budget in seconds on a GPU, runner(section, args))
+# A section's runner: run(section, args).
 Runner = Callable[[Section, argparse.Namespace], None]
 
 
-def _tier(s: Section, args: argparse.Namespace) -> None:
-    from kvpool.bench.gpu_tiers import run_tier
+def _lazy(module: str, function: str, *inputs: str) -> Runner:
+    """The runner calling ``kvpool.bench.MODULE.FUNCTION(section, *args.INPUTS)``, imported
+    only when the section runs (one module's missing package never stops the others)."""
 
-    run_tier(s, args.sizes)
+    def run(s: Section, args: argparse.Namespace) -> None:
+        fn = getattr(importlib.import_module(f"kvpool.bench.{module}"), function)
+        fn(s, *(getattr(args, name) for name in inputs))
 
-
-def _pinned(s: Section, args: argparse.Namespace) -> None:
-    from kvpool.bench.gpu_tiers import run_pinned
-
-    run_pinned(s, args.sizes)
-
-
-def _transports(s: Section, args: argparse.Namespace) -> None:
-    from kvpool.bench.gpu_transports import run_transports
-
-    run_transports(s, args.sizes)
+    return run
 
 
-def _ucx(s: Section, args: argparse.Namespace) -> None:
-    from kvpool.bench.gpu_transports import run_ucx
-
-    run_ucx(s, args.sizes)
-
-
-def _layerwise(s: Section, args: argparse.Namespace) -> None:
-    from kvpool.bench.gpu_layerwise import run_layerwise
-
-    run_layerwise(s, args.layer_tokens)
-
-
-def _serve(s: Section, args: argparse.Namespace) -> None:
-    from kvpool.bench.gpu_serve import run_serve
-
-    run_serve(s, args.long_tokens)
-
-
-def _serve_cli(s: Section, args: argparse.Namespace) -> None:
-    from kvpool.bench.gpu_serve import run_serve_cli
-
-    run_serve_cli(s)
-
-
+# name -> (default budget in seconds on a GPU, runner)
 SECTIONS: dict[str, tuple[float, Runner]] = {
-    "tier": (30, _tier),
-    "pinned": (30, _pinned),
-    "transports": (30, _transports),
-    "ucx": (45, _ucx),
-    "layerwise": (45, _layerwise),
-    "serve": (120, _serve),
-    "serve_cli": (90, _serve_cli),
+    "tier": (30, _lazy("gpu_tiers", "run_tier", "sizes")),
+    "pinned": (30, _lazy("gpu_tiers", "run_pinned", "sizes")),
+    "transports": (30, _lazy("gpu_transports", "run_transports", "sizes")),
+    "ucx": (45, _lazy("gpu_transports", "run_ucx", "sizes")),
+    "layerwise": (45, _lazy("gpu_layerwise", "run_layerwise", "layer_tokens")),
+    "serve": (120, _lazy("gpu_serve", "run_serve", "long_tokens")),
+    "serve_cli": (90, _lazy("gpu_serve", "run_serve_cli")),
 }
 # Sections mostly end well inside their budgets. With the start-up (~1.5 min) one device
 # call of timeout_s=450 leaves ~6 minutes of the 15 for a rerun of the failing sections.
