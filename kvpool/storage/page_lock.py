@@ -15,7 +15,7 @@ still work (more slowly), and ``PageLock.status`` says which case it was.
 Status strings (stable, for people and dashboards): ``registered``;
 ``off: ...`` (``page_lock=False`` or ``KVPOOL_PAGE_LOCK=0``);
 ``unavailable: ...`` (no driver, no torch, no CUDA device); ``failed: ...``
-(CUDA's error name and code); ``released`` after ``release()``.
+(CUDA's error code and string); ``released`` after ``release()``.
 
 Invariant: a registered range is unregistered (``release``) before it is
 unmapped; unmapping registered memory leaves CUDA with dangling pages.
