@@ -21,11 +21,13 @@ serve_cli   kvpool serve --device cuda --model llama2-7b         gpu_serve
             (master, node, workers) under a short HTTP load
 ==========  ===================================================  =============
 
-Budgets: each section has a time budget (``--budget NAME=SECONDS``) and the
-run an overall one (``--total-budget``, default sized for one ~8 minute
-device call). A section runs on a worker thread; one that outlives its
-budget is recorded as ``timeout`` and the run moves on. Sections check their
-budget between measurements and cut their rounds short rather than overrun.
+Isolation and budgets: each section runs in its own process
+(``kvpool.bench.gpu_child``), so a crash, a sticky CUDA error or leaked GPU
+memory ends with it. Each has a time budget (``--budget NAME=SECONDS``) and
+the run an overall one (``--total-budget``, default sized for one ~8 minute
+device call). Sections check their budget between measurements and cut
+their rounds short; one still running past its budget (plus a grace) is
+killed and recorded as ``timeout`` with what it had measured so far.
 
 Output: ``gpu_check.json`` (rewritten after every section, so a run killed
 half-way still leaves what it measured) and ``gpu_check.log`` under
@@ -40,41 +42,45 @@ absent) is listed under ``skipped`` with the reason. CI runs this.
 from __future__ import annotations
 
 import argparse
-import importlib
+import contextlib
 import json
 import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-import traceback
-from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from kvpool.bench.gpu_common import MiB, Section, SectionTimeout, environment
-
-# A section's runner: run(section, args).
-Runner = Callable[[Section, argparse.Namespace], None]
+from kvpool.bench.gpu_common import MiB, environment
 
 
-def _lazy(module: str, function: str, *inputs: str) -> Runner:
-    """The runner calling ``kvpool.bench.MODULE.FUNCTION(section, *args.INPUTS)``, imported
-    only when the section runs (one module's missing package never stops the others)."""
+@dataclass(frozen=True)
+class Spec:
+    """A section: its default budget on a GPU (seconds), the function that runs it
+    (``module:function``, called as ``function(section, *inputs)``), and which of the
+    run's settings are its inputs."""
 
-    def run(s: Section, args: argparse.Namespace) -> None:
-        fn = getattr(importlib.import_module(f"kvpool.bench.{module}"), function)
-        fn(s, *(getattr(args, name) for name in inputs))
-
-    return run
+    budget: float
+    target: str
+    inputs: tuple[str, ...] = ()
 
 
-# name -> (default budget in seconds on a GPU, runner)
-SECTIONS: dict[str, tuple[float, Runner]] = {
-    "tier": (30, _lazy("gpu_tiers", "run_tier", "sizes")),
-    "pinned": (30, _lazy("gpu_tiers", "run_pinned", "sizes")),
-    "transports": (30, _lazy("gpu_transports", "run_transports", "sizes")),
-    "ucx": (45, _lazy("gpu_transports", "run_ucx", "sizes")),
-    "layerwise": (45, _lazy("gpu_layerwise", "run_layerwise", "layer_tokens")),
-    "serve": (120, _lazy("gpu_serve", "run_serve", "long_tokens")),
-    "serve_cli": (90, _lazy("gpu_serve", "run_serve_cli")),
+def _bench(module: str, function: str) -> str:
+    return f"kvpool.bench.{module}:{function}"
+
+
+SECTIONS: dict[str, Spec] = {
+    "tier": Spec(30, _bench("gpu_tiers", "run_tier"), ("sizes",)),
+    "pinned": Spec(30, _bench("gpu_tiers", "run_pinned"), ("sizes",)),
+    "transports": Spec(30, _bench("gpu_transports", "run_transports"), ("sizes",)),
+    "ucx": Spec(45, _bench("gpu_transports", "run_ucx"), ("sizes",)),
+    "layerwise": Spec(45, _bench("gpu_layerwise", "run_layerwise"), ("layer_tokens",)),
+    "serve": Spec(120, _bench("gpu_serve", "run_serve"), ("long_tokens",)),
+    "serve_cli": Spec(90, _bench("gpu_serve", "run_serve_cli")),
 }
 # Sections mostly end well inside their budgets. With the start-up (~1.5 min) one device
 # call of timeout_s=450 leaves ~6 minutes of the 15 for a rerun of the failing sections.
@@ -103,14 +109,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _argv() -> list[str]:
-    import sys
-
     return sys.argv[1:]
 
 
 def run(args: argparse.Namespace) -> int:
     names = _names(args.only)
-    budgets = {name: SECTIONS[name][0] for name in names}
+    budgets = {name: SECTIONS[name].budget for name in names}
     for item in args.budget:
         name, _, value = item.partition("=")
         if name not in SECTIONS or not value:
@@ -129,7 +133,8 @@ def run(args: argparse.Namespace) -> int:
             report.log(f"== {name}: skipped, overall budget spent")
             continue
         budget = min(budgets[name], left)
-        report.run_section(name, budget, SECTIONS[name][1], args)
+        inputs = [getattr(args, attr) for attr in SECTIONS[name].inputs]
+        report.run_section(name, budget, SECTIONS[name].target, inputs)
     return report.finish()
 
 
@@ -159,7 +164,9 @@ class _Report:
     """The JSON report and its log, written as the run goes."""
 
     def __init__(self, out_dir: str, device: str, dry_run: bool) -> None:
+        self.device = device
         self.json_path = os.path.join(out_dir, "gpu_check.json")
+        self.tmp = tempfile.mkdtemp(prefix="kvpool-gpu-check-")
         self._log = open(os.path.join(out_dir, "gpu_check.log"), "w", buffering=1)  # noqa: SIM115
         self.started = time.time()
         self.head: dict[str, Any] = {"dry_run": dry_run, "device": device}
@@ -171,32 +178,37 @@ class _Report:
         print(line, flush=True)
         self._log.write(line + "\n")
 
-    def run_section(
-        self, name: str, budget: float, runner: Runner, args: argparse.Namespace
-    ) -> None:
+    def run_section(self, name: str, budget: float, target: str, inputs: list[Any]) -> None:
         self.log(f"== {name} (budget {budget:.0f} s)")
         start = time.monotonic()
-        s = Section(name, self.head["device"], self.head["dry_run"], start + budget, self.log)
-        outcome: dict[str, Any] = {}
-
-        def body() -> None:
-            try:
-                runner(s, args)
-                outcome["status"] = "ok"
-            except SectionTimeout as exc:
-                outcome.update(status="timeout", error=str(exc))
-            except BaseException as exc:
-                outcome.update(status="error", error=repr(exc), traceback=traceback.format_exc())
-
-        worker = threading.Thread(target=body, name=f"gpu-check-{name}", daemon=True)
-        worker.start()
+        record = os.path.join(self.tmp, f"{name}.json")
+        cmd = [sys.executable, "-m", "kvpool.bench.gpu_child", "--name", name]
+        cmd += ["--target", target, "--inputs", json.dumps(inputs), "--device", self.device]
+        cmd += ["--seconds", str(budget), "--record", record]
+        cmd += ["--dry-run"] if self.head["dry_run"] else []
+        child = subprocess.Popen(
+            cmd,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            process_group=0,
+        )
+        pump = threading.Thread(target=self._pump, args=(child,), daemon=True)
+        pump.start()
         grace = min(10.0, 1.0 + budget / 3)  # sections stop themselves; this covers a last round
-        worker.join(budget + grace)
-        if worker.is_alive():
-            outcome.update(
-                status="timeout", error=f"still running {budget + grace:.0f} s after start"
-            )
-        entry = {**outcome, "seconds": round(time.monotonic() - start, 1), **s.record()}
+        killed = False
+        try:
+            child.wait(budget + grace)
+        except subprocess.TimeoutExpired:
+            killed = True
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(child.pid, signal.SIGKILL)  # its children get SIGTERM (PDEATHSIG)
+            child.wait()
+        pump.join(5)
+        entry = self._entry(record, child.returncode, killed, budget + grace)
+        entry["seconds"] = round(time.monotonic() - start, 1)
         if entry["status"] == "ok" and any(not c["ok"] for c in entry["checks"]):
             entry["status"] = "failed"
         if entry["status"] in ("error", "timeout"):
@@ -206,6 +218,25 @@ class _Report:
         self.log(f"== {name}: {entry['status']} in {entry['seconds']} s")
         self.sections[name] = entry
         self._write()
+
+    def _pump(self, child: subprocess.Popen[str]) -> None:
+        assert child.stdout is not None
+        for line in child.stdout:
+            self.log(line.rstrip("\n"))
+
+    def _entry(self, record: str, rc: int, killed: bool, limit: float) -> dict[str, Any]:
+        """The section's record, with its status settled by how its process ended."""
+        try:
+            with open(record) as f:
+                entry: dict[str, Any] = json.load(f)
+        except (OSError, ValueError):
+            entry = {"device": self.device, "figures": {}, "checks": [], "skipped": []}
+        if killed:
+            entry.update(status="timeout", error=f"killed, still running after {limit:.0f} s")
+        elif rc != 0 or entry.get("status") in (None, "running"):
+            how = f"signal {-rc}" if rc < 0 else f"exit status {rc}"
+            entry.update(status="error", error=f"the section's process died ({how})")
+        return entry
 
     def _write(self) -> None:
         payload = {
@@ -230,6 +261,7 @@ class _Report:
         self.log(f"done: {len(self.sections)} sections, problems {problems}, {skipped} skipped")
         self.log(f"report: {self.json_path}")
         self._log.close()
+        shutil.rmtree(self.tmp, ignore_errors=True)
         return 1 if bad else 0
 
 

@@ -15,6 +15,7 @@ time of the work. Buffers are allocated and touched before timing.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -39,9 +40,11 @@ class Section:
     deadline: float  # time.monotonic() by which the section must end
     log: Callable[[str], None] = print
     scratch: str = "/tmp"
+    record_path: str | None = None  # rewritten on every change: a killed section keeps its record
     figures: dict[str, Any] = field(default_factory=dict)
     checks: list[dict[str, Any]] = field(default_factory=list)
     skipped: list[dict[str, str]] = field(default_factory=list)
+    outcome: dict[str, Any] = field(default_factory=dict)  # status, error, traceback
 
     @property
     def cuda(self) -> bool:
@@ -57,23 +60,35 @@ class Section:
     def check(self, name: str, ok: bool, detail: Any = "") -> bool:
         self.checks.append({"name": name, "ok": bool(ok), "detail": detail})
         self.log(f"  [{'ok' if ok else 'FAIL'}] {name}" + (f": {detail}" if detail != "" else ""))
+        self.save()
         return bool(ok)
 
     def skip(self, part: str, reason: str) -> None:
         self.skipped.append({"part": part, "reason": reason})
         self.log(f"  [skip] {part}: {reason}")
+        self.save()
 
     def figure(self, name: str, value: Any) -> None:
         self.figures[name] = value
         self.log(f"  {name} = {value}")
+        self.save()
 
     def record(self) -> dict[str, Any]:
         return {
+            **self.outcome,
             "device": self.device,
             "figures": self.figures,
             "checks": self.checks,
             "skipped": self.skipped,
         }
+
+    def save(self) -> None:
+        if self.record_path is None:
+            return
+        tmp = self.record_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.record(), f, default=str)
+        os.replace(tmp, self.record_path)
 
 
 def sync(device: str) -> None:

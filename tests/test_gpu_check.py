@@ -59,42 +59,41 @@ def test_bad_arguments_are_refused(tmp_path: Path) -> None:
         main(["--dry-run", "--budget", "tier", "--out", str(tmp_path)])
 
 
-def test_sections_run_independently_and_budgets_hold(tmp_path: Path) -> None:
-    """A section that raises is recorded with its traceback; the next one still runs;
-    a section past its budget is cut off and recorded as a timeout."""
+def test_sections_run_independently_and_budgets_hold(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each section is its own process: one that raises is recorded with its traceback,
+    one that crashes (SIGSEGV) is recorded with the signal, one past its budget is killed
+    and keeps what it measured; the next section still runs."""
     import argparse
+    import os
     import time
 
     from kvpool.bench import gpu_check
+    from kvpool.bench.gpu_check import Spec
 
-    def broken(s: object, args: object) -> None:
-        raise RuntimeError("boom")
-
-    def slow(s: object, args: object) -> None:
-        time.sleep(30)
-
-    sections = {
-        "tier": (5, broken),
-        "pinned": (0.2, slow),
-        "ucx": (5, gpu_check.SECTIONS["ucx"][1]),
+    tests = str(Path(__file__).parent)
+    monkeypatch.setenv("PYTHONPATH", tests + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    fakes = {
+        "tier": Spec(20, "gpu_fakes:broken"),
+        "pinned": Spec(1, "gpu_fakes:slow"),
+        "transports": Spec(20, "gpu_fakes:crash"),
+        "ucx": Spec(20, "gpu_fakes:fine", ("long_tokens",)),
     }
-    original = dict(gpu_check.SECTIONS)
-    gpu_check.SECTIONS.clear()
-    gpu_check.SECTIONS.update(sections)
-    try:
-        args = argparse.Namespace(
-            only=None, budget=["pinned=0.2"], total_budget=60.0, dry_run=True, out=str(tmp_path)
-        )
-        start = time.monotonic()
-        assert gpu_check.run(args) == 1
-        assert time.monotonic() - start < 20
-    finally:
-        gpu_check.SECTIONS.clear()
-        gpu_check.SECTIONS.update(original)
+    monkeypatch.setattr(gpu_check, "SECTIONS", fakes)
+    args = argparse.Namespace(
+        only=None, budget=[], total_budget=120.0, dry_run=True, out=str(tmp_path), long_tokens=7
+    )
+    start = time.monotonic()
+    assert gpu_check.run(args) == 1
+    assert time.monotonic() - start < 60
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    tier, pinned, ucx = (report["sections"][n] for n in ("tier", "pinned", "ucx"))
+    tier, pinned, transports, ucx = (report["sections"][n] for n in fakes)
     assert (
         tier["status"] == "error" and "boom" in tier["error"] and "Traceback" in tier["traceback"]
     )
-    assert pinned["status"] == "timeout"
-    assert ucx["status"] == "ok"
+    assert tier["figures"] == {"before": 1}
+    assert pinned["status"] == "timeout" and pinned["figures"] == {"measured_before_the_kill": 42}
+    assert transports["status"] == "error" and "signal 11" in transports["error"]
+    assert transports["checks"][0]["name"] == "ran until the crash"
+    assert ucx["status"] == "ok" and ucx["checks"][0]["ok"]

@@ -79,11 +79,26 @@ def ucx_has_rdma() -> bool:
 
 
 class _Loop:
-    """One asyncio loop on a daemon thread; ``run`` blocks the caller with a timeout."""
+    """One asyncio loop on a daemon thread; ``run`` blocks the caller with a timeout.
+
+    Where CUDA is present the thread first makes the CUDA device's context
+    current: UCX's CUDA transports call the driver from the thread that
+    progresses the worker (arming it in blocking mode queries CUDA events),
+    and with no current context there the driver call crashes the process.
+    """
 
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
-        threading.Thread(target=self.loop.run_forever, name="kvpool-ucx", daemon=True).start()
+        device = _cuda_device()  # in the caller's thread: before UCX starts, as UCX wants
+        threading.Thread(target=self._serve, args=(device,), name="kvpool-ucx", daemon=True).start()
+
+    def _serve(self, device: int | None) -> None:
+        if device is not None:
+            import torch
+
+            torch.cuda.set_device(device)
+            torch.cuda.synchronize(device)  # the context exists and is current here
+        self.loop.run_forever()
 
     def run(self, coro: Coroutine[Any, Any, Any], timeout: float) -> Any:
         fut = asyncio.run_coroutine_threadsafe(coro, self.loop)
@@ -92,6 +107,18 @@ class _Loop:
         except concurrent.futures.TimeoutError:
             fut.cancel()
             raise CallTimeoutError(f"UCX operation timed out after {timeout} s") from None
+
+
+def _cuda_device() -> int | None:
+    """The CUDA device whose context the UCX thread uses; None without CUDA (and
+    without importing torch where there is no NVIDIA driver)."""
+    if not os.path.exists("/proc/driver/nvidia"):
+        return None
+    try:
+        import torch
+    except ImportError:
+        return None
+    return int(torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 @cache
