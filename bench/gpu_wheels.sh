@@ -27,6 +27,6 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 \
   lmdb==3.0.0 starlette==1.10.0 uvicorn==0.54.0 \
   ucxx-cu13==0.52.0 libucxx-cu13==0.52.0 libucx-cu13==1.21.0 \
   rmm-cu13==26.10.0 librmm-cu13==26.10.0 rapids-logger==0.3.0
-python3 -m pip wheel -q --no-deps --no-build-isolation -w "$dest" .
+python3 -m pip wheel -q --no-deps -w "$dest" .
 ls -l "$dest"
 du -sh "$dest"
