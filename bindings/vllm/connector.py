@@ -107,6 +107,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         if store_config.embedded is not None:
             _check_single_process(vllm_config)
         self._store = StoreHandle(store_config)
+        self._store.get()  # connect (or make the embedded pool) now, not on the first request
         self._geometry = geometry_from_vllm(vllm_config, kv_cache_config, extra)
         self._counters = CounterSink()
         self._plan: SchedulerPlan | None = None

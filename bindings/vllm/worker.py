@@ -157,25 +157,9 @@ class WorkerTransfers:
             keys = list(dict.fromkeys(k for op in job.ops for k in op.keys[self.tp_rank]))
             lease = store.lease(keys, prefix=False)
             leased = set(lease.keys)
-            bad: set[int] = set()  # (op, segment) pairs as op index * 2**20 + segment
             for layer in range(job.num_layers):
-                for i, op in enumerate(job.ops):
-                    at = 0
-                    for s, key in enumerate(op.keys[self.tp_rank]):
-                        n = op.num_pages[s]
-                        ids = op.block_ids[at : at + n]
-                        at += n
-                        tag = i * 2**20 + s
-                        if tag in bad:
-                            continue
-                        if key not in leased or not self._load_segment(
-                            store, job, layer, key, op.first_page[s], ids
-                        ):
-                            bad.add(tag)
-                            with job.lock:
-                                job.failed.update(ids)
-                            continue
-                        loaded_bytes += n * self.geometry.page_bytes
+                for op in job.ops:
+                    loaded_bytes += self._load_op_layer(store, job, op, layer, leased)
                 job.done[layer].set()
             self.store.ok()
         except (KVPoolError, OSError) as exc:
@@ -195,27 +179,48 @@ class WorkerTransfers:
             blocks = sum(op.num_blocks for op in job.ops)
             self.counters.add(
                 load_ops=len(job.ops),
-                loaded_blocks=blocks if not job.failed else blocks - len(job.failed),
+                loaded_blocks=blocks - len(job.failed),
                 loaded_bytes=loaded_bytes,
                 load_s=time.perf_counter() - started,
             )
 
-    def _load_segment(
-        self, store: Any, job: _Load, layer: int, key: bytes, first_page: int, ids: list[int]
-    ) -> bool:
+    def _load_op_layer(
+        self, store: Any, job: _Load, op: LoadOp, layer: int, leased: set[bytes]
+    ) -> int:
+        """One layer of one op: a ranged read per kvpool block into staging, one
+        scatter into the paged cache; segments that fail (here or in an earlier
+        layer) are left out and their vLLM blocks marked failed. Bytes loaded."""
         assert self.pages is not None
         g = self.geometry
-        staging = self.pages.staging(len(ids))
-        got = store.get_into(
-            key, staging, offset=g.layer_offset(layer, first_page), length=staging.numel()
-        )
-        if got != staging.numel():
-            return False
+        staging = self.pages.staging(op.num_blocks)
+        good: list[int] = []
+        filled = at = 0
+        for s, key in enumerate(op.keys[self.tp_rank]):
+            n = op.num_pages[s]
+            ids = op.block_ids[at : at + n]
+            at += n
+            if ids[0] in job.failed:
+                continue
+            size = n * g.page_bytes
+            target = staging[filled : filled + size]
+            ok = (
+                key in leased
+                and store.get_into(
+                    key, target, offset=g.layer_offset(layer, op.first_page[s]), length=size
+                )
+                == size
+            )
+            if not ok:
+                with job.lock:
+                    job.failed.update(ids)
+                continue
+            good.extend(ids)
+            filled += size
         with job.lock:
-            if job.cancelled:
-                return False
-            self.pages.scatter(layer, ids, staging)
-        return True
+            if job.cancelled or not good:
+                return 0
+            self.pages.scatter(layer, good, staging[:filled])
+        return filled
 
     # -- saves ------------------------------------------------------------------
 
