@@ -269,3 +269,51 @@ def test_registered_caches_must_match_the_spec() -> None:
     with pytest.raises(ValueError, match="layers"):
         PagedLayers(kv_caches(), NUM_BLOCKS, geometry(num_layers=3))
     assert layer_number("model.layers.12.self_attn.attn") == 12
+
+
+class _SlowStore:
+    """An embedded pool whose reads take ``delay`` seconds (a stalled node)."""
+
+    def __init__(self, pool: Any, delay: float) -> None:
+        self.pool, self.delay = pool, delay
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pool, name)
+
+    def get_into(self, *args: Any, **kw: Any) -> Any:
+        time.sleep(self.delay)
+        return self.pool.get_into(*args, **kw)
+
+
+def test_a_stalled_load_times_out_and_never_writes_late() -> None:
+    from kvpool.bindings.vllm.plan import LoadOp, SaveOp
+
+    g = geometry()
+    store, counters = embedded(), CounterSink()
+    src = kv_caches()
+    fill(src, seed=3)
+    saver = WorkerTransfers(g, store, counters)
+    saver.register(src, NUM_BLOCKS)
+    key = g.keys(request("r", 600).prompt_token_ids, None)[0][0]
+    save = SaveOp("r", [key], list(range(1, 17)))
+    for name, tensor in src.items():
+        saver.save_layer(name, tensor, [save])
+    saver.finish_saves([save])
+    slow_store = _SlowStore(store.get(), delay=0.5)
+
+    class SlowHandle(StoreHandle):
+        def get(self) -> Any:
+            return slow_store
+
+    slow = SlowHandle(store.config)
+    dst = kv_caches()
+    loader = WorkerTransfers(g, slow, counters, load_timeout_s=0.1)
+    loader.register(dst, NUM_BLOCKS)
+    started = time.monotonic()
+    loader.start_load([LoadOp("r", [[key]], [0], [16], list(range(1, 17)))])
+    for name in dst:
+        loader.wait_layer(name)
+    assert loader.take_failed() == set(range(1, 17))
+    assert time.monotonic() - started < 2.0
+    time.sleep(1.2)  # the stalled reads finish now: their bytes must not land
+    assert not any(t.any() for t in dst.values())

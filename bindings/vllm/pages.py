@@ -76,11 +76,16 @@ class PagedLayers:
         kv_layer.index_copy_(self.block_dim, ids, pages.movedim(0, self.block_dim))
 
     def staging(self, num_pages: int) -> torch.Tensor:
-        """A reusable flat byte buffer for ``num_pages`` pages (used by one thread)."""
+        """A flat byte buffer for ``num_pages`` pages, reused from load to load
+        (already faulted in) until ``drop_staging``."""
         need = num_pages * self.page_bytes
         if self._staging.numel() < need:
             self._staging = torch.empty(need, dtype=torch.uint8, device=self.device)
         return self._staging[:need]
+
+    def drop_staging(self) -> None:
+        """Forget the buffer (a failed load may still write into it); the next is new."""
+        self._staging = torch.empty(0, dtype=torch.uint8, device=self.device)
 
 
 _LAYER_INDEX = re.compile(r"(?:^|\.)(?:layers|h|blocks)\.(\d+)\.")

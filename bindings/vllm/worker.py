@@ -58,6 +58,7 @@ class _Load:
     failed: set[int] = field(default_factory=set)  # vLLM block ids
     lock: threading.Lock = field(default_factory=threading.Lock)
     cancelled: bool = False
+    staging: torch.Tensor | None = None  # this job's read buffer (see _run_load)
 
     def __post_init__(self) -> None:
         self.done = [threading.Event() for _ in range(self.num_layers)]
@@ -140,6 +141,8 @@ class WorkerTransfers:
                 job.cancel("load still running at the end of the step")
                 break
         with job.lock:
+            if job.failed and self.pages is not None:
+                self.pages.drop_staging()  # the thread may still be reading into it
             job.cancelled = True  # the thread may still be running: no late writes
             self._failed |= job.failed
         if job.failed:
@@ -154,6 +157,9 @@ class WorkerTransfers:
             store = self.store.get()
             if store is None:
                 raise KVPoolError("pool unreachable")
+            # The buffer is the job's own: a cancelled job's thread may still be
+            # reading into it while the next job runs (_finish_load drops it).
+            job.staging = self.pages.staging(max(op.num_blocks for op in job.ops))
             keys = list(dict.fromkeys(k for op in job.ops for k in op.keys[self.tp_rank]))
             lease = store.lease(keys, prefix=False)
             leased = set(lease.keys)
@@ -190,9 +196,9 @@ class WorkerTransfers:
         """One layer of one op: a ranged read per kvpool block into staging, one
         scatter into the paged cache; segments that fail (here or in an earlier
         layer) are left out and their vLLM blocks marked failed. Bytes loaded."""
-        assert self.pages is not None
+        assert self.pages is not None and job.staging is not None
         g = self.geometry
-        staging = self.pages.staging(op.num_blocks)
+        staging = job.staging
         good: list[int] = []
         filled = at = 0
         for s, key in enumerate(op.keys[self.tp_rank]):
