@@ -95,10 +95,13 @@ class KVPoolStorage(HiCacheStorage):
             return results
         try:
             pages = self._page_buffers(keys, host_indices)
-            for i, (key, buffers) in enumerate(zip(keys, pages, strict=True)):
-                if not _read_page(store, self.block_key(key), buffers):
-                    break  # SGLang uses the leading run of successes
-                results[i] = True
+            # one lease pins the stored prefix (SGLang uses the leading run of
+            # successes), so no page can be evicted between the check and the copy
+            with store.lease([self.block_key(key) for key in keys]) as lease:
+                for i, (block_key, buffers) in enumerate(zip(lease.keys, pages, strict=False)):
+                    if not _read_page(store, block_key, buffers):
+                        break
+                    results[i] = True
         except (KVPoolError, OSError) as exc:
             self.store.failed(exc)
         got = sum(results)
@@ -255,15 +258,12 @@ def _host_view(ptr: int, size: int) -> np.ndarray:
 
 
 def _read_page(store: KVStore, key: bytes, buffers: list[np.ndarray]) -> bool:
-    """Ranged reads of one stored page into its buffers, under one lease."""
-    with store.lease([key]) as lease:
-        if not lease.keys:
+    """Ranged reads of one leased page straight into its buffers."""
+    offset = 0
+    for buffer in buffers:
+        if store.get_into(key, buffer, offset=offset, length=buffer.size) != buffer.size:
             return False
-        offset = 0
-        for buffer in buffers:
-            if store.get_into(key, buffer, offset=offset, length=buffer.size) != buffer.size:
-                return False
-            offset += buffer.size
+        offset += buffer.size
     return True
 
 
