@@ -100,6 +100,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         role: KVConnectorRole,
         kv_cache_config: KVCacheConfig | None = None,
     ) -> None:
+        if kv_cache_config is None:
+            raise ValueError(
+                "KVPoolConnector needs the KV cache config vLLM passes to v1 connectors "
+                "(vLLM 0.32 or compatible)"
+            )
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         extra = dict(transfer.kv_connector_extra_config or {})
@@ -130,7 +135,7 @@ class KVPoolConnector(KVConnectorBase_V1):
                 load_timeout_s=float(extra.get("load_timeout_s", DEFAULT_LOAD_TIMEOUT_S)),
                 save_timeout_s=float(extra.get("save_timeout_s", DEFAULT_SAVE_TIMEOUT_S)),
             )
-        self._num_blocks = int(kv_cache_config.num_blocks) if kv_cache_config else 0
+        self._num_blocks = int(kv_cache_config.num_blocks)
 
     @property
     def geometry(self) -> Geometry:
