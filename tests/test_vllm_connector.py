@@ -62,6 +62,8 @@ def stored(engine: Engine, cluster: Cluster) -> dict[str, Any]:
     assert out["rounds"][0]["tokens"] == [engine.reference["A"], engine.reference["B"]]
     assert out["connector"]["saved_blocks"] == 4
     assert out["connector"]["hit_tokens"] == 0
+    assert out["stats_reduced"]["saved_blocks"] == 8  # two workers' worth, summed
+    assert out["stats_reduced"]["saved_bytes"] == 2 * out["connector"]["saved_bytes"] > 0
     return out
 
 
@@ -106,6 +108,8 @@ def test_prefill_decode_split(engine: Engine, cluster: Cluster):
     assert decode["rounds"][0]["tokens"][0] == engine.reference["C"]
     assert decode["connector"]["saved_blocks"] == 0
     assert decode["connector"]["loaded_bytes"] == 2 * stored_bytes(decode)
+    assert decode["stats_reduced"]["load_GBps"] > 0
+    assert 0 <= decode["stats_reduced"]["load_overlap"] <= 1
 
 
 def test_partial_local_hit_loads_only_the_rest(engine: Engine, cluster: Cluster, stored: dict):

@@ -87,8 +87,14 @@ def run(job: dict[str, Any]) -> dict[str, Any]:
 
         from kvpool.bindings.vllm import process_totals
 
-        result["connector"] = process_totals()
-        result["geometry"] = asdict(get_kv_transfer_group().geometry)
+        connector = get_kv_transfer_group()
+        result["connector"] = totals = process_totals()
+        result["geometry"] = asdict(connector.geometry)
+        # vLLM's stats path: rebuilt from the plain dict, summed over workers, reduced
+        stats = type(connector).build_kv_connector_stats(totals)
+        result["stats_reduced"] = stats.aggregate(
+            type(connector).build_kv_connector_stats(totals)
+        ).reduce()
     return result
 
 
