@@ -19,6 +19,7 @@ SUITES = [
     ("cpp", "register_cpp"),
     ("idle_rtt", "register_idle_rtt"),
     ("gpu_check", "register_gpu"),  # kvpool bench gpu: the CUDA paths (--dry-run on CPU)
+    ("vllm_ttft", "register_vllm"),
 ]
 
 
