@@ -5,17 +5,39 @@ out of its pool). Reads land in the caller's buffer through a scatter
 ``recvmsg_into`` (reply header + payload in one call, no copy); writes leave
 through a gather ``sendmsg`` (request header + payload). Any exception leaves
 the stream position unknown: the owner must close the connection.
+
+The socket stays in blocking mode and the inactivity timeout is the kernel's
+(``SO_RCVTIMEO``/``SO_SNDTIMEO``), not Python's ``settimeout``: a Python
+timeout makes the socket non-blocking and puts a ``poll`` before every
+``recv``, so a 1 MiB read took ~1 recvmsg + 1.5 recv + 3.5 poll calls (each
+returning whatever had arrived so far) instead of the raw socket's ~1 blocking
+recv, and read throughput fell to ~0.5-0.6x a raw socket (strace -c, issue 17).
+A kernel timeout surfaces as ``BlockingIOError`` (EAGAIN), mapped to
+``CallTimeoutError``.
 """
 
 from __future__ import annotations
 
 import socket
+import struct
 from typing import Any
 
 import numpy as np
 
 from kvpool.errors import CallTimeoutError, ConnectionLostError, HandshakeRefusedError, RemoteError
 from kvpool.transport import tcp_wire as w
+
+
+def set_io_timeout(sock: socket.socket, timeout: float) -> None:
+    """Blocking socket whose every send/recv call gives up after ``timeout`` seconds
+    without progress (EAGAIN -> ``BlockingIOError``); see the module docstring."""
+    sock.settimeout(None)
+    sec = int(timeout)
+    tv = struct.pack("ll", sec, int((timeout - sec) * 1e6))
+    if tv == struct.pack("ll", 0, 0):  # 0 would mean "no timeout" to the kernel
+        tv = struct.pack("ll", 0, 1)
+    for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, opt, tv)
 
 
 class DataConn:
@@ -31,13 +53,14 @@ class DataConn:
             raise ConnectionLostError(f"cannot open data connection to {addr}: {exc}") from exc
         try:
             w.tune(sock)
+            set_io_timeout(sock, timeout)
             sock.sendall(w.hello(token, instance))
             head = bytearray(w.HELLO_REPLY.size)
             w.recv_into_exact(sock, memoryview(head))
             magic, status, rlen = w.HELLO_REPLY.unpack(head)
             reason = bytearray(rlen)
             w.recv_into_exact(sock, memoryview(reason))
-        except TimeoutError as exc:
+        except (TimeoutError, BlockingIOError) as exc:
             sock.close()
             raise CallTimeoutError(f"data handshake with {addr} timed out") from exc
         except (OSError, ConnectionLostError) as exc:
