@@ -18,6 +18,7 @@ SUITES = [
     ("policy_cost", "register"),
     ("cpp", "register_cpp"),
     ("idle_rtt", "register_idle_rtt"),
+    ("all", "register_all"),  # issue 17: every suite's headline ratio in one run
 ]
 
 
