@@ -264,6 +264,9 @@ def register_all(suites: Any) -> None:
     parser.add_argument("--sizes", type=sizes_arg, default=None, help="override block sizes")
     parser.add_argument("--rounds", type=positive_int, default=None, help="override rounds")
     parser.add_argument("--ssd-dir", default=None, help="directory for the SSD rows (/tmp)")
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the table as markdown (for RESULTS.md)"
+    )
     parser.set_defaults(func=_run)
 
 
@@ -280,24 +283,33 @@ def _run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"unknown suite(s) {sorted(unknown)}; choose from {', '.join(SUITES)}")
     rows, facts = run_all(plan, suites, args.ssd_dir)
-    print_report(rows, facts)
+    print_report(rows, facts, markdown=args.markdown)
     if args.json:
         write_json(args.json, [asdict(r) for r in rows])
         write_json(os.path.splitext(args.json)[0] + ".machine.json", facts)
     return 0
 
 
-def print_report(rows: Sequence[BenchRow], facts: dict[str, Any]) -> None:
+def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool = False) -> None:
     print(
         f"{facts['date_utc']} UTC  {facts['cpu_model']}, {facts['cores']} cores, cpuidle "
         f"{facts['cpuidle_driver']}, kernel {facts['kernel']}, Python {facts['python']}; "
         f"load {facts['load_before']} -> {facts['load_after']}; {facts['seconds']} s"
     )
-    print(f"{'suite':<9} {'store':<8} {'op':<14} {'path':<10} {'size':>7} {'value':>9} "
-          f"{'unit':<4} {'base':>9} {'ratio':>6}  baseline")  # fmt: skip
+    if markdown:
+        print("\n| suite | store | op | path | size | value | unit | baseline | baseline value "
+              "| ratio |\n|---|---|---|---|---:|---:|---|---|---:|---:|")  # fmt: skip
+    else:
+        print(f"{'suite':<9} {'store':<8} {'op':<14} {'path':<10} {'size':>7} {'value':>9} "
+              f"{'unit':<4} {'base':>9} {'ratio':>6}  baseline")  # fmt: skip
     for r in rows:
         size = format_size(r.size) if r.size else "-"
-        print(
-            f"{r.suite:<9} {r.store:<8} {r.op:<14} {r.path:<10} {size:>7} {r.value:>9.3g} "
-            f"{r.unit:<4} {r.baseline_value:>9.3g} {r.ratio:>6.2f}  {r.baseline}"
-        )
+        if markdown:
+            cells = [r.suite, r.store, r.op, r.path, size, f"{r.value:.3g}", r.unit, r.baseline,
+                     f"{r.baseline_value:.3g}", f"{r.ratio:.2f}"]  # fmt: skip
+            print("| " + " | ".join(cells) + " |")
+        else:
+            print(
+                f"{r.suite:<9} {r.store:<8} {r.op:<14} {r.path:<10} {size:>7} {r.value:>9.3g} "
+                f"{r.unit:<4} {r.baseline_value:>9.3g} {r.ratio:>6.2f}  {r.baseline}"
+            )
