@@ -7,6 +7,8 @@ ExposedRegion.served()) must report exactly those bytes per direction.
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from kvpool.cluster.metrics import Metrics
@@ -37,6 +39,10 @@ def test_tcp_bytes_are_counted_per_direction() -> None:
             t.read_into(0, np.empty(3000, np.uint8))
             t.read_many([(0, np.empty(100, np.uint8)), (4096, np.empty(200, np.uint8))])
         assert set(exposed.served()) == {"tcp"}  # no UCX server was started
+        # The server counts a reply just after sending it: wait for the last one.
+        deadline = time.monotonic() + 10
+        while exposed.served()["tcp"] != (3300, 5000) and time.monotonic() < deadline:
+            time.sleep(0.01)
         _feed(metrics, exposed.served())
         _feed(metrics, exposed.served())  # feeding the same totals again adds nothing
         assert _moved(metrics, "tcp", "out") == 3300

@@ -9,11 +9,11 @@ the stream position unknown: the owner must close the connection.
 The socket stays in blocking mode and the inactivity timeout is the kernel's
 (``SO_RCVTIMEO``/``SO_SNDTIMEO``), not Python's ``settimeout``: a Python
 timeout makes the socket non-blocking and puts a ``poll`` before every
-``recv``, so a 1 MiB read took ~1 recvmsg + 1.5 recv + 3.5 poll calls (each
-returning whatever had arrived so far) instead of the raw socket's ~1 blocking
-recv, and read throughput fell to ~0.5-0.6x a raw socket (strace -c, issue 17).
-A kernel timeout surfaces as ``BlockingIOError`` (EAGAIN), mapped to
-``CallTimeoutError``.
+``recv``, and each non-blocking recv returns whatever has arrived so far.
+Measured (issue 17, ``perf stat`` syscall counts per 1 MiB read, client and
+node together): raw socket 5 recv; Python timeout 9.75 recv + 9.75 poll;
+kernel timeout 7 recv. A kernel timeout surfaces as ``BlockingIOError``
+(EAGAIN), mapped to ``CallTimeoutError``.
 """
 
 from __future__ import annotations
