@@ -34,11 +34,15 @@ import platform
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvpool.args import positive_int, sizes_arg
 from kvpool.bench.common import write_json
 from kvpool.config import format_size
+
+if TYPE_CHECKING:
+    from kvpool.bench.common import Row
+    from kvpool.bench.remote import RemoteRow
 
 #: The prefix suite's latency target (issue 17): its rows' baseline.
 PREFIX_TARGET_US = 200.0
@@ -123,24 +127,17 @@ def _load() -> list[float]:
 # --- suites -> rows ---------------------------------------------------------------------
 
 
+def _throughput(suite: str, store: str, op: str, path: str, r: Row | RemoteRow) -> BenchRow:
+    """A GB/s row from a suite's own result line (ours vs its same-run baseline)."""
+    return BenchRow(suite, store, op, path, r.size, r.gbps, "GB/s", r.baseline, r.baseline_gbps,
+                    r.ratio)  # fmt: skip
+
+
 def local_rows(plan: Plan, ssd_dir: str | None) -> list[BenchRow]:
     from kvpool.bench.local import run_local
 
-    return [
-        BenchRow(
-            "local",
-            "kvpool",
-            r.op,
-            r.tier,
-            r.size,
-            r.gbps,
-            "GB/s",
-            r.baseline,
-            r.baseline_gbps,
-            r.ratio,
-        )
-        for r in run_local(plan.local_sizes, ["dram", "ssd"], ssd_dir, plan.rounds)
-    ]
+    results = run_local(plan.local_sizes, ["dram", "ssd"], ssd_dir, plan.rounds)
+    return [_throughput("local", "kvpool", r.op, r.tier, r) for r in results]
 
 
 def prefix_rows(plan: Plan) -> list[BenchRow]:
@@ -177,20 +174,7 @@ def remote_rows(plan: Plan) -> list[BenchRow]:
         op, path = r.op, r.transport
         if op == "get_into_leased":  # the data path alone (one lease held over the reads)
             op, path = "get_into", f"{path}-leased"
-        rows.append(
-            BenchRow(
-                "remote",
-                r.store,
-                op,
-                path,
-                r.size,
-                r.gbps,
-                "GB/s",
-                r.baseline,
-                r.baseline_gbps,
-                r.ratio,
-            )
-        )
+        rows.append(_throughput("remote", r.store, op, path, r))
     return rows
 
 
