@@ -46,7 +46,7 @@ class Reservations:
         size = src.nbytes if type(src) is np.ndarray else region_nbytes(src)
         blocks = self._blocks
         with blocks.mutex:
-            tier = self._place(key, size, region_is_device(src))
+            tier = self._place(key, region_is_device(src))
             if tier is None:
                 return False
             offset = blocks.make_room(tier, size)
@@ -69,7 +69,7 @@ class Reservations:
             raise PoolClosedError("the pool was closed before this block was committed")
         return True
 
-    def _place(self, key: bytes, size: int, device: bool) -> MemoryTier | None:
+    def _place(self, key: bytes, device: bool) -> MemoryTier | None:
         """The tier a new block of ``key`` goes to, or None when ``key`` is stored,
         being written or not admitted (caller holds the lock)."""
         blocks = self._blocks
@@ -89,7 +89,7 @@ class Reservations:
         """Space for ``key`` in the GPU tier (``device`` and one exists) or DRAM."""
         blocks = self._blocks
         with blocks.mutex:
-            tier = self._place(key, size, device)
+            tier = self._place(key, device)
             if tier is None:
                 return None
             offset = blocks.make_room(tier, size)
