@@ -2,9 +2,9 @@
 
 Writes are two-phase: space is allocated under the table's lock, the bytes
 are copied outside it, and the block becomes visible by a commit under the
-lock again. ``put`` is the same path with the writer never leaving this
-module (two trips through the lock); ``reserve`` hands the writer to the
-caller, who fills it piecewise (``kvpool.api.BlockWriter``).
+lock again. ``put`` is the same path without a writer handle (two trips
+through the lock around one copy); ``reserve`` hands a writer to the caller,
+who fills it piecewise (``kvpool.api.BlockWriter``).
 
 Invariants:
 - until commit a key is invisible to every reader and to ``exists``/
