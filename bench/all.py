@@ -243,7 +243,10 @@ def run_all(
 def register_all(suites: Any) -> None:
     parser = suites.add_parser("all", help="the headline ratio of every suite, one run")
     parser.add_argument(
-        "--json", default=None, metavar="F", help="write the rows to F (facts: F.machine.json)"
+        "--json",
+        default=None,
+        metavar="F",
+        help="write the rows to F (facts: same name, .machine.json)",
     )
     parser.add_argument("--quick", action="store_true", help="fewer sizes, smaller workloads")
     parser.add_argument("--suites", default=",".join(SUITES), help="comma list (default: all)")
