@@ -71,8 +71,9 @@ class DataConn:
             raise HandshakeRefusedError(reason.decode(errors="replace") or f"status {status}")
         self.sock = sock
         self._rid = 0
-        self._resp = bytearray(w.RESP.size)
+        self._resp = bytearray(w.RESP.size + w.ALIGN)  # a header and its largest pad
         self._resp_mv = memoryview(self._resp)
+        self._received = w.HELLO_REPLY.size + rlen  # bytes read so far: fixes READ pads
 
     def close(self) -> None:
         self.sock.close()
@@ -82,38 +83,49 @@ class DataConn:
         return self._rid
 
     def _read_resp(self, rid: int) -> int:
-        w.recv_into_exact(self.sock, self._resp_mv)
-        status, got_rid, length = w.RESP.unpack(self._resp)
+        w.recv_into_exact(self.sock, self._resp_mv[: w.RESP.size])
+        status, got_rid, length = w.RESP.unpack_from(self._resp)
+        self._received += w.RESP.size
         if status != w.ST_OK:
             msg = bytearray(length)
             w.recv_into_exact(self.sock, memoryview(msg))
+            self._received += length
             raise RemoteError("data", msg.decode(errors="replace"))
         if got_rid != rid:
             raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")
         return int(length)
 
     def _recv_read(self, rid: int, payload: memoryview) -> None:
-        """One READ reply; the payload buffer is exactly the expected length, so an ok
-        reply never over-reads into the next one."""
-        hdr, n, h = self._resp_mv, payload.nbytes, w.RESP.size
+        """One READ reply: header, pad, payload in one scatter ``recvmsg_into``. The
+        buffers are exactly the expected lengths, so an ok reply never over-reads
+        into the next one."""
+        n, h = payload.nbytes, w.RESP.size
+        pad = w.read_pad(self._received)
+        hdr = self._resp_mv[: h + pad]
         got = self.sock.recvmsg_into([hdr, payload] if n else [hdr])[0]
         if got == 0:
             raise ConnectionLostError("peer closed the data connection")
         if got < h:
-            w.recv_into_exact(self.sock, hdr[got:])
+            w.recv_into_exact(self.sock, hdr[got:h])
             got = h
-        status, got_rid, length = w.RESP.unpack(self._resp)
-        body = got - h
-        if status != w.ST_OK:
+        status, got_rid, length = w.RESP.unpack_from(self._resp)
+        if status != w.ST_OK:  # an error carries no pad: its message came in hdr, then payload
+            early = bytes(hdr[h:got]) + bytes(payload[: max(0, got - h - pad)])
             msg = bytearray(length)
-            msg[: min(body, length)] = payload[: min(body, length)]
-            if body < length:
-                w.recv_into_exact(self.sock, memoryview(msg)[body:])
+            k = min(len(early), length)
+            msg[:k] = early[:k]
+            if k < length:
+                w.recv_into_exact(self.sock, memoryview(msg)[k:])
+            self._received += h + length
             raise RemoteError("data", msg.decode(errors="replace"))
-        if got_rid != rid or length != n:
+        if got < h + pad:
+            w.recv_into_exact(self.sock, hdr[got:])
+            got = h + pad
+        if got_rid != rid or length != n or self._resp[1] != pad:
             raise ConnectionLostError(f"data stream out of sync (reply {got_rid}/{length} B)")
-        if body < n:
-            w.recv_into_exact(self.sock, payload[body:])
+        if got < h + pad + n:
+            w.recv_into_exact(self.sock, payload[got - h - pad :])
+        self._received += h + pad + n
 
     def read_one(self, offset: int, region: np.ndarray) -> None:
         rid = self._next_rid()
