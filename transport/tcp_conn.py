@@ -2,9 +2,11 @@
 
 A ``DataConn`` is used by one thread at a time (``TcpTransport`` lends it
 out of its pool). Reads land in the caller's buffer through a scatter
-``recvmsg_into`` (reply header + payload in one call, no copy); writes leave
-through a gather ``sendmsg`` (request header + payload). Any exception leaves
-the stream position unknown: the owner must close the connection.
+``recvmsg_into`` (reply header and its alignment pad + payload in one call,
+no copy; the connection counts the bytes it received, which fixes each pad,
+see ``tcp_wire``); writes leave through a gather ``sendmsg`` (request header +
+payload). Any exception leaves the stream position unknown: the owner must
+close the connection.
 
 The socket stays in blocking mode and the inactivity timeout is the kernel's
 (``SO_RCVTIMEO``/``SO_SNDTIMEO``), not Python's ``settimeout``: a Python
