@@ -3,10 +3,9 @@
 One thread per client connection. READ sends the range straight from the
 region (``sendmsg`` of a memoryview, no copy into Python objects), after a
 header padded so the payload sits at an aligned stream offset (see
-``tcp_wire``); WRITE
-receives straight into the region with ``recv_into``. The server knows
-nothing about blocks: the master decides which ranges are valid to read or
-write; this server only refuses ranges outside the region.
+``tcp_wire``); WRITE receives straight into the region with ``recv_into``.
+The server knows nothing about blocks: the master decides which ranges are
+valid to read or write; this server only refuses ranges outside the region.
 
 The token rule of ``kvpool.rpc.auth`` applies (a non-loopback bind needs a
 token; a wrong token is refused and logged).
