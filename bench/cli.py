@@ -20,6 +20,7 @@ SUITES = [
     ("idle_rtt", "register_idle_rtt"),
     ("gpu_check", "register_gpu"),  # kvpool bench gpu: the CUDA paths (--dry-run on CPU)
     ("vllm_ttft", "register_vllm"),
+    ("all", "register_all"),  # issue 17: every suite's headline ratio in one run
 ]
 
 

@@ -91,6 +91,10 @@ def copy_region(dst: Region, src: Region) -> None:
     anything touching a device goes through torch's synchronous ``copy_``,
     which uses DMA when the host side is page-locked.
     """
+    if type(dst) is np.ndarray and type(src) is np.ndarray:  # the hot case: exact types
+        n = src.nbytes
+        np.copyto(dst if dst.nbytes == n else dst[:n], src)
+        return
     n = region_nbytes(src)
     if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):
         np.copyto(dst[:n], src)

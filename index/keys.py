@@ -69,8 +69,16 @@ class Namespace:
         return json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
     def digest(self) -> bytes:
-        """16-byte digest of the namespace; part of every block key's input."""
-        return xxhash.xxh3_128_digest(_FORMAT_TAG + self.canonical())
+        """16-byte digest of the namespace; part of every block key's input.
+
+        Computed once per namespace (it is immutable) and cached: block_keys
+        needs it on every call.
+        """
+        cached: bytes | None = self.__dict__.get("_digest")
+        if cached is None:
+            cached = xxhash.xxh3_128_digest(_FORMAT_TAG + self.canonical())
+            object.__setattr__(self, "_digest", cached)  # frozen: cache beside the fields
+        return cached
 
 
 def root_key(namespace: Namespace, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> BlockKey:
@@ -87,7 +95,7 @@ def block_keys(
     """Keys of every full block of ``tokens`` (list, numpy array or torch tensor).
 
     Cost is one vectorised conversion plus one xxh3 call per block: no Python
-    work per token.
+    work per token, no allocation or slicing per block in steady state.
     """
     if not isinstance(namespace, Namespace):
         raise TypeError(f"namespace must be a kvpool.Namespace, got {type(namespace).__name__}")
@@ -97,39 +105,82 @@ def block_keys(
     n_blocks = ids.size // block_tokens
     if n_blocks == 0:
         return []
-    # One row per block: [parent (16) | namespace digest (16) | tokens (4*B)].
-    # The namespace and token columns are filled in one vectorised step each
-    # (tokens converted to int32 on the way); only the parent column is
-    # written block by block, since it chains. Rows live in a reused,
-    # already-faulted scratch buffer: fresh memory costs more than the hashing.
-    row = 2 * KEY_BYTES + 4 * block_tokens
-    rows = _scratch(n_blocks * row).reshape(n_blocks, row)
-    rows[:, KEY_BYTES : 2 * KEY_BYTES] = np.frombuffer(namespace.digest(), dtype=np.uint8)
-    token_columns = rows[:, 2 * KEY_BYTES :].view("<i4")
-    np.copyto(
-        token_columns,
-        ids[: n_blocks * block_tokens].reshape(n_blocks, block_tokens),
-        casting="unsafe",
-    )
-    flat = memoryview(rows.data).cast("B")
+    # One row per block: [parent (16) | namespace digest (16) | tokens (4*B)],
+    # so each key is one xxh3 call over one contiguous row. The token columns
+    # are filled in one vectorised step (converted to int32 on the way); only
+    # the parent column is written block by block, since it chains. Rows, and
+    # the memoryviews of each row and its parent slot, live in a per-thread
+    # scratch reused across calls: fresh memory and per-block slicing cost
+    # more than the hashing itself.
+    rows = _Rows.get(n_blocks, block_tokens)
+    rows.fill(namespace.digest(), ids[: n_blocks * block_tokens])
     digest = xxhash.xxh3_128_digest
-    parent = root_key(namespace, block_tokens)
+    parent = _root(namespace, block_tokens)
     keys: list[BlockKey] = []
     append = keys.append
-    for start in range(0, n_blocks * row, row):
-        flat[start : start + KEY_BYTES] = parent
-        parent = digest(flat[start : start + row])
+    whole = _WHOLE  # a prebuilt slice: no slice object built per block
+    for head, row in zip(rows.heads[:n_blocks], rows.rows[:n_blocks], strict=True):
+        head[whole] = parent
+        parent = digest(row)
         append(parent)
     return keys
 
 
-def _scratch(nbytes: int) -> np.ndarray:
-    """A per-thread uint8 buffer of at least ``nbytes``, reused across calls."""
-    buffer: np.ndarray | None = getattr(_local, "buffer", None)
-    if buffer is None or buffer.nbytes < nbytes:
-        buffer = np.empty(max(nbytes, 1 << 16), dtype=np.uint8)  # faults once, then reused
-        _local.buffer = buffer
-    return buffer[:nbytes]
+_WHOLE = slice(None)
+_CACHED_ROWS = 4096  # 2M tokens at 512 per block
+_ROOTS: dict[tuple[Namespace, int], BlockKey] = {}
+
+
+def _root(namespace: Namespace, block_tokens: int) -> BlockKey:
+    """``root_key``, memoised (a handful of namespaces per process)."""
+    key = (namespace, block_tokens)
+    root = _ROOTS.get(key)
+    if root is None:
+        if len(_ROOTS) >= 256:
+            _ROOTS.clear()
+        root = _ROOTS[key] = root_key(namespace, block_tokens)
+    return root
+
+
+class _Rows:
+    """Per-thread scratch rows for ``block_keys`` plus per-row memoryviews.
+
+    Invariant: ``heads[i]`` is the 16-byte parent slot of ``rows[i]``, both
+    views into ``buffer``; ``digest_in`` names the namespace digest already
+    written into every row's second column (so it is rewritten only when the
+    namespace changes).
+    """
+
+    def __init__(self, n_blocks: int, block_tokens: int) -> None:
+        self.block_tokens = block_tokens
+        size = 2 * KEY_BYTES + 4 * block_tokens
+        self.buffer = np.empty((n_blocks, size), dtype=np.uint8)
+        self.buffer.fill(0)  # fault the pages in once
+        flat = memoryview(self.buffer.data).cast("B")
+        self.rows = [flat[i : i + size] for i in range(0, n_blocks * size, size)]
+        self.heads = [row[:KEY_BYTES] for row in self.rows]
+        self.digest_in = b""
+
+    @staticmethod
+    def get(n_blocks: int, block_tokens: int) -> _Rows:
+        """This thread's rows when they fit; a bigger set replaces them, up to
+        ``_CACHED_ROWS`` rows (beyond that, a one-off set: ~200 B of views per row)."""
+        rows: _Rows | None = getattr(_local, "rows", None)
+        if rows is not None and rows.block_tokens == block_tokens and len(rows.rows) >= n_blocks:
+            return rows
+        if n_blocks > _CACHED_ROWS:
+            return _Rows(n_blocks, block_tokens)
+        rows = _Rows(max(n_blocks, 256), block_tokens)
+        _local.rows = rows
+        return rows
+
+    def fill(self, ns_digest: bytes, ids: np.ndarray) -> None:
+        n = ids.size // self.block_tokens
+        if self.digest_in != ns_digest:
+            self.buffer[:, KEY_BYTES : 2 * KEY_BYTES] = np.frombuffer(ns_digest, dtype=np.uint8)
+            self.digest_in = ns_digest
+        tokens = self.buffer[:n, 2 * KEY_BYTES :].view("<i4")
+        np.copyto(tokens, ids.reshape(n, self.block_tokens), casting="unsafe")
 
 
 def token_array(tokens: Any, convert: bool = True) -> np.ndarray:
@@ -147,8 +198,17 @@ def token_array(tokens: Any, convert: bool = True) -> np.ndarray:
         return np.empty(0, dtype="<i4")
     if arr.dtype.kind not in "iu":
         raise TypeError(f"token ids must be integers, got dtype {arr.dtype}")
-    if arr.dtype.itemsize > 4 or arr.dtype == np.uint32:
+    if (arr.dtype.itemsize > 4 or arr.dtype == np.uint32) and not _fits_int32(arr):
         lo, hi = int(arr.min()), int(arr.max())
-        if lo < _INT32_MIN or hi > _INT32_MAX:
-            raise ValueError(f"token ids must fit in int32, got range [{lo}, {hi}]")
+        raise ValueError(f"token ids must fit in int32, got range [{lo}, {hi}]")
     return np.ascontiguousarray(arr, dtype="<i4") if convert else arr
+
+
+def _fits_int32(arr: np.ndarray) -> bool:
+    """Every value in [-2**31, 2**31). One pass for the usual non-negative ids: their
+    bitwise OR is below 2**31 iff every id is; min and max only when some id is
+    negative (the OR of signed values is negative iff one is)."""
+    ored = int(np.bitwise_or.reduce(arr))
+    if ored >= 0:
+        return ored <= _INT32_MAX
+    return int(arr.min()) >= _INT32_MIN and int(arr.max()) <= _INT32_MAX

@@ -57,6 +57,18 @@ class ExposedRegion:
     tcp: TcpDataServer
     ucx: Any = None  # UcxDataServer when UCX serves too
 
+    def served(self) -> dict[str, tuple[int, int]]:
+        """Payload bytes served so far per transport: {name: (out, in)}.
+
+        Same-host clients copy through the mapped arena without this node
+        seeing it: those bytes are counted by the clients' own transports
+        (``PeerTransports.stats()``), never here.
+        """
+        out = {"tcp": (self.tcp.bytes_read, self.tcp.bytes_written)}
+        if self.ucx is not None:
+            out["ucx"] = (self.ucx.bytes_read, self.ucx.bytes_written)
+        return out
+
     def close(self) -> None:
         self.tcp.close()
         if self.ucx is not None:

@@ -2,8 +2,9 @@
 
 Order (automatic): ``shm`` when the node runs on this host (same
 ``host_identity``) and its arena file maps; ``ucx`` when UCXX is installed and
-the node reports RDMA/GPU-capable UCX transports (UCX over plain TCP is slower
-here than our socket path, so it is not chosen for that); else ``tcp``.
+both ends have an RDMA device (the node reports ``UcxInfo.rdma``; this host
+lists one under /sys/class/infiniband) -- UCX over plain TCP is slower here
+than our socket path, and CUDA alone does not make it faster; else ``tcp``.
 
 ``override`` (default ``$KVPOOL_TRANSPORT``) is a comma-separated preference
 list, e.g. ``"tcp"`` or ``"ucx,tcp"``: the first that can reach the peer wins,
@@ -46,7 +47,10 @@ def candidates(peer: RegionInfo, override: str | None = None) -> list[str]:
         return [n.strip().lower() for n in override.split(",") if n.strip()]
     names = ["shm"]
     if peer.ucx is not None and peer.ucx.rdma:
-        names.append("ucx")
+        from kvpool.transport.ucx import ucx_has_rdma
+
+        if ucx_has_rdma():  # RDMA needs a device at both ends
+            names.append("ucx")
     return [*names, "tcp"]
 
 

@@ -124,7 +124,7 @@ class TcpTransport(Transport):
             healthy = True
         except KVPoolError:
             raise
-        except TimeoutError as exc:
+        except (TimeoutError, BlockingIOError) as exc:  # BlockingIOError: SO_RCVTIMEO/SNDTIMEO
             raise CallTimeoutError(f"data transfer with {self.info.node_id} timed out") from exc
         except OSError as exc:
             raise ConnectionLostError(f"data connection to {self.info.node_id}: {exc}") from exc

@@ -1,10 +1,11 @@
 """Node side of the TCP data path: serves (offset, length) ranges of one region.
 
 One thread per client connection. READ sends the range straight from the
-region (``sendmsg`` of a memoryview, no copy into Python objects); WRITE
-receives straight into the region with ``recv_into``. The server knows
-nothing about blocks: the master decides which ranges are valid to read or
-write; this server only refuses ranges outside the region.
+region (``sendmsg`` of a memoryview, no copy into Python objects), after a
+header padded so the payload sits at an aligned stream offset (see
+``tcp_wire``); WRITE receives straight into the region with ``recv_into``.
+The server knows nothing about blocks: the master decides which ranges are
+valid to read or write; this server only refuses ranges outside the region.
 
 The token rule of ``kvpool.rpc.auth`` applies (a non-loopback bind needs a
 token; a wrong token is refused and logged).
@@ -98,9 +99,10 @@ class TcpDataServer:
         try:
             w.tune(sock)
             sock.settimeout(self.handshake_timeout)
-            if self._handshake(sock, peer):
+            ok, sent = self._handshake(sock, peer)
+            if ok:
                 sock.settimeout(None)
-                if not self._loop(sock):
+                if not self._loop(sock, sent):
                     return
             # Refused, or ended on a protocol error: let the peer read our last reply.
             linger_close(sock)
@@ -111,7 +113,8 @@ class TcpDataServer:
                 self._conns.discard(sock)
             sock.close()
 
-    def _handshake(self, sock: socket.socket, peer: Any) -> bool:
+    def _handshake(self, sock: socket.socket, peer: Any) -> tuple[bool, int]:
+        """(accepted, bytes sent: the hello reply)."""
         head = bytearray(w.HELLO_HEAD.size)
         w.recv_into_exact(sock, memoryview(head))
         magic, version = w.HELLO_HEAD.unpack(head)
@@ -135,17 +138,23 @@ class TcpDataServer:
         if status != w.ST_OK:
             log.warning("refused data connection from %s: %s", peer, reason)
         msg = reason.encode()
-        sock.sendall(w.HELLO_REPLY.pack(w.MAGIC, status, len(msg)) + msg)
-        return status == w.ST_OK
+        reply = w.HELLO_REPLY.pack(w.MAGIC, status, len(msg)) + msg
+        sock.sendall(reply)
+        return status == w.ST_OK, len(reply)
 
-    def _error(self, sock: socket.socket, status: int, rid: int, message: str) -> None:
+    def _error(self, sock: socket.socket, status: int, rid: int, message: str) -> int:
         msg = message.encode()
         sock.sendall(w.RESP.pack(status, rid, len(msg)) + msg)
+        return w.RESP.size + len(msg)
 
-    def _loop(self, sock: socket.socket) -> bool:
-        """Serve requests; False when the peer hung up, True after a fatal protocol error."""
+    def _loop(self, sock: socket.socket, sent: int) -> bool:
+        """Serve requests; False when the peer hung up, True after a fatal protocol error.
+
+        ``sent`` counts every byte sent on the connection: it fixes each READ's pad.
+        """
         head = bytearray(w.REQ.size)
         hview = memoryview(head)
+        pads = bytes(w.ALIGN)
         while True:
             try:
                 w.recv_into_exact(sock, hview)
@@ -154,12 +163,13 @@ class TcpDataServer:
             op, rid, offset, length = w.REQ.unpack(head)
             if op == w.OP_PING:
                 sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
+                sent += w.RESP.size
                 continue
             if op not in (w.OP_READ, w.OP_WRITE):
                 self._error(sock, w.ST_BAD_OP, rid, f"unknown op {op}")
                 return True
             if offset + length > self.size:
-                self._error(
+                sent += self._error(
                     sock,
                     w.ST_RANGE,
                     rid,
@@ -170,9 +180,13 @@ class TcpDataServer:
                 continue
             span = self._mv[offset : offset + length]
             if op == w.OP_READ:
-                w.send_parts(sock, w.RESP.pack(w.ST_OK, rid, length), span)
+                pad = w.read_pad(sent)
+                reply = w.READ_RESP.pack(w.ST_OK, pad, rid, length) + pads[:pad]
+                w.send_parts(sock, reply, span)
+                sent += len(reply) + length
                 self.bytes_read += length
             else:
                 w.recv_into_exact(sock, span)
                 sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
+                sent += w.RESP.size
                 self.bytes_written += length

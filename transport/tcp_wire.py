@@ -14,8 +14,17 @@ Then any number of requests, answered strictly in order:
 
 - ``REQ`` (op, request id, offset, length); a WRITE is followed by exactly
   ``length`` payload bytes;
-- ``RESP`` (status, request id, length); for an ok READ ``length`` payload
-  bytes follow; for an error, ``length`` bytes of UTF-8 message follow.
+- ``RESP`` (status, request id, length); for an ok READ ``pad`` zero bytes
+  (``RESP``'s second byte, 0-63) and then ``length`` payload bytes follow; for
+  an error, ``length`` bytes of UTF-8 message follow (no pad).
+
+The pad puts every READ payload at a stream offset that is a multiple of
+``ALIGN`` (counted from the first byte the server sends, the hello reply
+included), so the kernel copies it cacheline-aligned on both ends: a payload
+16 bytes off alignment (the bare header) cost ~15% of loopback read
+throughput on AMD EPYC (p10, 1 MiB; a 64-byte prefix none). Both ends know
+the pad without asking: it is ``read_pad(bytes the server sent so far)``;
+the header repeats it so a desynchronised stream is caught.
 
 A WRITE with a bad range is answered with an error and the connection is
 closed (its payload is never drained); a READ with a bad range gets an error
@@ -32,13 +41,15 @@ from kvpool.errors import ConnectionLostError
 from kvpool.rpc.frame import tune_socket
 
 MAGIC = b"KVDT"
-VERSION = 2
+VERSION = 3  # 3: READ payloads aligned (pad after the reply header)
 HELLO = struct.Struct("!4sHHH")  # magic, version | token length, instance length
 HELLO_HEAD = struct.Struct("!4sH")  # what every version starts with
 HELLO_LENGTHS = struct.Struct("!HH")
 HELLO_REPLY = struct.Struct("!4sBxH")
 REQ = struct.Struct("!BxxxIQQ")
 RESP = struct.Struct("!BxxxIQ")
+READ_RESP = struct.Struct("!BBxxIQ")  # an ok READ's RESP: status, pad, request id, length
+ALIGN = 64
 
 OP_READ, OP_WRITE, OP_PING = 1, 2, 3
 ST_OK, ST_BAD_VERSION, ST_BAD_TOKEN, ST_RANGE, ST_BAD_OP, ST_WRONG_INSTANCE = 0, 1, 2, 3, 4, 5
@@ -51,6 +62,12 @@ def hello(token: str | None, instance: str = "") -> bytes:
     """The client's opening bytes."""
     tok, inst = (token or "").encode(), instance.encode()
     return HELLO.pack(MAGIC, VERSION, len(tok), len(inst)) + tok + inst
+
+
+def read_pad(sent: int) -> int:
+    """Zero bytes after an ok READ's header when the server has sent ``sent`` bytes
+    on the connection before it: the payload then starts at a multiple of ALIGN."""
+    return -(sent + RESP.size) % ALIGN
 
 
 def tune(sock: socket.socket) -> None:

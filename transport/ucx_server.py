@@ -45,6 +45,8 @@ class UcxDataServer:
         self.size = region_nbytes(self.region)
         self._loop = ucx_loop()
         self._tasks: set[asyncio.Future[None]] = set()
+        self.bytes_read = 0  # payload bytes served, as TcpDataServer counts them
+        self.bytes_written = 0
         self.port, self.worker_address = self._loop.run(self._start(port), 60)
 
     async def _start(self, port: int) -> tuple[int, bytes]:
@@ -111,9 +113,11 @@ class UcxDataServer:
                     await chan.send(status)
                     if length:
                         await chan.send(span)
+                    self.bytes_read += length
                 else:
                     if length:
                         await chan.recv(span)
+                    self.bytes_written += length
                     status[:] = (ST_OK, 0)
                     await chan.send(status)
         except Exception:

@@ -40,6 +40,17 @@ class Metrics:
         )
         self.role = role
         self._server: Any = None
+        self._moved_seen: dict[tuple[str, str], int] = {}
+
+    def count_moved(self, transport: str, direction: str, total: int) -> None:
+        """Advance ``kvpool_bytes_moved{transport, direction}`` to a running ``total``
+        (a data server's own byte counter); a total that went down (a restarted
+        server) counts from zero again."""
+        seen = self._moved_seen.get((transport, direction), 0)
+        delta = total - seen if total >= seen else total
+        if delta:
+            self.moved.labels(transport, direction).inc(delta)
+        self._moved_seen[(transport, direction)] = total
 
     @contextmanager
     def timed(self, op: str) -> Iterator[None]:

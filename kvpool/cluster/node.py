@@ -122,7 +122,6 @@ class StorageNode:
         self.blocks: dict[int, HeldBlock] = {}  # by offset
         self.registered = threading.Event()
         self._checksums: list[list[Any]] = []  # computed, not yet reported
-        self._served = {"out": 0, "in": 0}
         self._joined_before = False
         self._client: RpcClient | None = None
         self._stop = threading.Event()
@@ -241,11 +240,10 @@ class StorageNode:
         self._count_served()
 
     def _count_served(self) -> None:
-        """Move the data server's byte counters into the Prometheus counters."""
-        served = {"out": self.exposed.tcp.bytes_read, "in": self.exposed.tcp.bytes_written}
-        for direction, total in served.items():
-            self.metrics.moved.labels("tcp", direction).inc(total - self._served[direction])
-            self._served[direction] = total
+        """Move the data servers' byte counters (TCP, UCX) into the Prometheus counters."""
+        for transport, (out, into) in self.exposed.served().items():
+            self.metrics.count_moved(transport, "out", out)
+            self.metrics.count_moved(transport, "in", into)
 
     def _forget_overlaps(self, offset: int, size: int) -> None:
         for other in [

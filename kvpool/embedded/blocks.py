@@ -20,6 +20,7 @@ Invariants:
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvpool.bindings.buffers import Region, copy_region
@@ -91,10 +92,17 @@ def open_tiers(config: PoolConfig) -> Tiers:
 
 
 class BlockTable:
-    """Committed blocks, their tiers and the pool's counters (callers hold ``lock``)."""
+    """Committed blocks, their tiers and the pool's counters (callers hold ``lock``).
+
+    ``mutex`` is ``lock``'s own RLock: hot paths take it directly (a C-level
+    enter/exit instead of Condition's Python wrappers); only waiters need the
+    Condition, and ``copy_ended`` notifies only when one is waiting.
+    """
 
     def __init__(self, tiers: Tiers, stats: PoolStats) -> None:
-        self.lock = threading.Condition()
+        self.mutex = threading.RLock()
+        self.lock = threading.Condition(self.mutex)
+        self.waiting = 0  # threads inside wait_until (under the lock)
         self.tiers = tiers
         self.stats = stats
         self.entries: dict[bytes, Entry] = {}
@@ -108,15 +116,26 @@ class BlockTable:
     def copy_ended(self) -> None:
         """A copy counted in ``active`` finished (wakes ``close`` and waiting writers)."""
         self.active -= 1
-        self.lock.notify_all()
+        if self.waiting:
+            self.lock.notify_all()
+
+    def wait_until(self, done: Callable[[], bool]) -> None:
+        """Wait (caller holds the lock) until ``done()``, re-checked after every copy."""
+        if done():
+            return
+        self.waiting += 1
+        try:
+            self.lock.wait_for(done)
+        finally:
+            self.waiting -= 1
 
     def close(self) -> None:
         """Refuse new operations, wait for running copies, close the tiers. Idempotent."""
-        with self.lock:
+        with self.mutex:
             if self.closed:
                 return
             self.closed = True
-            self.lock.wait_for(lambda: self.active == 0)
+            self.wait_until(lambda: self.active == 0)
         self.tiers.close()
 
     def load_ssd_blocks(self) -> None:

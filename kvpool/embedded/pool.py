@@ -49,6 +49,8 @@ from kvpool.eviction import make_policy
 from kvpool.layerwise.api import LayerwiseMethods
 from kvpool.storage.ssd_tier import SsdRecord, SsdTier
 
+_U8 = np.dtype(np.uint8)
+
 EMBEDDED_NODE = "embedded"
 
 
@@ -81,7 +83,7 @@ class Pool(LayerwiseMethods):
         self._tiers = open_tiers(config)
         self._blocks = BlockTable(self._tiers, self._stats)
         self._blocks.load_ssd_blocks()
-        self._lock = self._blocks.lock
+        self._lock = self._blocks.mutex  # the blocks' lock (see BlockTable)
         self._reservations = Reservations(self._blocks)
 
     # -- public API -------------------------------------------------------
@@ -96,8 +98,9 @@ class Pool(LayerwiseMethods):
         """
         check_key(key)
         check_parent(parent)
-        src = data_region(data)
-        return self._reservations.put(key, src, parent)
+        if _plain_bytes(data):  # already a host region: skip the adapter
+            return self._reservations.put(key, data, parent)
+        return self._reservations.put(key, data_region(data), parent)
 
     def put_batch(
         self,
@@ -176,9 +179,11 @@ class Pool(LayerwiseMethods):
         block (see ``KVLayout``) without touching the rest.
         """
         check_key(key)
-        dst = out_region(out)
-        check_read_range(offset, length)
-        return self._get_into_region(key, dst, offset, length)
+        if type(offset) is not int or offset or length is not None:  # skip for whole blocks
+            check_read_range(offset, length)
+        if _plain_bytes(out) and out.flags.writeable:  # already a host region
+            return self._get_into_region(key, out, offset, length)
+        return self._get_into_region(key, out_region(out), offset, length)
 
     def get_into_batch(self, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[int | None]:
         """``get_into`` for each pair; all keys and buffers are checked first."""
@@ -335,3 +340,15 @@ class Pool(LayerwiseMethods):
         with self._lock:
             self._blocks.settle_ssd_read(key, entry, ssd, slot_offset, valid)
         return valid
+
+
+def _plain_bytes(buf: object) -> bool:
+    """A non-empty flat contiguous uint8 numpy array: what ``as_region`` would return
+    unchanged (the 64 KiB fast paths skip the adapter for it)."""
+    return (
+        type(buf) is np.ndarray
+        and buf.dtype == _U8
+        and buf.ndim == 1
+        and buf.size > 0
+        and buf.flags.c_contiguous
+    )

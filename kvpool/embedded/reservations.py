@@ -2,9 +2,9 @@
 
 Writes are two-phase: space is allocated under the table's lock, the bytes
 are copied outside it, and the block becomes visible by a commit under the
-lock again. ``put`` is the same path with the writer never leaving this
-module (two trips through the lock); ``reserve`` hands the writer to the
-caller, who fills it piecewise (``kvpool.api.BlockWriter``).
+lock again. ``put`` is the same path without a writer handle (two trips
+through the lock around one copy); ``reserve`` hands a writer to the caller,
+who fills it piecewise (``kvpool.api.BlockWriter``).
 
 Invariants:
 - until commit a key is invisible to every reader and to ``exists``/
@@ -16,10 +16,13 @@ Invariants:
 
 from __future__ import annotations
 
+import numpy as np
+
 from kvpool.bindings.buffers import Region, copy_region, region_is_device, region_nbytes
 from kvpool.embedded.blocks import BlockTable
 from kvpool.embedded.handles import EmbeddedBlockWriter
 from kvpool.errors import KVPoolError, PoolClosedError
+from kvpool.storage.memory_tier import MemoryTier
 
 
 class Reservations:
@@ -27,51 +30,78 @@ class Reservations:
 
     def __init__(self, blocks: BlockTable) -> None:
         self._blocks = blocks
-        self._writing: dict[bytes, EmbeddedBlockWriter] = {}
+        # keys being written: their writer, or None for a plain put's copy
+        self._writing: dict[bytes, EmbeddedBlockWriter | None] = {}
 
     def put(self, key: bytes, src: Region, parent: bytes | None) -> bool:
-        """Reserve (already counted as copying), copy, commit; False if ``key`` is
-        stored, being written, or not admitted by the tier's policy."""
-        writer = self.reserve(key, region_nbytes(src), parent, region_is_device(src), True)
-        if writer is None:
-            return False
-        copied = False
+        """Reserve, copy, commit; False if ``key`` is stored, being written, or not
+        admitted by the tier's policy.
+
+        The whole-block fast path: no writer handle, two lock sections (reserve,
+        then commit) around one copy. The key sits in ``_writing`` (as None)
+        while its bytes are copied, so a concurrent put or reserve of it is
+        refused exactly as for a reserved writer; the copy counts in
+        ``active`` so ``close`` waits for it.
+        """
+        size = src.nbytes if type(src) is np.ndarray else region_nbytes(src)
+        blocks = self._blocks
+        with blocks.mutex:
+            tier = self._place(key, region_is_device(src))
+            if tier is None:
+                return False
+            offset = blocks.make_room(tier, size)
+            self._writing[key] = None
+            blocks.active += 1
+        copied = closed = False
         try:
-            copy_region(writer.tier.region(writer.offset, writer.size), src)
+            copy_region(tier.region(offset, size), src)
             copied = True
         finally:
-            self._finish(writer, commit=copied, copying=True)
+            with blocks.mutex:
+                del self._writing[key]
+                blocks.copy_ended()
+                closed = blocks.closed
+                if not copied or closed:
+                    tier.free(offset)
+                else:
+                    blocks.insert(key, tier, offset, size, parent)
+        if closed:
+            raise PoolClosedError("the pool was closed before this block was committed")
         return True
 
-    def reserve(
-        self, key: bytes, size: int, parent: bytes | None, device: bool, copying: bool = False
-    ) -> EmbeddedBlockWriter | None:
-        """Space for ``key`` in the GPU tier (``device`` and one exists) or DRAM.
-
-        ``copying``: the caller copies into it at once (counted as active now)."""
+    def _place(self, key: bytes, device: bool) -> MemoryTier | None:
+        """The tier a new block of ``key`` goes to, or None when ``key`` is stored,
+        being written or not admitted (caller holds the lock)."""
         blocks = self._blocks
-        with blocks.lock:
-            blocks.check_open()
-            tiers = blocks.tiers
-            tier = tiers.gpu if device and tiers.gpu is not None else tiers.dram
-            if key in blocks.entries or key in self._writing:
-                return None
-            if not tier.policy.admit(key):
-                blocks.stats.not_admitted += 1
+        blocks.check_open()
+        tiers = blocks.tiers
+        if key in blocks.entries or key in self._writing:
+            return None
+        tier = tiers.gpu if device and tiers.gpu is not None else tiers.dram
+        if not tier.policy.admit(key):
+            blocks.stats.not_admitted += 1
+            return None
+        return tier
+
+    def reserve(
+        self, key: bytes, size: int, parent: bytes | None, device: bool
+    ) -> EmbeddedBlockWriter | None:
+        """Space for ``key`` in the GPU tier (``device`` and one exists) or DRAM."""
+        blocks = self._blocks
+        with blocks.mutex:
+            tier = self._place(key, device)
+            if tier is None:
                 return None
             offset = blocks.make_room(tier, size)
             writer = EmbeddedBlockWriter(
                 key, tier, offset, size, parent, write_range=self._write, finish=self._finish
             )
             self._writing[key] = writer
-            if copying:
-                writer.copies += 1
-                blocks.active += 1
             return writer
 
     def _write(self, writer: EmbeddedBlockWriter, offset: int, src: Region) -> None:
         blocks = self._blocks
-        with blocks.lock:
+        with blocks.mutex:
             blocks.check_open()
             if writer.done:
                 raise KVPoolError("this block writer is already committed or aborted")
@@ -80,21 +110,15 @@ class Reservations:
         try:
             copy_region(writer.tier.region(writer.offset + offset, region_nbytes(src)), src)
         finally:
-            with blocks.lock:
+            with blocks.mutex:
                 writer.copies -= 1
                 blocks.copy_ended()
 
-    def _finish(self, writer: EmbeddedBlockWriter, commit: bool, copying: bool = False) -> None:
-        """Make a reserved block visible (commit) or give its space back (abort).
-
-        ``copying``: the caller's own copy (counted by ``reserve``) just ended.
-        """
+    def _finish(self, writer: EmbeddedBlockWriter, commit: bool) -> None:
+        """Make a reserved block visible (commit) or give its space back (abort)."""
         blocks = self._blocks
-        with blocks.lock:
-            if copying:
-                writer.copies -= 1
-                blocks.copy_ended()
-            blocks.lock.wait_for(lambda: writer.copies == 0)
+        with blocks.mutex:
+            blocks.wait_until(lambda: writer.copies == 0)
             if writer.done:
                 if commit:
                     raise KVPoolError("this block writer is already committed or aborted")

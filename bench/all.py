@@ -1,0 +1,304 @@
+"""``kvpool bench all``: the headline ratio of every suite in one run (<= 5 minutes).
+
+Runs, in this order, each suite's own measurement code (so the figures are
+the ones ``kvpool bench SUITE`` reports) and turns its results into rows of
+one schema:
+
+- local: DRAM put/get_into vs ``np.copyto``, SSD tier store/read vs O_DIRECT;
+- prefix: ``block_keys`` + ``prefix_match`` of a 128k-token prompt against a
+  big catalog, vs the target latency (there is no other store to race here);
+- remote: a real master + node (separate processes) over shm and tcp, single
+  and batched put/get_into, vs numpy copy / the raw Python socket, plus the
+  Mooncake Store rows when ``mooncake-transfer-engine-non-cuda`` is importable
+  (same workload, same run);
+- layerwise: layer-wise store/load overlapped with real compute, vs a bare
+  copy thread overlapped with the same compute.
+
+Every kvpool/baseline pair is measured in interleaved rounds (median of
+``rounds``, >= 5 in a full run; layer-wise: best of rounds, as that suite
+does). A row: ``suite, store, op, path, size, value, unit, baseline,
+baseline_value, ratio``. ``ratio`` is higher-is-better: value / baseline for
+throughput, baseline / value for latency; for layer-wise rows ``value`` is the
+overlap ratio (1.0 = transfers fully hidden) and ``ratio`` its inverse.
+The machine's facts (CPU model, cores, cpuidle driver, kernel, load average
+before and after) are printed with the table; ``--json F`` writes the rows
+(a list) to F and the facts to F's name with ``.machine.json`` in place of
+its extension.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvpool.args import positive_int, sizes_arg
+from kvpool.bench.common import write_json
+from kvpool.config import format_size
+
+if TYPE_CHECKING:
+    from kvpool.bench.common import Row
+    from kvpool.bench.remote import RemoteRow
+
+#: The prefix suite's latency target (issue 17): its rows' baseline.
+PREFIX_TARGET_US = 200.0
+
+
+@dataclass
+class BenchRow:
+    """One headline figure: ours (or a peer store's) against a baseline of the same run."""
+
+    suite: str  # local, prefix, remote, layerwise
+    store: str  # kvpool or mooncake
+    op: str  # put, get_into, put_batch, get_into_batch, prefix_match, store, load
+    path: str  # dram, ssd, shm, tcp, tcp-leased, ...
+    size: int | None  # bytes per block; None where there is none
+    value: float
+    unit: str  # GB/s, us, x
+    baseline: str
+    baseline_value: float
+    ratio: float  # higher is better (see the module docstring)
+
+
+@dataclass
+class Plan:
+    """What a run measures: sizes, rounds and each suite's knobs."""
+
+    local_sizes: list[int]
+    remote_sizes: list[int]
+    rounds: int
+    batch: int
+    working_set: int
+    prefix_tokens: int
+    prefix_catalog: int
+    prefix_samples: int
+    layers: int
+    layer_tokens: int
+    layer_rounds: int
+
+    @classmethod
+    def full(cls) -> Plan:
+        mib = 1 << 20
+        sizes = [64 << 10, mib, 4 * mib, 16 * mib]
+        return cls(sizes, sizes, 5, 8, 64 * mib, 131_072, 1_000_000, 300, 32, 4096, 7)
+
+    @classmethod
+    def quick(cls) -> Plan:
+        mib = 1 << 20
+        sizes = [64 << 10, mib]
+        return cls(sizes, sizes, 5, 4, 8 * mib, 131_072, 50_000, 100, 8, 1024, 3)
+
+
+def machine_facts() -> dict[str, Any]:
+    """CPU model, cores, cpuidle driver, kernel, Python: what the figures depend on."""
+    model = "unknown"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    try:
+        with open("/sys/devices/system/cpu/cpuidle/current_driver") as f:
+            idle = f.read().strip()
+    except OSError:
+        idle = "none"
+    return {
+        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
+        "cpu_model": model,
+        "cores": os.cpu_count(),
+        "cores_usable": len(os.sched_getaffinity(0)),
+        "cpuidle_driver": idle,
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+    }
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+# --- suites -> rows ---------------------------------------------------------------------
+
+
+def _throughput(suite: str, store: str, op: str, path: str, r: Row | RemoteRow) -> BenchRow:
+    """A GB/s row from a suite's own result line (ours vs its same-run baseline)."""
+    return BenchRow(suite, store, op, path, r.size, r.gbps, "GB/s", r.baseline, r.baseline_gbps,
+                    r.ratio)  # fmt: skip
+
+
+def local_rows(plan: Plan, ssd_dir: str | None) -> list[BenchRow]:
+    from kvpool.bench.local import run_local
+
+    results = run_local(plan.local_sizes, ["dram", "ssd"], ssd_dir, plan.rounds)
+    return [_throughput("local", "kvpool", r.op, r.tier, r) for r in results]
+
+
+def prefix_rows(plan: Plan) -> list[BenchRow]:
+    from kvpool.bench.prefix import run_prefix
+
+    got = run_prefix(plan.prefix_tokens, plan.prefix_catalog, plan.prefix_samples)
+    p50 = float(got["p50_us"])
+    what = f"target ({got['tokens']} tokens, {got['catalog_blocks']} blocks in the catalog)"
+    return [
+        BenchRow(
+            "prefix",
+            "kvpool",
+            "prefix_match",
+            "dram",
+            None,
+            p50,
+            "us",
+            what,
+            PREFIX_TARGET_US,
+            round(PREFIX_TARGET_US / p50, 3),
+        )
+    ]
+
+
+def remote_rows(plan: Plan) -> list[BenchRow]:
+    from kvpool.bench.remote import run_remote
+
+    peer = "mooncake" if _mooncake_importable() else None
+    if peer is None:
+        print("remote: no Mooncake Store rows (pip install mooncake-transfer-engine-non-cuda)")
+    rows = []
+    for r in run_remote(plan.remote_sizes, ("shm", "tcp"), plan.batch, plan.rounds, True, peer,
+                        plan.working_set):  # fmt: skip
+        op, path = r.op, r.transport
+        if op == "get_into_leased":  # the data path alone (one lease held over the reads)
+            op, path = "get_into", f"{path}-leased"
+        rows.append(_throughput("remote", r.store, op, path, r))
+    return rows
+
+
+def layerwise_rows(plan: Plan) -> list[BenchRow]:
+    from kvpool.bench.layerwise import run_layerwise
+    from kvpool.layout import KVLayout
+
+    layout = KVLayout(plan.layers, 8, 128, "bfloat16", 512)
+    got = run_layerwise(layout, plan.layer_tokens // 512, plan.layer_rounds)
+    what = "copy thread overlapped with the same compute"
+    rows = []
+    for op, ours in (("store", got["overlap_ratio"]), ("load", got["load_overlap_ratio"])):
+        rows.append(
+            BenchRow(
+                "layerwise",
+                "kvpool",
+                op,
+                "dram",
+                None,
+                ours,
+                "x",
+                what,
+                got["raw_overlap_ratio"],
+                round(1.0 / ours, 3),
+            )
+        )
+    return rows
+
+
+def _mooncake_importable() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("mooncake") is not None
+
+
+SUITES = ("local", "prefix", "remote", "layerwise")
+
+
+def run_all(
+    plan: Plan, suites: Sequence[str] = SUITES, ssd_dir: str | None = None
+) -> tuple[list[BenchRow], dict[str, Any]]:
+    """Run the suites; (rows, machine facts with load before/after and seconds taken)."""
+    facts = machine_facts()
+    facts["load_before"] = _load()
+    start = time.monotonic()
+    rows: list[BenchRow] = []
+    for suite in suites:
+        if suite == "local":
+            rows += local_rows(plan, ssd_dir)
+        elif suite == "prefix":
+            rows += prefix_rows(plan)
+        elif suite == "remote":
+            rows += remote_rows(plan)
+        elif suite == "layerwise":
+            rows += layerwise_rows(plan)
+        else:
+            raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
+    facts["load_after"] = _load()
+    facts["seconds"] = round(time.monotonic() - start, 1)
+    return rows, facts
+
+
+# --- CLI -----------------------------------------------------------------------------------
+
+
+def register_all(suites: Any) -> None:
+    parser = suites.add_parser("all", help="the headline ratio of every suite, one run")
+    parser.add_argument(
+        "--json",
+        default=None,
+        metavar="F",
+        help="write the rows to F (facts: same name, .machine.json)",
+    )
+    parser.add_argument("--quick", action="store_true", help="fewer sizes, smaller workloads")
+    parser.add_argument("--suites", default=",".join(SUITES), help="comma list (default: all)")
+    parser.add_argument("--sizes", type=sizes_arg, default=None, help="override block sizes")
+    parser.add_argument("--rounds", type=positive_int, default=None, help="override rounds")
+    parser.add_argument("--ssd-dir", default=None, help="directory for the SSD rows (/tmp)")
+    parser.add_argument(
+        "--markdown", action="store_true", help="print the table as markdown (for RESULTS.md)"
+    )
+    parser.set_defaults(func=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    plan = Plan.quick() if args.quick else Plan.full()
+    if args.sizes:
+        plan.local_sizes = plan.remote_sizes = list(args.sizes)
+    if args.rounds:
+        plan.rounds = args.rounds
+        plan.layer_rounds = min(plan.layer_rounds, args.rounds)
+        plan.prefix_samples = max(10, min(plan.prefix_samples, 20 * args.rounds))
+    suites = [s.strip() for s in args.suites.split(",") if s.strip()]
+    unknown = set(suites) - set(SUITES)
+    if unknown:
+        raise SystemExit(f"unknown suite(s) {sorted(unknown)}; choose from {', '.join(SUITES)}")
+    rows, facts = run_all(plan, suites, args.ssd_dir)
+    print_report(rows, facts, markdown=args.markdown)
+    if args.json:
+        write_json(args.json, [asdict(r) for r in rows])
+        write_json(os.path.splitext(args.json)[0] + ".machine.json", facts)
+    return 0
+
+
+def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool = False) -> None:
+    print(
+        f"{facts['date_utc']} UTC  {facts['cpu_model']}, {facts['cores']} cores, cpuidle "
+        f"{facts['cpuidle_driver']}, kernel {facts['kernel']}, Python {facts['python']}; "
+        f"load {facts['load_before']} -> {facts['load_after']}; {facts['seconds']} s"
+    )
+    if markdown:
+        print("\n| suite | store | op | path | size | value | unit | baseline | baseline value "
+              "| ratio |\n|---|---|---|---|---:|---:|---|---|---:|---:|")  # fmt: skip
+    else:
+        print(f"{'suite':<9} {'store':<8} {'op':<14} {'path':<10} {'size':>7} {'value':>9} "
+              f"{'unit':<4} {'base':>9} {'ratio':>6}  baseline")  # fmt: skip
+    for r in rows:
+        size = format_size(r.size) if r.size else "-"
+        if markdown:
+            cells = [r.suite, r.store, r.op, r.path, size, f"{r.value:.3g}", r.unit, r.baseline,
+                     f"{r.baseline_value:.3g}", f"{r.ratio:.2f}"]  # fmt: skip
+            print("| " + " | ".join(cells) + " |")
+        else:
+            print(
+                f"{r.suite:<9} {r.store:<8} {r.op:<14} {r.path:<10} {size:>7} {r.value:>9.3g} "
+                f"{r.unit:<4} {r.baseline_value:>9.3g} {r.ratio:>6.2f}  {r.baseline}"
+            )

@@ -1,0 +1,95 @@
+"""``kvpool bench all``: one quick real run (tiny sizes) and the row schema it writes.
+
+The run is real -- an embedded pool, an SSD tier in tmp, a master and a node
+as processes, the raw-socket baseline server -- only smaller; this test checks
+the shape and the arithmetic of what it reports, never the speed.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+KEYS = ["suite", "store", "op", "path", "size", "value", "unit", "baseline", "baseline_value",
+        "ratio"]  # fmt: skip
+OPS = {"put", "get_into", "put_batch", "get_into_batch", "prefix_match", "store", "load"}
+FACTS = {"date_utc", "cpu_model", "cores", "cpuidle_driver", "kernel", "load_before",
+         "load_after", "seconds"}  # fmt: skip
+
+
+def _bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvpool", "bench", "all", *args],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=cwd,
+    )
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[dict], dict, str]:
+    tmp = tmp_path_factory.mktemp("bench-all")
+    out = tmp / "rows.json"
+    args = ["--quick", "--sizes", "64KiB", "--rounds", "1", "--json", str(out)]
+    done = _bench(*args, "--ssd-dir", str(tmp), cwd=tmp)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    facts = json.loads((tmp / "rows.machine.json").read_text())
+    return rows, facts, done.stdout
+
+
+def test_rows_have_exactly_the_schema(quick_run: tuple[list[dict], dict, str]) -> None:
+    rows, _, _ = quick_run
+    assert isinstance(rows, list) and rows
+    for row in rows:
+        assert list(row) == KEYS
+        assert row["suite"] in {"local", "prefix", "remote", "layerwise"}
+        assert row["store"] in {"kvpool", "mooncake"}
+        assert row["op"] in OPS
+        assert row["unit"] in {"GB/s", "us", "x"}
+        assert row["size"] is None or (isinstance(row["size"], int) and row["size"] > 0)
+        assert row["value"] > 0 and row["baseline_value"] > 0 and row["ratio"] > 0
+        assert isinstance(row["baseline"], str) and row["baseline"]
+
+
+def test_every_suite_reports_its_headline_rows(quick_run: tuple[list[dict], dict, str]) -> None:
+    rows, _, _ = quick_run
+    have = {(r["suite"], r["op"], r["path"]) for r in rows}
+    for want in [
+        ("local", "put", "dram"), ("local", "get_into", "ssd"), ("prefix", "prefix_match", "dram"),
+        ("remote", "get_into", "tcp"), ("remote", "get_into_batch", "tcp"),
+        ("remote", "put", "shm"), ("remote", "put_batch", "shm"),
+        ("layerwise", "store", "dram"), ("layerwise", "load", "dram"),
+    ]:  # fmt: skip
+        assert want in have
+    assert all(r["size"] == 65536 for r in rows if r["suite"] in ("local", "remote"))
+
+
+def test_ratio_is_higher_is_better(quick_run: tuple[list[dict], dict, str]) -> None:
+    rows, _, _ = quick_run
+    for r in rows:
+        if r["unit"] == "GB/s":
+            expect = r["value"] / r["baseline_value"]
+        elif r["unit"] == "us":
+            expect = r["baseline_value"] / r["value"]
+        else:  # layer-wise: the overlap ratio, and its inverse
+            expect = 1 / r["value"]
+        assert r["ratio"] == pytest.approx(expect, rel=0.02, abs=0.002)
+
+
+def test_machine_facts_are_written_and_printed(quick_run: tuple[list[dict], dict, str]) -> None:
+    _, facts, stdout = quick_run
+    assert set(facts) >= FACTS
+    assert len(facts["load_before"]) == 3 and len(facts["load_after"]) == 3
+    assert facts["cpu_model"] in stdout and "load" in stdout
+
+
+def test_unknown_suite_is_refused(tmp_path: Path) -> None:
+    done = _bench("--suites", "local,nope", cwd=tmp_path)
+    assert done.returncode != 0
+    assert "unknown suite(s) ['nope']" in done.stderr

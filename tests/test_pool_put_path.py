@@ -1,0 +1,101 @@
+"""The embedded pool's whole-block put path (no writer handle) under concurrency.
+
+A put's copy runs outside the lock with its key marked as being written:
+a reserve or put of that key meanwhile is refused, ``close`` waits for the
+copy, and a put whose pool closed under it raises and commits nothing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from poolhelpers import BLOCK, make_keys, payload
+
+import kvpool.embedded.reservations as reservations_module
+from kvpool import Pool
+from kvpool.errors import PoolClosedError
+
+
+class _Gate:
+    """Holds every put copy until released (the copy seam is ``copy_region``)."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered, self.release = threading.Event(), threading.Event()
+        real = reservations_module.copy_region
+
+        def copy(dst: Any, src: Any) -> None:
+            self.entered.set()
+            assert self.release.wait(10)
+            real(dst, src)
+
+        monkeypatch.setattr(reservations_module, "copy_region", copy)
+
+
+def test_a_key_being_put_cannot_be_reserved_or_put(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = make_keys(1)[0]
+    gate = _Gate(monkeypatch)
+    with Pool.embedded(dram_bytes=4 * BLOCK) as pool:
+        errors: list[BaseException] = []
+
+        def put() -> None:
+            try:
+                assert pool.put(key, payload(1))
+            except BaseException as exc:  # pragma: no cover - reported below
+                errors.append(exc)
+
+        writer = threading.Thread(target=put)
+        writer.start()
+        assert gate.entered.wait(5)
+        assert pool.reserve(key, BLOCK) is None
+        assert pool.put(key, payload(2)) is False
+        gate.release.set()
+        writer.join(5)
+        assert not errors
+        assert pool.get(key) == payload(1).tobytes()
+        assert pool.stats()["tiers"]["dram"]["used_bytes"] == BLOCK
+
+
+def test_close_waits_for_a_put_which_then_raises(monkeypatch: pytest.MonkeyPatch) -> None:
+    key = make_keys(1)[0]
+    gate = _Gate(monkeypatch)
+    pool = Pool.embedded(dram_bytes=4 * BLOCK)
+    raised: list[BaseException] = []
+
+    def put() -> None:
+        try:
+            pool.put(key, payload(1))
+        except BaseException as exc:
+            raised.append(exc)
+
+    writer = threading.Thread(target=put)
+    writer.start()
+    assert gate.entered.wait(5)
+    closer = threading.Thread(target=pool.close)
+    closer.start()
+    time.sleep(0.1)
+    assert closer.is_alive()  # waiting for the put's copy
+    gate.release.set()
+    writer.join(5)
+    closer.join(5)
+    assert not closer.is_alive()
+    assert len(raised) == 1 and isinstance(raised[0], PoolClosedError)
+
+
+def test_plain_and_adapted_buffers_store_the_same_bytes() -> None:
+    keys = make_keys(4)
+    data = payload(3)
+    with Pool.embedded(dram_bytes=8 * BLOCK) as pool:
+        assert pool.put(keys[0], data)  # flat uint8 ndarray: the fast path
+        assert pool.put(keys[1], data.view(np.uint32))  # another dtype: through the adapter
+        assert pool.put(keys[2], bytearray(data.tobytes()))
+        for key in keys[:3]:
+            out = np.empty(BLOCK, np.uint8)
+            assert pool.get_into(key, out) == BLOCK
+            assert np.array_equal(out, data)
+        out = np.zeros(2 * BLOCK, np.uint8)
+        assert pool.get_into(keys[0], out, offset=8, length=16) == 16
+        assert np.array_equal(out[:16], data[8:24]) and not out[16:].any()
