@@ -9,6 +9,8 @@ from typing import Any
 from kvpool.args import non_negative_int, positive_int
 from kvpool.serve.sched.admission import REJECTIONS
 from kvpool.serve.sched.conductor import ROUTE_FNS, SLO
+from kvpool.serve.sched.cost_model import HARDWARE
+from kvpool.serve.sched.layerwise_model import DEFAULT_LAYER_OVERHEAD_S, overhead_from_bench
 from kvpool.serve.sched.sim.config import SimConfig
 from kvpool.serve.sched.sim.runner import simulate
 
@@ -57,8 +59,51 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--cpp-group", type=positive_int, default=1, help="pipeline prefill over k nodes"
     )
+    add_hardware_args(p)
+    p.add_argument(
+        "--find-rate",
+        action="store_true",
+        help="search the speed for the highest rate that keeps --attainment of requests "
+        "within both SLOs; adds sustainable_rps and sustainable_speed to the JSON",
+    )
+    p.add_argument(
+        "--attainment",
+        type=float,
+        default=0.9,
+        help="with --find-rate: share of requests within both SLOs (default 0.9)",
+    )
     p.add_argument("--json", default=None, help="write the result object here")
     p.set_defaults(func=_run_cli)
+
+
+def add_hardware_args(p: Any) -> None:
+    """``--hardware`` and the layer-wise streaming flags (``kvpool sim`` and ``kvpool plan``)."""
+    p.add_argument(
+        "--hardware",
+        choices=sorted(HARDWARE),
+        default="h100",
+        help="node preset: h100 (8 x H100 SXM) or a800 (the paper's 8 x A800-80GB + RDMA)",
+    )
+    p.add_argument(
+        "--no-layerwise",
+        dest="layerwise",
+        action="store_false",
+        help="move the KV to decode only after prefill, at full size (no layer-wise streaming)",
+    )
+    p.add_argument(
+        "--layerwise-calibration",
+        default=None,
+        metavar="F",
+        help="a kvpool bench layerwise --json result: fit the per-layer overhead from it",
+    )
+
+
+def layer_overhead(args: argparse.Namespace) -> float:
+    """The per-layer streaming overhead: fitted from ``--layerwise-calibration``, or the default."""
+    if not args.layerwise_calibration:
+        return DEFAULT_LAYER_OVERHEAD_S
+    with open(args.layerwise_calibration, encoding="utf-8") as fh:
+        return overhead_from_bench(json.load(fh))
 
 
 def _run_cli(args: argparse.Namespace) -> int:
@@ -84,11 +129,26 @@ def _run_cli(args: argparse.Namespace) -> int:
         model=args.model,
         block_tokens=args.block_tokens,
         cpp_group=args.cpp_group,
+        hardware=args.hardware,
+        layerwise=args.layerwise,
+        layer_overhead_s=layer_overhead(args),
     )
-    result = simulate(records, cfg)
+    result = _with_rate(records, cfg, args.attainment) if args.find_rate else simulate(records, cfg)
     text = json.dumps(result, indent=2)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
     print(text)
     return 0
+
+
+def _with_rate(records: Any, cfg: SimConfig, attainment: float) -> dict[str, Any]:
+    """The result at ``cfg.speed`` plus the sustainable rate (``sim.rate``)."""
+    from kvpool.serve.sched.sim.rate import RateSearch, sim_find_rate
+    from kvpool.workload.cachesim import trace_keys
+
+    keys = trace_keys(records, cfg.block_tokens)
+    result = simulate(records, cfg, keys=keys)
+    rate = sim_find_rate(records, cfg, RateSearch(attainment=attainment), keys=keys)
+    rate.pop("at_sustainable")
+    return {**result, **rate}

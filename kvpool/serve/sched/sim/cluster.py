@@ -14,7 +14,6 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 from kvpool.eviction import make_policy
@@ -26,7 +25,8 @@ from kvpool.serve.sched.admission import (
     normalize_rejection,
 )
 from kvpool.serve.sched.conductor import ROUTE_FNS, Conductor, PrefillPlan, WorkerView
-from kvpool.serve.sched.cost_model import ClusterCostModel, analytic_cluster
+from kvpool.serve.sched.cost_model import ClusterCostModel, analytic_cluster, get_hardware
+from kvpool.serve.sched.layerwise_model import remaining_transfer
 from kvpool.serve.sched.sim.config import (
     ARRIVAL,
     DECODE_JOIN,
@@ -37,6 +37,7 @@ from kvpool.serve.sched.sim.config import (
     SimConfig,
 )
 from kvpool.serve.sched.sim.decode_engine import DecodeEngine
+from kvpool.serve.sched.sim.summary import summarize
 
 
 class Cluster:
@@ -51,7 +52,9 @@ class Cluster:
     ) -> None:
         config.validate()
         self.cfg = config
-        self.cost = cost or analytic_cluster(config.model, block_tokens=config.block_tokens)
+        self.cost = cost or analytic_cluster(
+            config.model, get_hardware(config.hardware), block_tokens=config.block_tokens
+        )
         cm = self.cost
         self.conductor = Conductor(
             cm.prefill,
@@ -158,6 +161,7 @@ class Cluster:
         self._fetch(r, plan)
         seconds = self._prefill_seconds(plan.transfer_s, plan.prefill_s)
         r.prefill_node, r.prefill_s, r.reused_blocks = idx, seconds, plan.reused_blocks
+        r.compute_s = plan.prefill_s
         self.hit_blocks += plan.reused_blocks
         self.total_blocks += len(r.keys)
         if node.engine is not None:
@@ -250,9 +254,18 @@ class Cluster:
             ),
         )
         r.decode_node = best
-        t = now + self.cost.kv_transfer_seconds(r.input)
+        t = now + self.kv_after_prefill(r)
         r.ready = t
         self._push(t, DECODE_JOIN, rid)
+
+    def kv_after_prefill(self, r: Req) -> float:
+        """Seconds from the prefill's end until the KV is on the decode node: all of it
+        unstreamed, else what layer-wise streaming leaves (``layerwise_model``)."""
+        full = self.cost.kv_transfer_seconds(r.input)
+        if not self.cfg.layerwise:
+            return full
+        layers = self.cost.config.num_layers
+        return remaining_transfer(full, r.compute_s, layers, self.cfg.layer_overhead_s)
 
     # -- decode side ----------------------------------------------------------------------
 
@@ -331,59 +344,5 @@ class Cluster:
         return self.results(time.perf_counter() - t0)
 
     def results(self, wall_s: float = 0.0) -> dict[str, Any]:
-        reqs = self.reqs
-        n = len(reqs)
-        done = [r for r in reqs if r.rejected is None and r.end >= 0]
-        ttft = [r.first_token - r.arrival for r in done]
-        ttft_ok = [r.first_token - r.arrival <= r.ttft_slo for r in done]
-        tbt_ok = [r.tbt_ok for r in done]
-        good = sum(1 for r, a in zip(done, ttft_ok, strict=True) if a and r.tbt_ok)
-        span = (reqs[-1].arrival - reqs[0].arrival) if n > 1 else 0.0
-        ttft_sorted = sorted(ttft)
-
-        def pct(xs: list[float], p: float) -> float:
-            if not xs:
-                return 0.0
-            return xs[min(len(xs) - 1, max(0, math.ceil(p / 100 * len(xs)) - 1))]
-
-        tbts = sorted(r.mean_tbt for r in done if r.output > 1)
-        cfg = self.cfg
-        return {
-            "requests": n,
-            "completed": len(done),
-            "rejected": sum(1 for r in reqs if r.rejected is not None),
-            "ttft_slo_attainment": sum(ttft_ok) / len(done) if done else 0.0,
-            "tbt_slo_attainment": sum(tbt_ok) / len(done) if done else 0.0,
-            "goodput_rps": good / span if span > 0 else float(good),
-            "mean_ttft_s": sum(ttft) / len(ttft) if ttft else 0.0,
-            "hit_ratio": self.hit_blocks / self.total_blocks if self.total_blocks else 0.0,
-            "good": good,
-            "slo_attainment_all": good / n if n else 0.0,
-            "p90_ttft_s": pct(ttft_sorted, 90),
-            "p99_ttft_s": pct(ttft_sorted, 99),
-            "mean_tbt_s": sum(tbts) / len(tbts) if tbts else 0.0,
-            "p99_mean_tbt_s": pct(tbts, 99),
-            "rejected_ttft": self.rejected_ttft,
-            "rejected_decode": self.rejected_decode,
-            "rejected_after_prefill": self.rejected_after,
-            "wasted_prefill_s": self.wasted_prefill_s,
-            "fetches": self.fetches,
-            "duration_s": span,
-            "makespan_s": max((r.end for r in done), default=0.0),
-            "sim_wall_s": wall_s,
-            "config": {
-                "prefill": 0 if self.coupled else cfg.prefill,
-                "decode": 0 if self.coupled else cfg.decode,
-                "coupled": cfg.coupled,
-                "speed": cfg.speed,
-                "router": cfg.router,
-                "rejection": cfg.rejection,
-                "capacity_blocks": cfg.capacity_blocks,
-                "policy": cfg.policy,
-                "slo": asdict(cfg.slo),
-                "balance_threshold": cfg.balance_threshold,
-                "decode_headroom": cfg.decode_headroom,
-                "model": cfg.model,
-                "cpp_group": cfg.cpp_group,
-            },
-        }
+        """The result dict ``kvpool sim`` prints (``sim.summary``)."""
+        return summarize(self, wall_s)

@@ -103,6 +103,7 @@ class CppCluster(Cluster):
             self.cpp_requests += 1
             self.cpp_bubble_sum += bubble
         r.prefill_node, r.prefill_s, r.reused_blocks = members[0], seconds, plan.reused_blocks
+        r.compute_s = seconds - plan.transfer_s
         self.hit_blocks += plan.reused_blocks
         self.total_blocks += len(r.keys)
         end = max([now] + [nodes[m].busy_until for m in members]) + seconds
