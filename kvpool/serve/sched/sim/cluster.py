@@ -97,7 +97,9 @@ class Cluster:
         self.seq = 0
         # decode-side load
         self.decode_load = 0  # requests in transfer, waiting or decoding
+        self.decode_tokens = 0.0  # their admission weights (KV tokens, Req.weight)
         self.mean_tokens = 0.0
+        self.mean_output = 0.0
         self.admitted_n = 0
         prior_decode = 256 * cm.decode.step_seconds(64, 64 * 4096)
         self.predictor = DecodeLoadPredictor(prior_decode)
@@ -144,11 +146,13 @@ class Cluster:
         # issue 8: a cpp_group > 1 pipelines plan_prefill over the group's nodes
         return plan_transfer + plan_prefill
 
-    def _capacity(self) -> int:
+    def _capacity(self) -> float:
+        """KV tokens the decode pool holds within its memory and the TBT SLO, at the
+        mean request size, times the admission headroom."""
         mean_ctx = self.mean_tokens or 4096.0
         tbt = self.conductor.tbt_slo(int(mean_ctx))
         cap = decode_capacity(self.cost.decode, len(self.decode_nodes), mean_ctx, tbt)
-        return int(cap * self.cfg.decode_headroom)
+        return cap * self.cfg.decode_headroom * mean_ctx
 
     def _on_arrival(self, rid: int, now: float) -> None:
         r = self.reqs[rid]
@@ -170,13 +174,15 @@ class Cluster:
         else:
             end = max(now, node.busy_until) + seconds
             node.busy_until = end
-        self.predictor.add(rid, end)
+        self.predictor.add(rid, end, r.weight)
         self._push(end, PREFILL_DONE, rid)
 
     def _arrive(self, r: Req, now: float) -> list[WorkerView]:
         """Count the arrival, set its SLOs; the prefill nodes as the router sees them."""
         self.admitted_n += 1
         self.mean_tokens += (r.input + r.output - self.mean_tokens) / self.admitted_n
+        self.mean_output += (r.output - self.mean_output) / self.admitted_n
+        r.weight = r.input + self.mean_output  # its reply's length is not known yet
         r.ttft_slo = self.conductor.ttft_slo(r.input)
         r.tbt_slo = self.conductor.tbt_slo(r.input + r.output // 2)
         return [
@@ -193,8 +199,8 @@ class Cluster:
         if self.rejection in ("now", "predicted"):
             predicted = None
             if self.rejection == "predicted":
-                predicted = self.predictor.predict(now, now + ttft_s, self.decode_load)
-            state = AdmissionState(self.decode_load, self._capacity(), predicted)
+                predicted = self.predictor.predict_peak(now, now + ttft_s, self.decode_tokens)
+            state = AdmissionState(self.decode_tokens, self._capacity(), predicted, r.weight)
             if admit_decode(self.rejection, state, at_arrival=True):
                 r.rejected = "decode"
                 self.rejected_decode += 1
@@ -234,7 +240,7 @@ class Cluster:
             self.predictor.remove(rid)
             return
         if self.rejection == "after":
-            state = AdmissionState(self.decode_load, self._capacity())
+            state = AdmissionState(self.decode_tokens, self._capacity(), weight=r.weight)
             if admit_decode("after", state, at_arrival=False):
                 r.rejected = "after-prefill"
                 self.rejected_after += 1
@@ -242,6 +248,7 @@ class Cluster:
                 self.predictor.remove(rid)
                 return
         self.decode_load += 1
+        self.decode_tokens += r.weight
         if self.coupled:
             r.decode_node, r.ready = r.prefill_node, now
             self._decode_arrive(rid, now)
@@ -312,6 +319,7 @@ class Cluster:
                 and r.mean_tbt <= r.tbt_slo
             )
             self.decode_load -= 1
+            self.decode_tokens -= r.weight
             self.predictor.remove(rid)
             self.predictor.observe(r.end - r.first_token)
         while eng.waiting:

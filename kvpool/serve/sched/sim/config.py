@@ -88,3 +88,4 @@ class Req:
     tbt_ok: bool = True
     mean_tbt: float = 0.0
     reused_blocks: int = 0
+    weight: float = 0.0  # admission weight: prompt + mean reply tokens (KV at decode)

@@ -109,7 +109,7 @@ class CppCluster(Cluster):
         end = max([now] + [nodes[m].busy_until for m in members]) + seconds
         for m in members:
             nodes[m].busy_until = end
-        self.predictor.add(rid, end)
+        self.predictor.add(rid, end, r.weight)
         self._push(end, PREFILL_DONE, rid)
 
     def results(self, wall_s: float = 0.0) -> dict[str, Any]:
