@@ -105,3 +105,34 @@ def test_live_router_rejects_on_the_simulators_prediction() -> None:
         )
     assert len(predicted.ledger) == 0
     assert predicted.route(400, [], workers).reject is None
+
+
+def test_load_series_shows_the_oscillation_predicted_damps(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A decode-bound overload on the look-alike trace: rejecting on the load now lets
+    the decode load swing over its capacity; the predictor holds it closer."""
+    import json
+
+    from kvpool.cli import main
+    from kvpool.serve.sched.sim.config import SimConfig
+    from kvpool.serve.sched.sim.runner import simulate
+    from kvpool.workload.conversation import conversation_trace
+    from kvpool.workload.traces import write_trace
+
+    records = conversation_trace(requests=3000, seed=0)
+    osc = {}
+    for rej in ("now", "predicted"):
+        cfg = SimConfig(prefill=10, decode=1, speed=2.0, hardware="a800", rejection=rej)
+        cfg.load_sample_s = 1.0
+        osc[rej] = simulate(records, cfg)["load_oscillation"]
+    now, pred = osc["now"], osc["predicted"]
+    assert now["decode_over_capacity_share"] > 1.3 * pred["decode_over_capacity_share"]
+    assert now["decode_load_std"] > pred["decode_load_std"]
+    trace = tmp_path / "c.jsonl"
+    write_trace(records[:200], str(trace))
+    series = tmp_path / "s.json"
+    argv = ["sim", str(trace), "--prefill", "2", "--decode", "1", "--rejection", "now"]
+    assert main([*argv, "--load-series", str(series), "--load-interval", "0.5"]) == 0
+    d = json.loads(series.read_text())
+    assert set(d["series"]) == {"t", "prefill_queue_s", "decode_load", "decode_waiting"}
+    assert d["series"]["t"][:3] == [0.0, 0.5, 1.0]
+    assert "decode_load_std" in d["oscillation"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import replace
 from typing import Any
 
 from kvpool.args import non_negative_int, positive_int
@@ -72,6 +73,14 @@ def register(subparsers: Any) -> None:
         default=0.9,
         help="with --find-rate: share of requests within both SLOs (default 0.9)",
     )
+    p.add_argument(
+        "--load-series",
+        default=None,
+        metavar="F",
+        help="write the prefill queue and decode load over time here (JSON; the result "
+        "gets load_oscillation); a .png name draws them instead (matplotlib)",
+    )
+    p.add_argument("--load-interval", type=float, default=1.0, help="seconds between load samples")
     p.add_argument("--json", default=None, help="write the result object here")
     p.set_defaults(func=_run_cli)
 
@@ -110,6 +119,8 @@ def _run_cli(args: argparse.Namespace) -> int:
 
     from kvpool.workload.traces import load_for_command
 
+    if args.load_series and args.load_interval <= 0:
+        raise ValueError("--load-interval must be > 0")
     records = load_for_command(args.trace, "sim", block_tokens=args.block_tokens, limit=args.limit)
     if records is None:
         return 2
@@ -132,8 +143,12 @@ def _run_cli(args: argparse.Namespace) -> int:
         hardware=args.hardware,
         layerwise=args.layerwise,
         layer_overhead_s=layer_overhead(args),
+        load_sample_s=args.load_interval if args.load_series else 0.0,
     )
     result = _with_rate(records, cfg, args.attainment) if args.find_rate else simulate(records, cfg)
+    series = result.pop("load_series", None)
+    if args.load_series and series is not None:
+        _write_series(args.load_series, series, result, args.rejection)
     text = json.dumps(result, indent=2)
     if args.json:
         with open(args.json, "w", encoding="utf-8") as fh:
@@ -149,6 +164,18 @@ def _with_rate(records: Any, cfg: SimConfig, attainment: float) -> dict[str, Any
 
     keys = trace_keys(records, cfg.block_tokens)
     result = simulate(records, cfg, keys=keys)
-    rate = sim_find_rate(records, cfg, RateSearch(attainment=attainment), keys=keys)
+    search = RateSearch(attainment=attainment)
+    rate = sim_find_rate(records, replace(cfg, load_sample_s=0.0), search, keys=keys)
     rate.pop("at_sustainable")
     return {**result, **rate}
+
+
+def _write_series(path: str, series: Any, result: dict[str, Any], label: str) -> None:
+    if path.endswith(".png"):
+        from kvpool.serve.sched.sim.load_series import plot
+
+        plot({label: series}, path)
+        return
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump({"oscillation": result["load_oscillation"], "series": series}, fh)
+        fh.write("\n")

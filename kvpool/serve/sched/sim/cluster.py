@@ -37,6 +37,7 @@ from kvpool.serve.sched.sim.config import (
     SimConfig,
 )
 from kvpool.serve.sched.sim.decode_engine import DecodeEngine
+from kvpool.serve.sched.sim.load_series import LoadSampler
 from kvpool.serve.sched.sim.summary import summarize
 
 
@@ -93,6 +94,7 @@ class Cluster:
             )
             for r, k in zip(records, keys, strict=True)
         ]
+        self.sampler = LoadSampler(config.load_sample_s) if config.load_sample_s > 0 else None
         self.events: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         # decode-side load
@@ -137,7 +139,8 @@ class Cluster:
             n += 1
         return n
 
-    def _queue_s(self, node: Node, now: float) -> float:
+    def queue_seconds(self, node: Node, now: float) -> float:
+        """Work committed to a prefill node at ``now``, in seconds."""
         if node.engine is not None:
             return max(0.0, node.engine.busy_until() - now)
         return max(0.0, node.busy_until - now)
@@ -146,7 +149,7 @@ class Cluster:
         # issue 8: a cpp_group > 1 pipelines plan_prefill over the group's nodes
         return plan_transfer + plan_prefill
 
-    def _capacity(self) -> float:
+    def decode_capacity_tokens(self) -> float:
         """KV tokens the decode pool holds within its memory and the TBT SLO, at the
         mean request size, times the admission headroom."""
         mean_ctx = self.mean_tokens or 4096.0
@@ -186,7 +189,7 @@ class Cluster:
         r.ttft_slo = self.conductor.ttft_slo(r.input)
         r.tbt_slo = self.conductor.tbt_slo(r.input + r.output // 2)
         return [
-            WorkerView(n.name, self._queue_s(n, now), self._local_blocks(n, r.keys), n.name)
+            WorkerView(n.name, self.queue_seconds(n, now), self._local_blocks(n, r.keys), n.name)
             for n in self.prefill_nodes
         ]
 
@@ -200,7 +203,8 @@ class Cluster:
             predicted = None
             if self.rejection == "predicted":
                 predicted = self.predictor.predict_peak(now, now + ttft_s, self.decode_tokens)
-            state = AdmissionState(self.decode_tokens, self._capacity(), predicted, r.weight)
+            cap = self.decode_capacity_tokens()
+            state = AdmissionState(self.decode_tokens, cap, predicted, r.weight)
             if admit_decode(self.rejection, state, at_arrival=True):
                 r.rejected = "decode"
                 self.rejected_decode += 1
@@ -240,7 +244,8 @@ class Cluster:
             self.predictor.remove(rid)
             return
         if self.rejection == "after":
-            state = AdmissionState(self.decode_tokens, self._capacity(), weight=r.weight)
+            cap = self.decode_capacity_tokens()
+            state = AdmissionState(self.decode_tokens, cap, weight=r.weight)
             if admit_decode("after", state, at_arrival=False):
                 r.rejected = "after-prefill"
                 self.rejected_after += 1
@@ -341,6 +346,8 @@ class Cluster:
         events = self.events
         while events:
             t, _seq, kind, a, b = heapq.heappop(events)
+            if self.sampler is not None:
+                self.sampler.sample_until(self, t)
             if kind == ARRIVAL:
                 self._on_arrival(a, t)
             elif kind == PREFILL_DONE:

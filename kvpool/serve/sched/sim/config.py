@@ -35,6 +35,7 @@ class SimConfig:
     hardware: str = "h100"  # node preset (cost_model.HARDWARE)
     layerwise: bool = True  # KV streams to decode layer by layer during prefill
     layer_overhead_s: float = DEFAULT_LAYER_OVERHEAD_S  # per layer (layerwise_model)
+    load_sample_s: float = 0.0  # > 0: sample prefill/decode load this often (load_series)
 
     def validate(self) -> None:
         if self.coupled < 0 or self.prefill < 0 or self.decode < 0:
@@ -47,6 +48,8 @@ class SimConfig:
             raise ValueError(f"unknown router {self.router!r}; choose from {sorted(ROUTE_FNS)}")
         normalize_rejection(self.rejection)
         get_hardware(self.hardware)
+        if self.load_sample_s < 0:
+            raise ValueError("load_sample_s must be >= 0")
         if self.layer_overhead_s < 0:
             raise ValueError("layer_overhead_s must be >= 0")
         if self.capacity_blocks < 0:

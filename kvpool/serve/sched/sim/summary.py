@@ -6,6 +6,8 @@ import math
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from kvpool.serve.sched.sim.load_series import summary as load_summary
+
 if TYPE_CHECKING:
     from kvpool.serve.sched.sim.cluster import Cluster
 
@@ -29,6 +31,10 @@ def summarize(cluster: Cluster, wall_s: float = 0.0) -> dict[str, Any]:
 
     tbts = sorted(r.mean_tbt for r in done if r.output > 1)
     cfg = cluster.cfg
+    load: dict[str, Any] = {}
+    if cluster.sampler is not None:
+        series = cluster.sampler.series
+        load = {"load_oscillation": load_summary(series), "load_series": series}
     return {
         "requests": n,
         "completed": len(done),
@@ -70,4 +76,5 @@ def summarize(cluster: Cluster, wall_s: float = 0.0) -> dict[str, Any]:
             "layerwise": cfg.layerwise,
             "layer_overhead_s": cfg.layer_overhead_s,
         },
+        **load,
     }
