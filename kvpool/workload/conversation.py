@@ -214,6 +214,7 @@ def shape_stats(
         "output_mean": float(outs.mean()),
         "output_p50": q(outs, 50),
         "output_p90": q(outs, 90),
+        "blocks": total,
         "unique_blocks": len(uses),
         "single_use_block_share": sum(1 for u in uses if u == 1) / len(uses) if uses else 0.0,
         "max_block_share": max(uses, default=0) / n,

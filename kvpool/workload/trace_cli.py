@@ -125,39 +125,28 @@ def _run_synth(args: argparse.Namespace) -> int:
 
 
 def trace_stats(records: Any, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> dict[str, Any]:
-    """Counts over full blocks (the ones the pool keys), by hash-id prefix."""
-    seen: set[tuple[int, ...]] = set()
-    total = 0
-    first_ts = last_ts = 0.0
-    for i, rec in enumerate(records):
-        if i == 0:
-            first_ts = rec.timestamp
-        last_ts = rec.timestamp
-        full = rec.input_length // block_tokens
-        total += full
-        for j in range(1, full + 1):
-            seen.add(tuple(rec.hash_ids[:j]))
+    """Counts over full blocks (the ones the pool keys), by hash-id prefix, then the
+    shape numbers of ``conversation.shape_stats`` (quantiles, block reuse)."""
+    from kvpool.workload.conversation import shape_stats
+
     n = len(records)
-    return {
+    shape = shape_stats(records, block_tokens)
+    head = {
         "requests": n,
-        "blocks": total,
-        "unique_blocks": len(seen),
-        "infinite_hit_ratio": (total - len(seen)) / total if total else 0.0,
-        "mean_input_tokens": sum(r.input_length for r in records) / n if n else 0.0,
-        "duration_s": (last_ts - first_ts) / 1000.0,
+        "blocks": shape.get("blocks", 0),
+        "unique_blocks": shape.get("unique_blocks", 0),
+        "infinite_hit_ratio": shape.get("infinite_hit_ratio", 0.0),
+        "mean_input_tokens": shape.get("prompt_mean", 0.0),
+        "duration_s": (records[-1].timestamp - records[0].timestamp) / 1000.0 if n else 0.0,
     }
+    return {**head, **{k: v for k, v in shape.items() if k not in head}}
 
 
 def _run_stats(args: argparse.Namespace) -> int:
-
     from kvpool.workload.traces import load_for_command
 
     records = load_for_command(args.trace, "trace stats", block_tokens=args.block_tokens)
     if records is None:
         return 2
-    from kvpool.workload.conversation import shape_stats
-
-    stats = trace_stats(records, args.block_tokens)
-    shape = shape_stats(records, args.block_tokens)  # quantiles and block reuse
-    print(json.dumps({**stats, **{k: v for k, v in shape.items() if k not in stats}}, indent=2))
+    print(json.dumps(trace_stats(records, args.block_tokens), indent=2))
     return 0
