@@ -64,6 +64,9 @@ def test_live_ledger_matches_events_without_ids() -> None:
     assert len(led) == 0
     led.admitted(0.0, 10.0)  # never reported: expires after stale_after decode times
     assert led.predict_peak(1000.0, 1000.0, 0.0) == 0.0 and len(led) == 0
+    led.admitted(0.0, 10.0)
+    led.admitted(1000.0, 5.0)  # every admission expires stale entries too (any policy)
+    assert len(led) == 1 and led.predict_peak(1000.0, 1000.0, 0.0) == 5.0
 
 
 def _router(rejection: str, now: list[float]) -> ConductorRouter:

@@ -245,8 +245,14 @@ class LiveDecodeLedger:
         return len(self.predictor)
 
     def admitted(self, decode_start: float, weight: float) -> None:
+        """A request was admitted; its decode is predicted to start at ``decode_start``
+        (bookkeeping runs under every policy, so stale entries expire here too)."""
+        self._expire(decode_start)
         self._next += 1
         self.predictor.add(self._next, decode_start, weight)
+
+    def _expire(self, now: float) -> None:
+        self.predictor.expire(now - self.stale_after * self.predictor.decode_s)
 
     def prefill_done(self, now: float, ok: bool = True) -> None:
         rid = self.predictor.oldest(running=False)
@@ -269,5 +275,5 @@ class LiveDecodeLedger:
 
     def predict_peak(self, now: float, t: float, load_now: float) -> float:
         """``DecodeLoadPredictor.predict_peak`` after dropping stale entries."""
-        self.predictor.expire(now - self.stale_after * self.predictor.decode_s)
+        self._expire(now)
         return self.predictor.predict_peak(now, t, load_now)
