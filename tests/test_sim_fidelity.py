@@ -181,3 +181,19 @@ def test_sim_cli_find_rate_json(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert main([*argv, "--layerwise-calibration", str(bench), "--json", str(out)]) == 0
     fitted = json.loads(out.read_text())["config"]["layer_overhead_s"]
     assert fitted == pytest.approx(fit_layer_overhead(32, 0.03, 0.03, 0.032))
+
+
+def test_sim_cli_bad_fidelity_options(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    trace = tmp_path / "t.jsonl"
+    write_trace(synthesize(requests=20, seed=2), str(trace))
+    argv = ["sim", str(trace), "--prefill", "1", "--decode", "1"]
+    assert main([*argv, "--load-series", str(tmp_path / "s.json"), "--load-interval", "0"]) == 1
+    assert "--load-interval must be > 0" in capsys.readouterr().err
+    bad = tmp_path / "lw.json"
+    bad.write_text(json.dumps({"layers": 32}))
+    assert main([*argv, "--layerwise-calibration", str(bad)]) == 1
+    assert "not a kvpool bench layerwise result: missing 'compute_s'" in capsys.readouterr().err
+    assert main([*argv, "--find-rate", "--attainment", "1.5"]) == 1
+    assert "attainment must be in (0, 1]" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main([*argv, "--hardware", "b200"])
