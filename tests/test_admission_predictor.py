@@ -139,3 +139,7 @@ def test_load_series_shows_the_oscillation_predicted_damps(tmp_path) -> None:  #
     assert set(d["series"]) == {"t", "prefill_queue_s", "decode_load", "decode_waiting"}
     assert d["series"]["t"][:3] == [0.0, 0.5, 1.0]
     assert "decode_load_std" in d["oscillation"]
+    png = tmp_path / "s.png"
+    pytest.importorskip("matplotlib")
+    assert main([*argv, "--load-series", str(png)]) == 0
+    assert png.stat().st_size > 1000

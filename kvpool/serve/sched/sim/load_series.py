@@ -11,13 +11,14 @@ request's own decode interval instead and damps the swing.
 
 ``LoadSampler`` samples, every ``interval_s`` of simulated time, each
 prefill node's committed work (seconds queued, the conductor's estimate)
-and the decode pool's load (admitted KV tokens over its capacity, and the
-requests waiting for decode memory). ``summary`` reduces a series to the
-numbers RESULTS compares (mean, standard deviation and the share of time
-over capacity of the decode load; the mean and standard deviation of the
-prefill queue), over the steady part of the run (the first and last tenth
-of the trace are warm-up and drain). ``plot`` draws both (matplotlib, the
-``plot`` extra).
+and the decode pool's load (admitted KV tokens over the admission target,
+``Cluster.decode_capacity_tokens``: the estimated capacity times
+``--decode-headroom``; and the requests waiting for decode memory).
+``summary`` reduces a series to the numbers RESULTS compares (mean,
+standard deviation and share of time over the target of the decode load;
+mean and standard deviation of the prefill queue) over the steady part of
+the run (the first and last tenth of the trace are warm-up and drain).
+``plot`` draws both (matplotlib, the ``plot`` extra).
 """
 
 from __future__ import annotations
@@ -101,7 +102,7 @@ def plot(runs: dict[str, dict[str, list[float]]], path: str, title: str = "") ->
         ax1.plot(s["t"], s["prefill_queue_s"], label=label, linewidth=0.8)
         ax2.plot(s["t"], s["decode_load"], label=label, linewidth=0.8)
     ax1.set_ylabel("prefill queue (s per node)")
-    ax2.set_ylabel("decode load / capacity")
+    ax2.set_ylabel("decode load / admission target")
     ax2.axhline(1.0, color="gray", linestyle="--", linewidth=0.8)
     ax2.set_xlabel("simulated time (s)")
     ax1.legend()
