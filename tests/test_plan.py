@@ -43,16 +43,27 @@ def test_plan_cli_json_and_plot(trace_file: str, tmp_path: Path, capsys) -> None
     text = capsys.readouterr().out
     assert "best split" in text and "coupled baseline" in text and "smallest cluster" in text
     d = json.loads(out.read_text())
-    assert set(d["best"]) == {"prefill", "decode", "cpp_group", "goodput_rps"}
+    assert set(d["best"]) == {
+        "prefill",
+        "decode",
+        "cpp_group",
+        "goodput_rps",
+        "sustainable_rps",
+        "sustainable_rps_per_node",
+    }
     curve = d["curve"]
     assert [p["prefill"] for p in curve] == [1, 2, 3, 4, 5]
     for p in curve:
         assert p["prefill"] + p["decode"] == 6
         assert p["cpp_group"] in (1, 2) and p["prefill"] % p["cpp_group"] == 0
-        for k in ("goodput_rps", "ttft_slo_attainment", "tbt_slo_attainment"):
+        for k in ("goodput_rps", "ttft_slo_attainment", "tbt_slo_attainment", "sustainable_rps"):
             assert isinstance(p[k], float)
-    assert d["best"]["goodput_rps"] == max(p["goodput_rps"] for p in curve)
+        assert p["sustainable_rps_per_node"] == pytest.approx(p["sustainable_rps"] / 6)
+    # ranked by the sustainable rate (DistServe goodput), not goodput at --speed
+    assert d["best"]["sustainable_rps"] == max(p["sustainable_rps"] for p in curve)
     assert isinstance(d["coupled_goodput_rps"], float)
+    assert isinstance(d["coupled_sustainable_rps"], float)
+    assert "sustains" in text
     sc = d["smallest_cluster"]
     assert sc is None or (2 <= sc["nodes"] <= 16 and sc["slo_attainment_all"] >= 0.9)
     rows = d["pool_sizing"]

@@ -126,17 +126,19 @@ def test_cli_writes_json(tmp_path, trace) -> None:
 
 
 def test_sim_report_tables(tmp_path, trace) -> None:
-    from kvpool.serve.sched.sim.report import markdown, run_all
+    from kvpool.serve.sched.sim.report import Scenario, markdown, run_all
 
     path = tmp_path / "t.jsonl"
     write_trace(trace[0][:150], path)
-    res = run_all(
-        str(path),
+    sc = Scenario(
         speeds_split=(5.0,),
         speeds_router=(5.0,),
-        speeds_reject=(5.0,),
+        reject=((10, 3, 5.0),),
+        reject_both=(4, 2, 8.0, 30.0),
+        speed_capacity=5.0,
         capacities=(0, 64),
     )
+    res = run_all(str(path), "a800", sc)
     assert [len(res[k]) for k in ("split", "router", "reject", "capacity")] == [3, 4, 8, 4]
     text = markdown(res)
     assert "| speed | cluster |" in text and "coupled 20" in text

@@ -20,32 +20,42 @@ def register(subparsers: Any) -> None:
     synth = sub.add_parser(
         "synth",
         help="write a synthetic JSON-lines trace (system prompts, sessions, documents)",
-        description="Seeded synthetic trace: Zipf-popular system prompts, multi-turn "
-        "sessions whose prompts extend each other, one-off documents, Poisson arrivals.",
+        description="Seeded synthetic trace. --profile synthetic (default): Zipf-popular "
+        "system prompts, multi-turn sessions whose prompts extend each other, one-off "
+        "documents, Poisson arrivals. --profile conversation: a look-alike of a production "
+        "chat trace's shape (heavy-tailed prompts, short sessions, non-IID think times, a "
+        "few very popular system prompts, most blocks used once; kvpool.workload.conversation).",
+    )
+    synth.add_argument(
+        "--profile",
+        choices=PROFILES,
+        default="synthetic",
+        help="trace shape (default synthetic); conversation takes --requests, --seed, --rate, "
+        "--mean-turns, --system-prompts, --zipf, --think-time, --max-input-tokens, "
+        "--block-tokens",
     )
     synth.add_argument("--requests", type=int, default=d.requests, help="number of requests")
     synth.add_argument("--seed", type=int, default=d.seed)
     synth.add_argument("--out", default=None, help="output file (default: stdout)")
-    synth.add_argument("--rate", type=float, default=d.rate, help="mean requests per second")
-    synth.add_argument(
-        "--sessions", type=int, default=None, help="number of chat sessions (default: derived)"
-    )
-    synth.add_argument("--mean-turns", type=float, default=d.mean_turns)
-    synth.add_argument("--think-time", type=float, default=d.think_time_s, help="seconds (mean)")
-    synth.add_argument(
+    opt = synth.add_argument  # options whose default depends on the profile: None = its default
+    opt("--rate", type=float, default=None, help=f"mean requests per second ({d.rate})")
+    opt("--sessions", type=int, default=None, help="number of chat sessions (default: derived)")
+    opt("--mean-turns", type=float, default=None, help=f"({d.mean_turns})")
+    opt("--think-time", type=float, default=None, help=f"seconds, mean ({d.think_time_s})")
+    opt(
         "--think-sigma",
         type=float,
-        default=d.think_sigma,
-        help="lognormal shape of think times (0 = exponential)",
+        default=None,
+        help=f"lognormal shape of think times, 0 = exponential ({d.think_sigma})",
     )
-    synth.add_argument("--doc-fraction", type=float, default=d.doc_fraction)
-    synth.add_argument("--system-prompts", type=int, default=d.system_prompts)
-    synth.add_argument("--zipf", type=float, default=d.zipf, help="system prompt popularity")
-    synth.add_argument("--system-tokens", type=int, default=d.system_tokens, help="median")
-    synth.add_argument("--user-tokens", type=int, default=d.user_tokens, help="median")
-    synth.add_argument("--reply-tokens", type=int, default=d.reply_tokens, help="median")
-    synth.add_argument("--doc-tokens", type=int, default=d.doc_tokens, help="median")
-    synth.add_argument("--max-input-tokens", type=int, default=d.max_input_tokens)
+    opt("--doc-fraction", type=float, default=None, help=f"({d.doc_fraction})")
+    opt("--system-prompts", type=int, default=None, help=f"({d.system_prompts})")
+    opt("--zipf", type=float, default=None, help=f"system prompt popularity ({d.zipf})")
+    opt("--system-tokens", type=int, default=None, help=f"median ({d.system_tokens})")
+    opt("--user-tokens", type=int, default=None, help=f"median ({d.user_tokens})")
+    opt("--reply-tokens", type=int, default=None, help=f"median ({d.reply_tokens})")
+    opt("--doc-tokens", type=int, default=None, help=f"median ({d.doc_tokens})")
+    opt("--max-input-tokens", type=int, default=None, help=f"({d.max_input_tokens})")
     synth.add_argument("--block-tokens", type=int, default=d.block_tokens)
     synth.set_defaults(func=_run_synth)
 
@@ -55,30 +65,54 @@ def register(subparsers: Any) -> None:
     stats.set_defaults(func=_run_stats)
 
 
-def _run_synth(args: argparse.Namespace) -> int:
+PROFILES = ("synthetic", "conversation")
+# argparse dest -> (SynthConfig field, ConversationConfig field or None when not used)
+_PROFILE_FIELDS = {
+    "rate": ("rate", "rate"),
+    "sessions": ("sessions", None),
+    "mean_turns": ("mean_turns", "mean_turns"),
+    "think_time": ("think_time_s", "think_median_s"),
+    "think_sigma": ("think_sigma", None),
+    "doc_fraction": ("doc_fraction", None),
+    "system_prompts": ("system_prompts", "system_prompts"),
+    "zipf": ("zipf", "zipf"),
+    "system_tokens": ("system_tokens", None),
+    "user_tokens": ("user_tokens", None),
+    "reply_tokens": ("reply_tokens", None),
+    "doc_tokens": ("doc_tokens", None),
+    "max_input_tokens": ("max_input_tokens", "max_input_tokens"),
+}
+
+
+def synth_records(args: argparse.Namespace) -> list[Any]:
+    """The records ``kvpool trace synth`` writes; ValueError on options the profile
+    does not take or values it rejects."""
+    from kvpool.workload.conversation import conversation_trace
     from kvpool.workload.synth import synthesize
+
+    conversation = args.profile == "conversation"
+    kw: dict[str, Any] = {
+        "requests": args.requests,
+        "seed": args.seed,
+        "block_tokens": args.block_tokens,
+    }
+    for dest, (synth_field, conv_field) in _PROFILE_FIELDS.items():
+        value = getattr(args, dest)
+        if value is None:
+            continue
+        name = conv_field if conversation else synth_field
+        if name is None:
+            flag = "--" + dest.replace("_", "-")
+            raise ValueError(f"{flag} does not apply to --profile {args.profile}")
+        kw[name] = value
+    return conversation_trace(**kw) if conversation else synthesize(**kw)
+
+
+def _run_synth(args: argparse.Namespace) -> int:
     from kvpool.workload.traces import write_trace
 
-    cfg = SynthConfig(
-        requests=args.requests,
-        seed=args.seed,
-        rate=args.rate,
-        doc_fraction=args.doc_fraction,
-        sessions=args.sessions,
-        mean_turns=args.mean_turns,
-        think_time_s=args.think_time,
-        think_sigma=args.think_sigma,
-        system_prompts=args.system_prompts,
-        zipf=args.zipf,
-        system_tokens=args.system_tokens,
-        user_tokens=args.user_tokens,
-        reply_tokens=args.reply_tokens,
-        doc_tokens=args.doc_tokens,
-        max_input_tokens=args.max_input_tokens,
-        block_tokens=args.block_tokens,
-    )
     try:
-        records = synthesize(cfg)
+        records = synth_records(args)
     except ValueError as exc:
         print(f"kvpool trace synth: {exc}", file=sys.stderr)
         return 2
@@ -91,31 +125,24 @@ def _run_synth(args: argparse.Namespace) -> int:
 
 
 def trace_stats(records: Any, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> dict[str, Any]:
-    """Counts over full blocks (the ones the pool keys), by hash-id prefix."""
-    seen: set[tuple[int, ...]] = set()
-    total = 0
-    first_ts = last_ts = 0.0
-    for i, rec in enumerate(records):
-        if i == 0:
-            first_ts = rec.timestamp
-        last_ts = rec.timestamp
-        full = rec.input_length // block_tokens
-        total += full
-        for j in range(1, full + 1):
-            seen.add(tuple(rec.hash_ids[:j]))
+    """Counts over full blocks (the ones the pool keys), by hash-id prefix, then the
+    shape numbers of ``conversation.shape_stats`` (quantiles, block reuse)."""
+    from kvpool.workload.conversation import shape_stats
+
     n = len(records)
-    return {
+    shape = shape_stats(records, block_tokens)
+    head = {
         "requests": n,
-        "blocks": total,
-        "unique_blocks": len(seen),
-        "infinite_hit_ratio": (total - len(seen)) / total if total else 0.0,
-        "mean_input_tokens": sum(r.input_length for r in records) / n if n else 0.0,
-        "duration_s": (last_ts - first_ts) / 1000.0,
+        "blocks": shape.get("blocks", 0),
+        "unique_blocks": shape.get("unique_blocks", 0),
+        "infinite_hit_ratio": shape.get("infinite_hit_ratio", 0.0),
+        "mean_input_tokens": shape.get("prompt_mean", 0.0),
+        "duration_s": (records[-1].timestamp - records[0].timestamp) / 1000.0 if n else 0.0,
     }
+    return {**head, **{k: v for k, v in shape.items() if k not in head}}
 
 
 def _run_stats(args: argparse.Namespace) -> int:
-
     from kvpool.workload.traces import load_for_command
 
     records = load_for_command(args.trace, "trace stats", block_tokens=args.block_tokens)

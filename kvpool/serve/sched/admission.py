@@ -47,17 +47,24 @@ class DecodeLoadPredictor:
     """System-level decode load prediction with one uniform decode time per request.
 
     Requests are registered when admitted with their predicted prefill end
-    (``add(rid, start)``: pending, in prefill), moved to the decode side when
-    they actually start decoding (``start(rid, t)``), and dropped when they
-    finish or are rejected (``remove``). Every request is assumed to decode
-    for ``decode_s`` seconds (the mean of the observed decode times,
-    ``observe``), so the load predicted for time T is anchored at the load
-    measured now and projected forward::
+    (``add(rid, start, weight)``: pending, in prefill), moved to the decode
+    side when they actually start decoding (``start(rid, t)``), and dropped
+    when they finish or are rejected (``remove``). Every request is assumed
+    to decode for ``decode_s`` seconds (the mean of the observed decode
+    times, ``observe``), so the load predicted for time T is anchored at the
+    load measured now and projected forward::
 
         load(T) = load_now + pending requests whose prefill ends by T
                            - decoding requests whose start + decode_s falls in (now, T]
 
-    Starts are kept sorted, so each prediction is O(log n).
+    A request counts with its ``weight``: 1 counts requests; the simulator
+    and the live router weigh each by its KV tokens (prompt + the mean
+    reply), because the decode pool's limits — KV memory and a step time
+    that grows with the batch's context — are in tokens, and a count at the
+    mean size lets long prompts through where short ones are refused.
+
+    ``predict_peak`` is the admission question: the highest load over the
+    interval the new request would decode in, not only at its start.
     """
 
     def __init__(self, decode_s: float) -> None:
@@ -68,6 +75,7 @@ class DecodeLoadPredictor:
         self._pending: list[tuple[float, int]] = []
         self._running: list[tuple[float, int]] = []
         self._where: dict[int, tuple[bool, float]] = {}  # rid -> (running?, start)
+        self._weight: dict[int, float] = {}
 
     def __len__(self) -> int:
         return len(self._where)
@@ -82,34 +90,84 @@ class DecodeLoadPredictor:
         if i < len(lst) and lst[i] == (t, rid):
             del lst[i]
 
-    def add(self, rid: int, start: float) -> None:
+    def add(self, rid: int, start: float, weight: float = 1.0) -> None:
         """``rid`` is in prefill; its decode is predicted to start at ``start``."""
         self._drop(rid)
         self._where[rid] = (False, start)
+        self._weight[rid] = weight
         bisect.insort(self._pending, (start, rid))
 
     def start(self, rid: int, t: float) -> None:
-        """``rid`` started decoding at ``t``."""
+        """``rid`` started decoding at ``t`` (its weight as added, else 1)."""
         self._drop(rid)
         self._where[rid] = (True, t)
+        self._weight.setdefault(rid, 1.0)
         bisect.insort(self._running, (t, rid))
 
     def remove(self, rid: int) -> None:
         self._drop(rid)
+        self._weight.pop(rid, None)
 
-    def pending_by(self, t: float) -> int:
-        return bisect.bisect_right(self._pending, (t, float("inf")))
+    def oldest(self, running: bool) -> int | None:
+        """The running request that started first, or the pending one due first."""
+        lst = self._running if running else self._pending
+        return lst[0][1] if lst else None
 
-    def finishing(self, now: float, t: float) -> int:
-        """Decoding requests predicted to finish in (now, t]."""
+    def expire(self, before: float) -> int:
+        """Drop entries (pending or running) whose start is before ``before``; how many."""
+        n = 0
+        for lst in (self._pending, self._running):
+            while lst and lst[0][0] < before:
+                self.remove(lst[0][1])
+                n += 1
+        return n
+
+    def _sum(self, entries: list[tuple[float, int]]) -> float:
+        w = self._weight
+        return sum(w[rid] for _, rid in entries)
+
+    def pending_by(self, t: float) -> float:
+        """Weight of pending requests whose decode starts by ``t``."""
+        return self._sum(self._pending[: bisect.bisect_right(self._pending, (t, float("inf")))])
+
+    def finishing(self, now: float, t: float) -> float:
+        """Weight of decoding requests predicted to finish in (now, t]."""
         d = self.decode_s
         lo = bisect.bisect_right(self._running, (now - d, float("inf")))
         hi = bisect.bisect_right(self._running, (t - d, float("inf")))
-        return max(0, hi - lo)
+        return self._sum(self._running[lo:hi]) if hi > lo else 0.0
 
-    def predict(self, now: float, t: float, load_now: int) -> int:
+    def predict(self, now: float, t: float, load_now: float) -> float:
         """Decode load predicted for time ``t`` (>= now) given the load measured now."""
-        return max(0, load_now + self.pending_by(t) - self.finishing(now, t))
+        return max(0.0, load_now + self.pending_by(t) - self.finishing(now, t))
+
+    def predict_peak(self, now: float, t: float, load_now: float) -> float:
+        """The highest load predicted over [t, t + decode_s]: the interval a request
+        whose prefill ends at ``t`` would decode in.
+
+        ``predict(now, t, ...)`` alone admits a request that fits at its own
+        start but overflows once requests admitted earlier, with longer
+        prefill queues, land during its decode; the peak counts them.
+        Events in the window: pending decode starts (+weight) and predicted
+        decode ends ``start + decode_s`` (-weight); walked in time order.
+        """
+        d, w = self.decode_s, self._weight
+        end = t + d
+        level = self.predict(now, t, load_now)
+        inf = float("inf")
+        lo = bisect.bisect_right(self._pending, (t, inf))
+        hi = bisect.bisect_right(self._pending, (end, inf))
+        events = [(s, w[rid]) for s, rid in self._pending[lo:hi]]
+        for lst, after in ((self._pending, t), (self._running, max(now, t))):
+            # predicted ends inside the window: starts in (after - d, end - d]
+            lo = bisect.bisect_right(lst, (after - d, inf))
+            hi = bisect.bisect_right(lst, (end - d, inf))
+            events += [(s + d, -w[rid]) for s, rid in lst[lo:hi]]
+        peak = level
+        for _, dw in sorted(events, key=lambda e: (e[0], e[1])):  # ends before starts at ties
+            level += dw
+            peak = max(peak, level)
+        return max(0.0, peak)
 
     def observe(self, seconds: float) -> None:
         """Fold one observed decode time into the mean (the prior counts as one sample)."""
@@ -134,11 +192,13 @@ def decode_capacity(
 
 @dataclass
 class AdmissionState:
-    """The decode side's numbers an admission decision needs."""
+    """The decode side's numbers an admission decision needs, in one unit: requests
+    (``weight`` 1) or KV tokens (``weight`` = this request's tokens)."""
 
-    load_now: int  # requests decoding or waiting for decode now
-    capacity: int  # requests the decode pool holds within SLO
-    predicted_load: int | None = None  # at this request's predicted prefill end
+    load_now: float  # decoding or waiting for decode now
+    capacity: float  # what the decode pool holds within SLO
+    predicted_load: float | None = None  # over this request's predicted decode interval
+    weight: float = 1.0  # this request's share of the load
 
 
 def admit_decode(policy: str, state: AdmissionState, *, at_arrival: bool) -> str | None:
@@ -151,16 +211,69 @@ def admit_decode(policy: str, state: AdmissionState, *, at_arrival: bool) -> str
     if policy == "none":
         return None
     if at_arrival:
-        if policy == "now" and state.load_now + 1 > state.capacity:
-            return f"decode load {state.load_now} at capacity {state.capacity}"
+        if policy == "now" and state.load_now + state.weight > state.capacity:
+            return f"decode load {state.load_now:g} at capacity {state.capacity:g}"
         if policy == "predicted":
             load = state.predicted_load if state.predicted_load is not None else state.load_now
-            if load + 1 > state.capacity:
-                return f"predicted decode load {load} at capacity {state.capacity}"
+            if load + state.weight > state.capacity:
+                return f"predicted decode load {load:g} at capacity {state.capacity:g}"
         return None
-    if policy == "after" and state.load_now + 1 > state.capacity:
-        return f"decode pool full after prefill ({state.load_now}/{state.capacity})"
+    if policy == "after" and state.load_now + state.weight > state.capacity:
+        return f"decode pool full after prefill ({state.load_now:g}/{state.capacity:g})"
     return None
 
 
-# -- the live router --------------------------------------------------------------------
+class LiveDecodeLedger:
+    """``DecodeLoadPredictor`` fed by the live front end, which reports events without
+    request ids: an admission (``admitted``: the predicted decode start and the
+    request's weight), a finished prefill (``prefill_done``) and a finished request
+    (``finished``). Prefills are matched to the pending entry due first and
+    finishes to the running entry that started first — under the predictor's own
+    assumption (one uniform decode time) the oldest is the one to finish.
+
+    ``stale_after`` decode times past its predicted start, an entry whose event
+    never came (a front end restarted, an observation lost) is dropped, so a
+    missed report cannot hold the prediction up for good.
+    """
+
+    def __init__(self, decode_s: float, stale_after: float = 10.0) -> None:
+        self.predictor = DecodeLoadPredictor(decode_s)
+        self.stale_after = stale_after
+        self._next = 0
+
+    def __len__(self) -> int:
+        return len(self.predictor)
+
+    def admitted(self, decode_start: float, weight: float) -> None:
+        """A request was admitted; its decode is predicted to start at ``decode_start``
+        (bookkeeping runs under every policy, so stale entries expire here too)."""
+        self._expire(decode_start)
+        self._next += 1
+        self.predictor.add(self._next, decode_start, weight)
+
+    def _expire(self, now: float) -> None:
+        self.predictor.expire(now - self.stale_after * self.predictor.decode_s)
+
+    def prefill_done(self, now: float, ok: bool = True) -> None:
+        rid = self.predictor.oldest(running=False)
+        if rid is None:
+            return
+        if ok:
+            self.predictor.start(rid, now)
+        else:
+            self.predictor.remove(rid)
+
+    def finished(self, decode_seconds: float, decoded: bool = True) -> None:
+        """A request ended: its decode took ``decode_seconds`` (0: it failed), or it
+        ended before its first token (``decoded`` False: still pending here)."""
+        rid = self.predictor.oldest(running=decoded)
+        if rid is None:
+            rid = self.predictor.oldest(running=not decoded)
+        if rid is not None:
+            self.predictor.remove(rid)
+        self.predictor.observe(decode_seconds)
+
+    def predict_peak(self, now: float, t: float, load_now: float) -> float:
+        """``DecodeLoadPredictor.predict_peak`` after dropping stale entries."""
+        self._expire(now)
+        return self.predictor.predict_peak(now, t, load_now)

@@ -11,10 +11,17 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvpool.serve.sched.admission import AdmissionState, admit_decode, normalize_rejection
+from kvpool.serve.sched.admission import (
+    AdmissionState,
+    LiveDecodeLedger,
+    admit_decode,
+    normalize_rejection,
+)
 from kvpool.serve.sched.conductor import SLO, Conductor, PrefillPlan, WorkerView, prefix_by_node
 from kvpool.serve.sched.cost_model import PrefillCostModel, TransferModel
 from kvpool.serve.sched.pipeline_model import choose_pipeline, pipeline_estimate
@@ -56,7 +63,14 @@ class ConductorRouter:
 
     Decode: the least-loaded decode worker; admission as in ``kvpool.serve.sched.admission``
     (``after`` cannot be applied by the live front end before prefill, so
-    it only applies the TTFT check here).
+    it only applies the TTFT check here). The decode load is in KV tokens,
+    as in the simulator: the decode workers' used KV (``kv_capacity_tokens -
+    kv_free_tokens``) plus their queued tokens, against their KV capacity
+    times ``headroom`` (workers that report no KV figures count requests at
+    the mean request size). ``predicted`` asks the simulator's predictor
+    (``LiveDecodeLedger`` over ``DecodeLoadPredictor.predict_peak``): the
+    highest load over the interval this request would decode in, from the
+    requests this router admitted that are still in prefill or decoding.
 
     Pipeline groups (``kvpool serve --cpp-group k``): when the best single
     worker's TTFT estimate misses the SLO or the tokens to compute reach
@@ -74,8 +88,10 @@ class ConductorRouter:
     headroom: float = 0.9
     name: str = "conductor"
     correction: _Ewma = field(default_factory=lambda: _Ewma(1.0))
-    decode_s: _Ewma = field(default_factory=lambda: _Ewma(5.0))
     mean_tokens: _Ewma = field(default_factory=lambda: _Ewma(1024.0))
+    mean_output: _Ewma = field(default_factory=lambda: _Ewma(256.0))
+    ledger: LiveDecodeLedger = field(default_factory=lambda: LiveDecodeLedger(5.0))
+    clock: Callable[[], float] = time.monotonic
     replicated: int = 0
     cpp_min_tokens: int = 0
     cpp_chunk: int = 512
@@ -122,26 +138,20 @@ class ConductorRouter:
                 reject=f"TTFT SLO: predicted {ttft:.3f}s > "
                 f"{self.conductor.ttft_slo(prompt_tokens):.3f}s"
             )
-        load_now = sum(w.running + w.queued_requests for w in decode)
-        capacity = 0
-        for w in decode:
-            if w.max_batch:
-                capacity += w.max_batch
-            elif w.kv_capacity_tokens:
-                capacity += int(w.kv_capacity_tokens // max(self.mean_tokens.value, 1.0))
-            else:
-                capacity += 1 << 30
-        capacity = int(capacity * self.headroom)
-        in_prefill = sum(w.queued_requests + w.running for w in prefill)
-        finishing = load_now * min(1.0, ttft / max(self.decode_s.value, 1e-9))
-        predicted = round(load_now - finishing + in_prefill)
+        weight = prompt_tokens + self.mean_output.value  # KV tokens once it decodes
+        load_now, capacity = self._decode_load(decode)
+        now = self.clock()
+        predicted = None
+        if self.rejection == "predicted":
+            predicted = self.ledger.predict_peak(now, now + ttft, load_now)
         reason = admit_decode(
             self.rejection,
-            AdmissionState(load_now, capacity, predicted),
+            AdmissionState(load_now, capacity, predicted, weight),
             at_arrival=True,
         )
         if reason:
             return RouteDecision(reject=reason)
+        self.ledger.admitted(now + ttft, weight)
         d = min(
             decode,
             key=lambda w: (w.running + w.queued_requests, w.queued_tokens, w.worker_id),
@@ -156,6 +166,23 @@ class ConductorRouter:
             self.pipelined += 1
             return RouteDecision(group=group, decode=d.worker_id)
         return RouteDecision(prefill=plan.worker_id, decode=d.worker_id)
+
+    def _decode_load(self, decode: list[WorkerState]) -> tuple[float, float]:
+        """(KV tokens held or queued on the decode workers, their capacity x headroom)."""
+        size = self.mean_tokens.value + self.mean_output.value
+        load = capacity = 0.0
+        for w in decode:
+            if w.kv_capacity_tokens and w.kv_free_tokens is not None:
+                load += w.kv_capacity_tokens - w.kv_free_tokens + w.queued_tokens
+            else:
+                load += (w.running + w.queued_requests) * size
+            if w.kv_capacity_tokens:
+                capacity += w.kv_capacity_tokens
+            elif w.max_batch:
+                capacity += w.max_batch * size
+            else:
+                capacity = float("inf")
+        return load, capacity * self.headroom
 
     def _pipeline(
         self, prompt_tokens: int, plan: PrefillPlan, prefill: list[WorkerState]
@@ -202,15 +229,20 @@ class ConductorRouter:
         return best
 
     def observe(self, obs: Observation) -> None:
-        if obs.kind == "prefill" and obs.seconds > 0 and not obs.error:
-            bt = self.conductor.block_tokens
-            cached = (obs.cached_tokens // bt) * bt
-            predicted = self.conductor.prefill.predict(obs.prompt_tokens - cached, cached)
-            if predicted > 0:
-                self.correction.update(obs.seconds / predicted)
-            self.mean_tokens.update(float(obs.prompt_tokens))
-        elif obs.kind == "request" and obs.tbt:
-            self.decode_s.update(float(sum(obs.tbt)))
+        if obs.kind == "prefill":
+            self.ledger.prefill_done(self.clock(), ok=not obs.error)
+            if obs.seconds > 0 and not obs.error:
+                bt = self.conductor.block_tokens
+                cached = (obs.cached_tokens // bt) * bt
+                predicted = self.conductor.prefill.predict(obs.prompt_tokens - cached, cached)
+                if predicted > 0:
+                    self.correction.update(obs.seconds / predicted)
+                self.mean_tokens.update(float(obs.prompt_tokens))
+        elif obs.kind == "request":
+            ok = not obs.error
+            self.ledger.finished(float(sum(obs.tbt)) if ok else 0.0, decoded=obs.ttft is not None)
+            if obs.output_tokens and ok:
+                self.mean_output.update(float(obs.output_tokens))
 
 
 def default_prefill_model(model: ModelConfig) -> PrefillCostModel:

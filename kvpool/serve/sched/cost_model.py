@@ -28,7 +28,8 @@ linear in the batch size and the batch's total context (memory-bound:
 weights once, every request's KV).
 
 Hardware constants (``HardwareSpec`` defaults, H100 SXM 80 GB class; all
-public datasheet figures):
+public datasheet figures; ``A800`` is the paper's testbed class, ``HARDWARE``
+names both for ``--hardware``):
 
 - peak dense BF16 tensor FLOPs: 989 TFLOP/s per GPU (NVIDIA H100 SXM
   datasheet; A100 SXM: 312);
@@ -231,6 +232,23 @@ class HardwareSpec:
 
 A100 = HardwareSpec(peak_flops=312e12, hbm_Bps=2.04e12)
 H100 = HardwareSpec()
+#: The paper's testbed class (Mooncake, arXiv 2407.00079, section 8): nodes of
+#: 8 x A800-SXM4-80GB (A100 silicon: 312 TFLOP/s dense BF16, 2.039 TB/s HBM2e,
+#: 80 GB; only NVLink is cut to 400 GB/s, which tensor parallelism inside the
+#: node hides at this model size) with 4 x 200 Gb/s RDMA NICs = 100 GB/s.
+A800 = HardwareSpec(peak_flops=312e12, hbm_Bps=2.039e12, net_Bps=4 * 200e9 / 8)
+#: ``--hardware`` names (``kvpool sim``, ``kvpool plan``).
+HARDWARE: dict[str, HardwareSpec] = {"h100": H100, "a800": A800}
+
+
+def get_hardware(name: str) -> HardwareSpec:
+    """The named node preset; ValueError on unknown names."""
+    try:
+        return HARDWARE[name]
+    except KeyError:
+        raise ValueError(
+            f"unknown hardware preset {name!r}; choose from {', '.join(sorted(HARDWARE))}"
+        ) from None
 
 
 @dataclass

@@ -8,8 +8,13 @@ simulator's ``cost_model.analytic_cluster``):
    (``kvpool.serve.sched.sim.runner.simulate`` / ``sim.cpp.CppCluster``: the real
    conductor, index and eviction policies); the curve is goodput (requests
    per second meeting both the TTFT and the TBT SLO) against P, each P at
-   its best group size; the best split maximises goodput;
-2. **coupled baseline**: the same N nodes each running prefill and decode;
+   its best group size. Each point also carries its *sustainable rate*
+   (``sim.rate``, DistServe's goodput: the highest request rate, found by
+   searching the speed, at which ``--attainment`` of the requests meet both
+   SLOs) and that rate per node; the best split maximises the sustainable
+   rate (then goodput at ``--speed``);
+2. **coupled baseline**: the same N nodes each running prefill and decode,
+   its goodput at ``--speed`` and its sustainable rate the same way;
 3. **smallest cluster** (``--target-speed``, default ``--speed``): the
    fewest nodes whose best split serves the trace, at that arrival-rate
    multiplier, with at least ``--attainment`` of all requests within both
@@ -26,9 +31,11 @@ simulator's ``cost_model.analytic_cluster``):
    DRAM share of the hits is the same policy at the DRAM capacity.
 
 Output: a report on stdout, ``--json F`` (keys ``best`` {prefill, decode,
-cpp_group, goodput_rps}, ``curve`` [{prefill, decode, cpp_group,
-goodput_rps, ttft_slo_attainment, tbt_slo_attainment}],
-``coupled_goodput_rps``, ``smallest_cluster``, ``pool_sizing``, ``config``)
+cpp_group, goodput_rps, sustainable_rps, sustainable_rps_per_node}, ``curve``
+[{prefill, decode, cpp_group, goodput_rps, ttft_slo_attainment,
+tbt_slo_attainment, sustainable_rps, sustainable_speed, ...}],
+``coupled_goodput_rps``, ``coupled_sustainable_rps``, ``smallest_cluster``,
+``pool_sizing``, ``config``)
 and a PNG of the curve (``--plot F``; needs matplotlib, the ``plot`` extra).
 """
 
@@ -41,51 +48,79 @@ from typing import Any
 from kvpool.eviction import make_policy
 from kvpool.serve.sched.cost_model import ClusterCostModel
 from kvpool.serve.sched.sim.config import SimConfig
+from kvpool.serve.sched.sim.rate import RateSearch, find_rate, trace_rate
 from kvpool.serve.sched.sim.runner import simulate
 from kvpool.workload.cachesim import simulate as cache_replay
 from kvpool.workload.cachesim import trace_keys
 
 CURVE_KEYS = ("prefill", "decode", "cpp_group", "goodput_rps")
+RATE_KEYS = ("sustainable_rps", "sustainable_rps_per_node")
 
 
 class Planner:
     """Runs simulations of one trace under one base configuration."""
 
-    def __init__(self, records: Sequence[Any], base: SimConfig, cpp_groups: Sequence[int]) -> None:
+    def __init__(
+        self,
+        records: Sequence[Any],
+        base: SimConfig,
+        cpp_groups: Sequence[int],
+        search: RateSearch | None = None,
+    ) -> None:
         self.records = list(records)
         self.base = base
         self.cpp_groups = sorted(set(cpp_groups)) or [1]
         self.keys = trace_keys(self.records, base.block_tokens)
+        self.search = search or RateSearch()
         self.runs = 0
 
     def run(self, **changes: Any) -> dict[str, Any]:
         self.runs += 1
         return simulate(self.records, replace(self.base, **changes), keys=self.keys)
 
-    def split_point(self, nodes: int, prefill: int, speed: float) -> dict[str, Any]:
-        """Prefill nodes ``prefill`` of ``nodes``, at the best group size."""
+    def sustainable(self, start: float, **changes: Any) -> dict[str, Any]:
+        """The sustainable rate of the configuration ``changes`` (``sim.rate.find_rate``)."""
+        rate = find_rate(
+            lambda s: self.run(**changes, speed=s), trace_rate(self.records), start, self.search
+        )
+        return {k: rate[k] for k in ("sustainable_rps", "sustainable_speed")}
+
+    def split_point(
+        self, nodes: int, prefill: int, speed: float, *, rate_from: float | None = None
+    ) -> dict[str, Any]:
+        """Prefill nodes ``prefill`` of ``nodes``, at the best group size; with
+        ``rate_from`` (the speed to start the search at), also its sustainable rate."""
         best: dict[str, Any] | None = None
         for g in self.cpp_groups:
             if prefill % g:
                 continue
-            res = self.run(prefill=prefill, decode=nodes - prefill, cpp_group=g, speed=speed)
+            split = {"prefill": prefill, "decode": nodes - prefill, "cpp_group": g}
+            res = self.run(**split, speed=speed)
             point = {
-                "prefill": prefill,
-                "decode": nodes - prefill,
-                "cpp_group": g,
+                **split,
                 "goodput_rps": res["goodput_rps"],
                 "ttft_slo_attainment": res["ttft_slo_attainment"],
                 "tbt_slo_attainment": res["tbt_slo_attainment"],
                 "slo_attainment_all": res["slo_attainment_all"],
                 "p90_ttft_s": res["p90_ttft_s"],
             }
+            if rate_from is not None:
+                point.update(self.sustainable(rate_from, **split))
+                point["sustainable_rps_per_node"] = point["sustainable_rps"] / nodes
             if best is None or _better(point, best):
                 best = point
         assert best is not None
         return best
 
     def curve(self, nodes: int, speed: float) -> list[dict[str, Any]]:
-        return [self.split_point(nodes, p, speed) for p in range(1, nodes)]
+        """Every split with its sustainable rate (each search starts where the last ended)."""
+        out: list[dict[str, Any]] = []
+        start = speed
+        for p in range(1, nodes):
+            point = self.split_point(nodes, p, speed, rate_from=start)
+            start = point["sustainable_speed"] or speed
+            out.append(point)
+        return out
 
     def best_split(self, nodes: int, speed: float) -> dict[str, Any]:
         """Coarse scan of P, then hill climbing by +-1 (goodput is unimodal enough in P)."""
@@ -136,8 +171,9 @@ class Planner:
         return {"nodes": best_n, "speed": speed, "attainment": attainment, **best_point}
 
 
-def rank_key(p: dict[str, Any]) -> tuple[float, float]:
-    return (p["goodput_rps"], p["slo_attainment_all"])
+def rank_key(p: dict[str, Any]) -> tuple[float, float, float]:
+    """Sustainable rate first (where searched), then goodput at the speed, then attainment."""
+    return (p.get("sustainable_rps", 0.0), p["goodput_rps"], p["slo_attainment_all"])
 
 
 def _better(a: dict[str, Any], b: dict[str, Any]) -> bool:

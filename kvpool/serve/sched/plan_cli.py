@@ -12,10 +12,12 @@ from typing import Any
 from kvpool.args import non_negative_int, non_negative_ints, positive_int, positive_ints
 from kvpool.serve.sched import plan as planner
 from kvpool.serve.sched.conductor import SLO
-from kvpool.serve.sched.cost_model import analytic_cluster
-from kvpool.serve.sched.plan import CURVE_KEYS, Planner, pool_sizing, rank_key
+from kvpool.serve.sched.cost_model import analytic_cluster, get_hardware
+from kvpool.serve.sched.plan import CURVE_KEYS, RATE_KEYS, Planner, pool_sizing, rank_key
 from kvpool.serve.sched.plan_report import format_report, plot_curve
+from kvpool.serve.sched.sim.cli import add_hardware_args, layer_overhead
 from kvpool.serve.sched.sim.config import SimConfig
+from kvpool.serve.sched.sim.rate import RateSearch
 from kvpool.workload.traces import load_for_command
 
 
@@ -57,6 +59,7 @@ def register(subparsers: Any) -> None:
         help="comma list (default: from the trace)",
     )
     p.add_argument("--no-pool-sizing", action="store_true")
+    add_hardware_args(p)
     p.add_argument("--model", default="llama2-70b")
     p.add_argument("--block-tokens", type=positive_int, default=512)
     p.add_argument("--json", default=None, metavar="F")
@@ -75,13 +78,18 @@ def plan(args: argparse.Namespace, records: Sequence[Any]) -> dict[str, Any]:
         slo=SLO(args.slo_ttft, args.slo_tbt),
         model=args.model,
         block_tokens=args.block_tokens,
+        hardware=args.hardware,
+        layerwise=args.layerwise,
+        layer_overhead_s=layer_overhead(args),
     )
-    planner = Planner(records, base, args.cpp_groups)
+    planner = Planner(records, base, args.cpp_groups, RateSearch(attainment=args.attainment))
     if args.nodes < 2:
         raise ValueError("--nodes must be >= 2")
     curve = planner.curve(args.nodes, args.speed)
     best = max(curve, key=rank_key)
-    coupled = planner.run(coupled=args.nodes, prefill=0, decode=0, speed=args.speed)
+    coupled_split = {"coupled": args.nodes, "prefill": 0, "decode": 0}
+    coupled = planner.run(**coupled_split, speed=args.speed)
+    coupled_rate = planner.sustainable(args.speed, **coupled_split)
     target = args.speed if args.target_speed is None else args.target_speed
     smallest = planner.smallest_cluster(target, args.attainment, args.max_nodes)
     sizing: list[dict[str, Any]] = []
@@ -89,15 +97,20 @@ def plan(args: argparse.Namespace, records: Sequence[Any]) -> dict[str, Any]:
         unique = len({k for ks in planner.keys for k in ks})
         dram = args.dram_blocks if args.dram_blocks else _fractions(unique, (32, 8, 2))
         ssd = args.ssd_blocks if args.ssd_blocks else [0, *_fractions(unique, (4, 1))]
-        cost = analytic_cluster(args.model, block_tokens=args.block_tokens)
+        cost = analytic_cluster(
+            args.model, get_hardware(args.hardware), block_tokens=args.block_tokens
+        )
         policies = [p for p in args.policies.split(",") if p.strip()]
         sizing = pool_sizing(planner.records, planner.keys, cost, policies, dram, ssd)
     return {
-        "best": {k: best[k] for k in CURVE_KEYS},
+        "best": {k: best[k] for k in (*CURVE_KEYS, *RATE_KEYS)},
         "curve": curve,
         "coupled_goodput_rps": coupled["goodput_rps"],
+        "coupled_sustainable_rps": coupled_rate["sustainable_rps"],
         "coupled": {
-            k: coupled[k] for k in ("goodput_rps", "ttft_slo_attainment", "tbt_slo_attainment")
+            **{k: coupled[k] for k in ("goodput_rps", "ttft_slo_attainment", "tbt_slo_attainment")},
+            **coupled_rate,
+            "sustainable_rps_per_node": coupled_rate["sustainable_rps"] / args.nodes,
         },
         "smallest_cluster": smallest,
         "pool_sizing": sizing,
@@ -111,6 +124,9 @@ def plan(args: argparse.Namespace, records: Sequence[Any]) -> dict[str, Any]:
             "cpp_groups": planner.cpp_groups,
             "router": args.router,
             "model": args.model,
+            "hardware": args.hardware,
+            "layerwise": args.layerwise,
+            "attainment": args.attainment,
             "simulations": planner.runs,
             "wall_s": time.perf_counter() - t0,
         },

@@ -14,7 +14,6 @@ import math
 import random
 import time
 from collections.abc import Sequence
-from dataclasses import asdict
 from typing import Any
 
 from kvpool.eviction import make_policy
@@ -26,7 +25,8 @@ from kvpool.serve.sched.admission import (
     normalize_rejection,
 )
 from kvpool.serve.sched.conductor import ROUTE_FNS, Conductor, PrefillPlan, WorkerView
-from kvpool.serve.sched.cost_model import ClusterCostModel, analytic_cluster
+from kvpool.serve.sched.cost_model import ClusterCostModel, analytic_cluster, get_hardware
+from kvpool.serve.sched.layerwise_model import remaining_transfer
 from kvpool.serve.sched.sim.config import (
     ARRIVAL,
     DECODE_JOIN,
@@ -37,6 +37,8 @@ from kvpool.serve.sched.sim.config import (
     SimConfig,
 )
 from kvpool.serve.sched.sim.decode_engine import DecodeEngine
+from kvpool.serve.sched.sim.load_series import LoadSampler
+from kvpool.serve.sched.sim.summary import summarize
 
 
 class Cluster:
@@ -51,7 +53,9 @@ class Cluster:
     ) -> None:
         config.validate()
         self.cfg = config
-        self.cost = cost or analytic_cluster(config.model, block_tokens=config.block_tokens)
+        self.cost = cost or analytic_cluster(
+            config.model, get_hardware(config.hardware), block_tokens=config.block_tokens
+        )
         cm = self.cost
         self.conductor = Conductor(
             cm.prefill,
@@ -90,11 +94,14 @@ class Cluster:
             )
             for r, k in zip(records, keys, strict=True)
         ]
+        self.sampler = LoadSampler(config.load_sample_s) if config.load_sample_s > 0 else None
         self.events: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         # decode-side load
         self.decode_load = 0  # requests in transfer, waiting or decoding
+        self.decode_tokens = 0.0  # their admission weights (KV tokens, Req.weight)
         self.mean_tokens = 0.0
+        self.mean_output = 0.0
         self.admitted_n = 0
         prior_decode = 256 * cm.decode.step_seconds(64, 64 * 4096)
         self.predictor = DecodeLoadPredictor(prior_decode)
@@ -132,7 +139,8 @@ class Cluster:
             n += 1
         return n
 
-    def _queue_s(self, node: Node, now: float) -> float:
+    def queue_seconds(self, node: Node, now: float) -> float:
+        """Work committed to a prefill node at ``now``, in seconds."""
         if node.engine is not None:
             return max(0.0, node.engine.busy_until() - now)
         return max(0.0, node.busy_until - now)
@@ -141,11 +149,13 @@ class Cluster:
         # issue 8: a cpp_group > 1 pipelines plan_prefill over the group's nodes
         return plan_transfer + plan_prefill
 
-    def _capacity(self) -> int:
+    def decode_capacity_tokens(self) -> float:
+        """KV tokens the decode pool holds within its memory and the TBT SLO, at the
+        mean request size, times the admission headroom."""
         mean_ctx = self.mean_tokens or 4096.0
         tbt = self.conductor.tbt_slo(int(mean_ctx))
         cap = decode_capacity(self.cost.decode, len(self.decode_nodes), mean_ctx, tbt)
-        return int(cap * self.cfg.decode_headroom)
+        return cap * self.cfg.decode_headroom * mean_ctx
 
     def _on_arrival(self, rid: int, now: float) -> None:
         r = self.reqs[rid]
@@ -158,6 +168,7 @@ class Cluster:
         self._fetch(r, plan)
         seconds = self._prefill_seconds(plan.transfer_s, plan.prefill_s)
         r.prefill_node, r.prefill_s, r.reused_blocks = idx, seconds, plan.reused_blocks
+        r.compute_s = plan.prefill_s
         self.hit_blocks += plan.reused_blocks
         self.total_blocks += len(r.keys)
         if node.engine is not None:
@@ -166,17 +177,19 @@ class Cluster:
         else:
             end = max(now, node.busy_until) + seconds
             node.busy_until = end
-        self.predictor.add(rid, end)
+        self.predictor.add(rid, end, r.weight)
         self._push(end, PREFILL_DONE, rid)
 
     def _arrive(self, r: Req, now: float) -> list[WorkerView]:
         """Count the arrival, set its SLOs; the prefill nodes as the router sees them."""
         self.admitted_n += 1
         self.mean_tokens += (r.input + r.output - self.mean_tokens) / self.admitted_n
+        self.mean_output += (r.output - self.mean_output) / self.admitted_n
+        r.weight = r.input + self.mean_output  # its reply's length is not known yet
         r.ttft_slo = self.conductor.ttft_slo(r.input)
         r.tbt_slo = self.conductor.tbt_slo(r.input + r.output // 2)
         return [
-            WorkerView(n.name, self._queue_s(n, now), self._local_blocks(n, r.keys), n.name)
+            WorkerView(n.name, self.queue_seconds(n, now), self._local_blocks(n, r.keys), n.name)
             for n in self.prefill_nodes
         ]
 
@@ -189,8 +202,9 @@ class Cluster:
         if self.rejection in ("now", "predicted"):
             predicted = None
             if self.rejection == "predicted":
-                predicted = self.predictor.predict(now, now + ttft_s, self.decode_load)
-            state = AdmissionState(self.decode_load, self._capacity(), predicted)
+                predicted = self.predictor.predict_peak(now, now + ttft_s, self.decode_tokens)
+            cap = self.decode_capacity_tokens()
+            state = AdmissionState(self.decode_tokens, cap, predicted, r.weight)
             if admit_decode(self.rejection, state, at_arrival=True):
                 r.rejected = "decode"
                 self.rejected_decode += 1
@@ -230,7 +244,8 @@ class Cluster:
             self.predictor.remove(rid)
             return
         if self.rejection == "after":
-            state = AdmissionState(self.decode_load, self._capacity())
+            cap = self.decode_capacity_tokens()
+            state = AdmissionState(self.decode_tokens, cap, weight=r.weight)
             if admit_decode("after", state, at_arrival=False):
                 r.rejected = "after-prefill"
                 self.rejected_after += 1
@@ -238,6 +253,7 @@ class Cluster:
                 self.predictor.remove(rid)
                 return
         self.decode_load += 1
+        self.decode_tokens += r.weight
         if self.coupled:
             r.decode_node, r.ready = r.prefill_node, now
             self._decode_arrive(rid, now)
@@ -250,9 +266,18 @@ class Cluster:
             ),
         )
         r.decode_node = best
-        t = now + self.cost.kv_transfer_seconds(r.input)
+        t = now + self.kv_after_prefill(r)
         r.ready = t
         self._push(t, DECODE_JOIN, rid)
+
+    def kv_after_prefill(self, r: Req) -> float:
+        """Seconds from the prefill's end until the KV is on the decode node: all of it
+        unstreamed, else what layer-wise streaming leaves (``layerwise_model``)."""
+        full = self.cost.kv_transfer_seconds(r.input)
+        if not self.cfg.layerwise:
+            return full
+        layers = self.cost.config.num_layers
+        return remaining_transfer(full, r.compute_s, layers, self.cfg.layer_overhead_s)
 
     # -- decode side ----------------------------------------------------------------------
 
@@ -299,6 +324,7 @@ class Cluster:
                 and r.mean_tbt <= r.tbt_slo
             )
             self.decode_load -= 1
+            self.decode_tokens -= r.weight
             self.predictor.remove(rid)
             self.predictor.observe(r.end - r.first_token)
         while eng.waiting:
@@ -320,6 +346,8 @@ class Cluster:
         events = self.events
         while events:
             t, _seq, kind, a, b = heapq.heappop(events)
+            if self.sampler is not None:
+                self.sampler.sample_until(self, t)
             if kind == ARRIVAL:
                 self._on_arrival(a, t)
             elif kind == PREFILL_DONE:
@@ -331,59 +359,5 @@ class Cluster:
         return self.results(time.perf_counter() - t0)
 
     def results(self, wall_s: float = 0.0) -> dict[str, Any]:
-        reqs = self.reqs
-        n = len(reqs)
-        done = [r for r in reqs if r.rejected is None and r.end >= 0]
-        ttft = [r.first_token - r.arrival for r in done]
-        ttft_ok = [r.first_token - r.arrival <= r.ttft_slo for r in done]
-        tbt_ok = [r.tbt_ok for r in done]
-        good = sum(1 for r, a in zip(done, ttft_ok, strict=True) if a and r.tbt_ok)
-        span = (reqs[-1].arrival - reqs[0].arrival) if n > 1 else 0.0
-        ttft_sorted = sorted(ttft)
-
-        def pct(xs: list[float], p: float) -> float:
-            if not xs:
-                return 0.0
-            return xs[min(len(xs) - 1, max(0, math.ceil(p / 100 * len(xs)) - 1))]
-
-        tbts = sorted(r.mean_tbt for r in done if r.output > 1)
-        cfg = self.cfg
-        return {
-            "requests": n,
-            "completed": len(done),
-            "rejected": sum(1 for r in reqs if r.rejected is not None),
-            "ttft_slo_attainment": sum(ttft_ok) / len(done) if done else 0.0,
-            "tbt_slo_attainment": sum(tbt_ok) / len(done) if done else 0.0,
-            "goodput_rps": good / span if span > 0 else float(good),
-            "mean_ttft_s": sum(ttft) / len(ttft) if ttft else 0.0,
-            "hit_ratio": self.hit_blocks / self.total_blocks if self.total_blocks else 0.0,
-            "good": good,
-            "slo_attainment_all": good / n if n else 0.0,
-            "p90_ttft_s": pct(ttft_sorted, 90),
-            "p99_ttft_s": pct(ttft_sorted, 99),
-            "mean_tbt_s": sum(tbts) / len(tbts) if tbts else 0.0,
-            "p99_mean_tbt_s": pct(tbts, 99),
-            "rejected_ttft": self.rejected_ttft,
-            "rejected_decode": self.rejected_decode,
-            "rejected_after_prefill": self.rejected_after,
-            "wasted_prefill_s": self.wasted_prefill_s,
-            "fetches": self.fetches,
-            "duration_s": span,
-            "makespan_s": max((r.end for r in done), default=0.0),
-            "sim_wall_s": wall_s,
-            "config": {
-                "prefill": 0 if self.coupled else cfg.prefill,
-                "decode": 0 if self.coupled else cfg.decode,
-                "coupled": cfg.coupled,
-                "speed": cfg.speed,
-                "router": cfg.router,
-                "rejection": cfg.rejection,
-                "capacity_blocks": cfg.capacity_blocks,
-                "policy": cfg.policy,
-                "slo": asdict(cfg.slo),
-                "balance_threshold": cfg.balance_threshold,
-                "decode_headroom": cfg.decode_headroom,
-                "model": cfg.model,
-                "cpp_group": cfg.cpp_group,
-            },
-        }
+        """The result dict ``kvpool sim`` prints (``sim.summary``)."""
+        return summarize(self, wall_s)

@@ -7,6 +7,8 @@ from typing import Any
 
 from kvpool.serve.sched.admission import normalize_rejection
 from kvpool.serve.sched.conductor import ROUTE_FNS, SLO
+from kvpool.serve.sched.cost_model import get_hardware
+from kvpool.serve.sched.layerwise_model import DEFAULT_LAYER_OVERHEAD_S
 from kvpool.serve.sched.sim.decode_engine import DecodeEngine
 
 #: Event kinds of the simulator's heap, in tie-break order at equal times.
@@ -30,6 +32,10 @@ class SimConfig:
     model: str = "llama2-70b"
     block_tokens: int = 512
     cpp_group: int = 1  # pipeline prefill across k nodes (sim.cpp.CppCluster)
+    hardware: str = "h100"  # node preset (cost_model.HARDWARE)
+    layerwise: bool = True  # KV streams to decode layer by layer during prefill
+    layer_overhead_s: float = DEFAULT_LAYER_OVERHEAD_S  # per layer (layerwise_model)
+    load_sample_s: float = 0.0  # > 0: sample prefill/decode load this often (load_series)
 
     def validate(self) -> None:
         if self.coupled < 0 or self.prefill < 0 or self.decode < 0:
@@ -41,6 +47,11 @@ class SimConfig:
         if self.router not in ROUTE_FNS:
             raise ValueError(f"unknown router {self.router!r}; choose from {sorted(ROUTE_FNS)}")
         normalize_rejection(self.rejection)
+        get_hardware(self.hardware)
+        if self.load_sample_s < 0:
+            raise ValueError("load_sample_s must be >= 0")
+        if self.layer_overhead_s < 0:
+            raise ValueError("layer_overhead_s must be >= 0")
         if self.capacity_blocks < 0:
             raise ValueError("capacity_blocks must be >= 0")
         if not 0.0 < self.decode_headroom <= 1.0:
@@ -69,7 +80,8 @@ class Req:
     tbt_slo: float = 0.0
     prefill_node: int = -1
     decode_node: int = -1
-    prefill_s: float = 0.0
+    prefill_s: float = 0.0  # on the prefill node: prefix fetch + compute
+    compute_s: float = 0.0  # the compute alone (the layer-wise overlap window)
     first_token: float = -1.0
     join_step: int = -1
     join_context: int = 0
@@ -79,3 +91,4 @@ class Req:
     tbt_ok: bool = True
     mean_tbt: float = 0.0
     reused_blocks: int = 0
+    weight: float = 0.0  # admission weight: prompt + mean reply tokens (KV at decode)

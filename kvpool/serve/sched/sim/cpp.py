@@ -103,12 +103,13 @@ class CppCluster(Cluster):
             self.cpp_requests += 1
             self.cpp_bubble_sum += bubble
         r.prefill_node, r.prefill_s, r.reused_blocks = members[0], seconds, plan.reused_blocks
+        r.compute_s = seconds - plan.transfer_s
         self.hit_blocks += plan.reused_blocks
         self.total_blocks += len(r.keys)
         end = max([now] + [nodes[m].busy_until for m in members]) + seconds
         for m in members:
             nodes[m].busy_until = end
-        self.predictor.add(rid, end)
+        self.predictor.add(rid, end, r.weight)
         self._push(end, PREFILL_DONE, rid)
 
     def results(self, wall_s: float = 0.0) -> dict[str, Any]:
