@@ -18,6 +18,7 @@ SUITES = [
     ("policy_cost", "register"),
     ("cpp", "register_cpp"),
     ("idle_rtt", "register_idle_rtt"),
+    ("failover", "register_failover"),  # master HA: leader kill -> first put/get
 ]
 
 

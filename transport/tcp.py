@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -170,6 +170,51 @@ class TcpTransport(Transport):
             copy_region(device, host)
         self.bytes_read += sum(r.nbytes for _, r in plan)
 
+    def stamped(self, items: Sequence[tuple[int, bytes, int, Any]]) -> list[int]:
+        """Fenced ops (op, packed stamp, offset, data or None) on one connection,
+        pipelined: each one's status (tcp_wire ST_OK, ST_STALE or ST_BUSY)."""
+        plan = []
+        for op, stamp, offset, data in items:
+            region = None
+            if data is not None:
+                region = as_region(data, what="data")
+                check_range(offset, region_nbytes(region), self.info.size)
+                if region_is_device(region):
+                    host = _staging(region_nbytes(region))
+                    copy_region(host, region)
+                    region = host
+            plan.append((op, stamp, offset, region))
+        out: list[int] = []
+        self._io(lambda conn: out.extend(conn.stamped_many(plan)))
+        self.bytes_written += sum(r.nbytes for _, _, _, r in plan if r is not None)
+        return out
+
+    def stamped_later(
+        self, items: Sequence[tuple[int, bytes, int, None]]
+    ) -> Callable[[], list[int]]:
+        """Send payload-less fenced ops now; the returned call waits for their
+        statuses (the connection stays lent out until then: call it exactly once)."""
+        plan = list(items)
+        conn = self._acquire()
+        try:
+            rids = conn.stamped_send(plan)
+        except BaseException as exc:
+            self._release(conn, False)
+            _raise_transfer_error(self.info.node_id, exc)
+
+        def statuses() -> list[int]:
+            healthy = False
+            try:
+                out = conn.stamped_statuses(rids)
+                healthy = True
+                return out
+            except BaseException as exc:
+                _raise_transfer_error(self.info.node_id, exc)
+            finally:
+                self._release(conn, healthy)
+
+        return statuses
+
     def write_many(self, items: Sequence[tuple[int, Any]]) -> None:
         plan = []
         for offset, data in items:
@@ -182,6 +227,15 @@ class TcpTransport(Transport):
             plan.append((offset, region))
         self._io(DataConn.write_many, plan)
         self.bytes_written += sum(r.nbytes for _, r in plan)
+
+
+def _raise_transfer_error(node_id: str, exc: BaseException) -> NoReturn:
+    """Raise the kvpool error for a failed data-path operation (as ``_io`` maps them)."""
+    if isinstance(exc, KVPoolError) or not isinstance(exc, OSError):
+        raise exc
+    if isinstance(exc, TimeoutError):
+        raise CallTimeoutError(f"data transfer with {node_id} timed out") from exc
+    raise ConnectionLostError(f"data connection to {node_id}: {exc}") from exc
 
 
 def _staging(n: int) -> np.ndarray:

@@ -4,7 +4,9 @@ One thread per client connection. READ sends the range straight from the
 region (``sendmsg`` of a memoryview, no copy into Python objects); WRITE
 receives straight into the region with ``recv_into``. The server knows
 nothing about blocks: the master decides which ranges are valid to read or
-write; this server only refuses ranges outside the region.
+write; this server only refuses ranges outside the region, and, given a
+``fence`` (kvpool.transport.fencing), passes every stamped op through it
+before a byte lands (the node's block table checks the epoch and allocation).
 
 The token rule of ``kvpool.rpc.auth`` applies (a non-loopback bind needs a
 token; a wrong token is refused and logged).
@@ -24,6 +26,7 @@ from kvpool.errors import ConnectionLostError
 from kvpool.rpc.auth import check_bind, resolve_token, token_matches
 from kvpool.rpc.frame import linger_close, listen
 from kvpool.transport import tcp_wire as w
+from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, STAMP, WriteFence, WriteStamp
 
 log = logging.getLogger("kvpool.transport.tcp")
 
@@ -39,6 +42,9 @@ class TcpDataServer:
         port: int = 0,
         token: str | None = None,
         handshake_timeout: float = 10.0,
+        fence: WriteFence | None = None,
+        write_timeout: float = 30.0,
+        max_connections: int = 1024,
     ) -> None:
         self.token = resolve_token(token)
         check_bind(host, self.token)
@@ -46,6 +52,8 @@ class TcpDataServer:
         self._mv = memoryview(self.region)  # type: ignore[arg-type]
         self.size = self.region.nbytes
         self.handshake_timeout = handshake_timeout
+        self.fence, self.write_timeout = fence, write_timeout
+        self.max_connections = max_connections
         self._listener = listen(host, port)
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -72,7 +80,13 @@ class TcpDataServer:
             except OSError:
                 break
             with self._lock:
-                self._conns.add(sock)
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(sock)
+            if full:  # each connection costs a thread: refuse past the cap
+                log.warning("data server: %d connections open: refusing %s", len(self._conns), peer)
+                sock.close()
+                continue
             threading.Thread(target=self._serve, args=(sock, peer), daemon=True).start()
 
     def close(self) -> None:
@@ -107,6 +121,8 @@ class TcpDataServer:
         except (OSError, ConnectionLostError):
             pass
         finally:
+            if self.fence is not None:
+                self.fence.owner_gone(sock)
             with self._lock:
                 self._conns.discard(sock)
             sock.close()
@@ -124,6 +140,9 @@ class TcpDataServer:
             lengths = bytearray(w.HELLO_LENGTHS.size)
             w.recv_into_exact(sock, memoryview(lengths))
             tlen, ilen = w.HELLO_LENGTHS.unpack(lengths)
+            if tlen > w.MAX_HELLO_FIELD or ilen > w.MAX_HELLO_FIELD:
+                log.warning("refused data connection from %s: oversized hello", peer)
+                return False  # nothing read or allocated past the lengths
             token, instance = bytearray(tlen), bytearray(ilen)
             w.recv_into_exact(sock, memoryview(token))
             w.recv_into_exact(sock, memoryview(instance))
@@ -155,6 +174,10 @@ class TcpDataServer:
             if op == w.OP_PING:
                 sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
                 continue
+            if op in w.STAMPED_OPS:
+                if not self._stamped(sock, op, rid, offset, length):
+                    return True
+                continue
             if op not in (w.OP_READ, w.OP_WRITE):
                 self._error(sock, w.ST_BAD_OP, rid, f"unknown op {op}")
                 return True
@@ -176,3 +199,54 @@ class TcpDataServer:
                 w.recv_into_exact(sock, span)
                 sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
                 self.bytes_written += length
+
+    def _stamped(self, sock: socket.socket, op: int, rid: int, offset: int, length: int) -> bool:
+        """One fenced op; False after a fatal error (the stream is unusable)."""
+        raw = bytearray(STAMP.size)
+        w.recv_into_exact(sock, memoryview(raw))
+        stamp = WriteStamp.unpack(raw)
+        payload = length if op in (w.OP_WRITE_FINAL, w.OP_WRITE_PART) else 0
+        fence = self.fence
+        if fence is None:
+            self._error(sock, w.ST_BAD_OP, rid, "this data server takes no stamped writes")
+            return False
+        if stamp.offset + stamp.size > self.size or (payload and not stamp.covers(offset, length)):
+            self._error(sock, w.ST_RANGE, rid, f"stamp range outside region of {self.size} B")
+            return not payload  # an undrained payload leaves the stream unusable
+        if op == w.OP_SEAL or op == w.OP_RELEASE:
+            sealed = op == w.OP_SEAL
+            status = fence.finish(stamp, sock, ok=sealed, seal=sealed, any_owner=True)
+            self._fence_reply(sock, rid, status)
+            return True
+        status = fence.claim(stamp, sock)
+        if status != FENCE_OK or op == w.OP_CLAIM:
+            if payload:
+                _drain(sock, payload)
+            self._fence_reply(sock, rid, status)
+            return True
+        sock.settimeout(self.write_timeout)  # a stalled writer must not hold its claim forever
+        w.recv_into_exact(sock, self._mv[offset : offset + length])
+        sock.settimeout(None)
+        status = fence.finish(stamp, sock, ok=True, seal=op == w.OP_WRITE_FINAL)
+        self.bytes_written += length
+        self._fence_reply(sock, rid, status)
+        return True
+
+    def _fence_reply(self, sock: socket.socket, rid: int, status: int) -> None:
+        if status == FENCE_OK:
+            sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
+        elif status == FENCE_BUSY:
+            self._error(sock, w.ST_BUSY, rid, "range busy: an older write is still in flight")
+        else:
+            self._error(
+                sock, w.ST_STALE, rid, "stale write: the range belongs to a newer allocation"
+            )
+
+
+def _drain(sock: socket.socket, n: int) -> None:
+    """Read and discard ``n`` payload bytes (a refused write keeps the stream in sync)."""
+    scratch = memoryview(bytearray(min(n, 1 << 20)))
+    while n:
+        k = min(n, scratch.nbytes)
+        w.recv_into_exact(sock, scratch[:k])
+        n -= k

@@ -14,6 +14,13 @@ Then any number of requests, answered strictly in order:
 
 - ``REQ`` (op, request id, offset, length); a WRITE is followed by exactly
   ``length`` payload bytes;
+- stamped ops (the node's write fence, kvpool.transport.fencing): ``REQ``
+  then a ``STAMP``; ``WRITE_FINAL`` / ``WRITE_PART`` then carry ``length``
+  payload bytes (the whole block, which the node then knows complete; or a
+  part of it); ``CLAIM`` / ``SEAL`` / ``RELEASE`` carry none and bracket a
+  write made another way (same-host shared memory, UCX). A refused stamp
+  gets ``ST_STALE`` or ``ST_BUSY`` (its payload is drained: the connection
+  stays usable);
 - ``RESP`` (status, request id, length); for an ok READ ``length`` payload
   bytes follow; for an error, ``length`` bytes of UTF-8 message follow.
 
@@ -36,12 +43,16 @@ VERSION = 2
 HELLO = struct.Struct("!4sHHH")  # magic, version | token length, instance length
 HELLO_HEAD = struct.Struct("!4sH")  # what every version starts with
 HELLO_LENGTHS = struct.Struct("!HH")
+MAX_HELLO_FIELD = 1024  # token or instance bytes a server reads before authenticating
 HELLO_REPLY = struct.Struct("!4sBxH")
 REQ = struct.Struct("!BxxxIQQ")
 RESP = struct.Struct("!BxxxIQ")
 
 OP_READ, OP_WRITE, OP_PING = 1, 2, 3
+OP_WRITE_FINAL, OP_WRITE_PART, OP_CLAIM, OP_SEAL, OP_RELEASE = 4, 5, 6, 7, 8  # + STAMP
+STAMPED_OPS = frozenset((OP_WRITE_FINAL, OP_WRITE_PART, OP_CLAIM, OP_SEAL, OP_RELEASE))
 ST_OK, ST_BAD_VERSION, ST_BAD_TOKEN, ST_RANGE, ST_BAD_OP, ST_WRONG_INSTANCE = 0, 1, 2, 3, 4, 5
+ST_STALE, ST_BUSY = 6, 7  # the write fence refused the stamp (kvpool.transport.fencing)
 
 SOCK_BUF = 8 * 1024 * 1024
 MAX_CHUNK = 1 << 30  # per recv_into/send call; keeps counts well inside int limits

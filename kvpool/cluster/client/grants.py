@@ -44,6 +44,7 @@ class Grant:
     offset: int
     region: Any  # the node's RegionInfo when granted (identity-compared)
     expires: float  # monotonic time after which it is not used
+    epoch: int = 0  # the master term that granted it (writes are stamped with it)
 
 
 class GrantStock:

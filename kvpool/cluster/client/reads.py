@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from kvpool.args import block_range, check_out_fits
-from kvpool.bindings.buffers import Region
+from kvpool.bindings.buffers import Region, region_nbytes
 from kvpool.cluster.client.handles import RemoteLease
 from kvpool.cluster.client.lease_cache import CachedLease, LeaseCache
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession, Placement
@@ -41,6 +41,10 @@ from kvpool.cluster.wire import (
     ReleaseRequest,
 )
 from kvpool.errors import KVPoolError
+from kvpool.transport.fencing import WriteStamp
+
+#: A replica order from a lease: (allocation id, target, lease id, master term)
+Order = tuple[int, Placement, int, int]
 
 #: A leased block: its replicas, its size and the cached lease that pins it.
 Found = tuple[list[Placement], int, CachedLease]
@@ -54,7 +58,7 @@ class LeasedReads:
         self._lock = threading.Lock()
         self.cache = LeaseCache(hold_s, max_bytes)
         # hot blocks to copy to a new replica: key -> (alloc id, target, lease that asked)
-        self._orders: dict[bytes, tuple[int, Placement, int]] = {}
+        self._orders: dict[bytes, Order] = {}
 
     # -- what the pool's read methods call -------------------------------------------
 
@@ -174,7 +178,8 @@ class LeasedReads:
             lease = self.cache.add(reply.lease_id, held, reply.ttl, len(held) if pins < 0 else pins)
             superseded = self.cache.superseded
             for index, alloc_id, node_id, offset in reply.replicate:
-                self._orders[keys[index]] = (alloc_id, Placement(node_id, offset), reply.lease_id)
+                placement = Placement(node_id, offset)
+                self._orders[keys[index]] = (alloc_id, placement, reply.lease_id, reply.epoch)
         if superseded:
             self.hand_back(superseded, wait=False)
         return lease, held
@@ -238,7 +243,7 @@ class LeasedReads:
         with self._lock:
             order = self._orders.pop(key, None) if got == size else None
         if order is not None:
-            self._fulfil_order(order, dst[:want])
+            self._fulfil_order(key, order, dst[:want])
         return got
 
     def read_replicas(
@@ -260,12 +265,13 @@ class LeasedReads:
         session.counts["misses"] += 1
         return None
 
-    def _fulfil_order(self, order: tuple[int, Placement, int], block: Region) -> None:
+    def _fulfil_order(self, key: bytes, order: Order, block: Region) -> None:
         """Copy a just-read hot block to the replica the master asked for (or give it back)."""
-        alloc_id, target, _ = order
+        alloc_id, target, _, epoch = order
         rpc = self._session.rpc
+        stamp = WriteStamp(epoch, alloc_id, target.offset, region_nbytes(block), key)
         try:
-            self._session.write(target.node_id, target.offset, block)
+            self._session.write_block(target.node_id, stamp, block)
         except TRANSFER_ERRORS:
             rpc.submit(REVOKE, IdsRequest([alloc_id]))
             return
