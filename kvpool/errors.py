@@ -106,3 +106,7 @@ class StaleWriteError(KVPoolError):
 
 class MasterUnavailableError(KVPoolError, ConnectionError):
     """No master answered within the failover deadline (every address was tried)."""
+
+
+class PermissionDeniedError(KVPoolError, PermissionError):
+    """The caller may not call this method (e.g. a client calling a node-only one)."""

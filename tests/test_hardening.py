@@ -118,3 +118,20 @@ def test_ucx_listener_address() -> None:
 def test_hello_frame_limit_is_a_few_kib() -> None:
     assert ServerConfig().hello_max_frame <= 16 << 10
     assert struct.calcsize("!HH") == w.HELLO_LENGTHS.size and w.MAX_HELLO_FIELD <= 4096
+
+
+def test_node_only_methods_are_refused_to_clients() -> None:
+    from kvpool.cluster.master import Master, MasterConfig
+    from kvpool.cluster.wire import REGISTER, RegisterNode
+    from kvpool.errors import PermissionDeniedError
+    from kvpool.transport.base import RegionInfo
+
+    master = Master(MasterConfig(port=0))
+    master.start()
+    try:
+        with RpcClient(master.address, timeout=5, name="kvpool-client") as rpc:
+            with pytest.raises(PermissionDeniedError):
+                rpc.call(REGISTER, RegisterNode(RegionInfo(node_id="x", size=4096)))
+            assert rpc.call("stats")["nodes"] == {}
+    finally:
+        master.close()

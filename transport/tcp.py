@@ -170,20 +170,23 @@ class TcpTransport(Transport):
             copy_region(device, host)
         self.bytes_read += sum(r.nbytes for _, r in plan)
 
+    def _source(self, offset: int, data: Any) -> Any:
+        """``data`` as a host region to send to ``offset`` (device buffers staged)."""
+        region = as_region(data, what="data")
+        check_range(offset, region_nbytes(region), self.info.size)
+        if region_is_device(region):
+            host = _staging(region_nbytes(region))
+            copy_region(host, region)
+            region = host
+        return region
+
     def stamped(self, items: Sequence[tuple[int, bytes, int, Any]]) -> list[int]:
         """Fenced ops (op, packed stamp, offset, data or None) on one connection,
         pipelined: each one's status (tcp_wire ST_OK, ST_STALE or ST_BUSY)."""
-        plan = []
-        for op, stamp, offset, data in items:
-            region = None
-            if data is not None:
-                region = as_region(data, what="data")
-                check_range(offset, region_nbytes(region), self.info.size)
-                if region_is_device(region):
-                    host = _staging(region_nbytes(region))
-                    copy_region(host, region)
-                    region = host
-            plan.append((op, stamp, offset, region))
+        plan = [
+            (op, stamp, offset, None if data is None else self._source(offset, data))
+            for op, stamp, offset, data in items
+        ]
         out: list[int] = []
         self._io(lambda conn: out.extend(conn.stamped_many(plan)))
         self.bytes_written += sum(r.nbytes for _, _, _, r in plan if r is not None)
@@ -216,15 +219,7 @@ class TcpTransport(Transport):
         return statuses
 
     def write_many(self, items: Sequence[tuple[int, Any]]) -> None:
-        plan = []
-        for offset, data in items:
-            region = as_region(data, what="data")
-            check_range(offset, region_nbytes(region), self.info.size)
-            if region_is_device(region):
-                host = _staging(region_nbytes(region))
-                copy_region(host, region)
-                region = host
-            plan.append((offset, region))
+        plan = [(offset, self._source(offset, data)) for offset, data in items]
         self._io(DataConn.write_many, plan)
         self.bytes_written += sum(r.nbytes for _, r in plan)
 

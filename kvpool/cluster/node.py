@@ -46,6 +46,7 @@ from kvpool.cluster.wire import (
     EVENT_FREE,
     EVENT_SSD_DROP,
     HEARTBEAT,
+    NODE_HELLO,
     REGISTER,
     SSD_LOAD,
     SSD_STORE,
@@ -188,7 +189,7 @@ class StorageNode:
                 self.config.master,
                 token=self.config.token,
                 timeout=self.config.rpc_timeout,
-                name=f"node {self.node_id}",
+                name=f"{NODE_HELLO} {self.node_id}",
                 deadline=self.config.heartbeat_interval,
                 connect=False,
             )

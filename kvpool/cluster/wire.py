@@ -15,6 +15,8 @@ from kvpool.transport.base import RegionInfo
 
 DEFAULT_ALLOC_TTL = 120.0  # seconds a put (or a layer-by-layer block) has to commit
 
+# How a node introduces itself (RPC hello name prefix): node.* calls need it.
+NODE_HELLO = "kvpool-node"
 # Master RPC method names.
 REGISTER = "node.register"
 HEARTBEAT = "node.heartbeat"

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvpool.cluster.master.config import MasterConfig
@@ -34,6 +35,7 @@ from kvpool.cluster.wire import (
     HEARTBEAT,
     LEASE,
     LOCATE,
+    NODE_HELLO,
     PREFIX,
     REGISTER,
     RELEASE,
@@ -51,8 +53,24 @@ from kvpool.cluster.wire import (
     ReleaseRequest,
     ReplicateRequest,
 )
+from kvpool.errors import PermissionDeniedError
 from kvpool.index.catalog import BlockCatalog
-from kvpool.rpc.server import RpcServer, ServerConfig
+from kvpool.rpc.server import Connection, RpcServer, ServerConfig
+
+
+def nodes_only(handler: Callable[[Any], Any]) -> Callable[[Any, Connection], Any]:
+    """``handler`` for connections that introduced themselves as a node.
+
+    A guard against misdirected calls (a client that registers itself as a node
+    would corrupt the catalog), not an authentication: nodes and clients share
+    the cluster's token."""
+
+    def checked(params: Any, conn: Connection) -> Any:
+        if not conn.client_name.startswith(NODE_HELLO):
+            raise PermissionDeniedError(f"only storage nodes may call this ({conn.client_name!r})")
+        return handler(params)
+
+    return checked
 
 
 class Master:
@@ -119,7 +137,16 @@ class Master:
         # connection's reader thread saves a thread hop (~50 us) per call.
         for method, fn, request_type in routes:
             handler = self.metrics.wrap(method, self.term.gate(fn))
-            self._server.register(method, handler, request_type=request_type, inline=True)
+            if method in (REGISTER, HEARTBEAT):
+                self._server.register(
+                    method,
+                    nodes_only(handler),
+                    request_type=request_type,
+                    inline=True,
+                    pass_conn=True,
+                )
+            else:
+                self._server.register(method, handler, request_type=request_type, inline=True)
 
     def _new_catalog(self) -> BlockCatalog:
         config = self.config
