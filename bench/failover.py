@@ -109,18 +109,21 @@ def run_failover(kills: int, size: int) -> dict[str, Any]:
             with kvpool.connect(cluster["url"], timeout=5, failover_s=30) as pool:
                 i = 0
                 while not stop.is_set():
-                    pool.put((b"p%014d" % i)[:16], data)
+                    pool.put(b"p%015d" % i, data)
                     done["put"].append(time.monotonic())
                     i += 1
                     time.sleep(0.005)
 
         def getter() -> None:
             out = np.empty(size, np.uint8)
-            with kvpool.connect(cluster["url"], timeout=5, failover_s=30) as pool:
+            # No lease cache: every get asks the master (a cached lease would
+            # hide the outage).
+            url = cluster["url"]
+            with kvpool.connect(url, timeout=5, failover_s=30, lease_cache_s=0) as pool:
                 pool.put(b"g" * 16, data)
                 while not stop.is_set():
-                    pool.get_into(b"g" * 16, out)
-                    done["get"].append(time.monotonic())
+                    if pool.get_into(b"g" * 16, out) == size:
+                        done["get"].append(time.monotonic())
                     time.sleep(0.005)
 
         threads = [threading.Thread(target=putter), threading.Thread(target=getter)]
@@ -130,8 +133,12 @@ def run_failover(kills: int, size: int) -> dict[str, Any]:
         for _ in range(kills):
             time.sleep(1.5)
             port = _leader(cluster["masters"])
+            waited = time.monotonic() + 20
+            while port is None and time.monotonic() < waited:  # the last failover's end
+                time.sleep(0.1)
+                port = _leader(cluster["masters"])
             if port is None:
-                continue
+                raise RuntimeError("no leader was elected within 20 s")
             killed = time.monotonic()
             cluster["masters"][port].kill()
             deadline = killed + 30
@@ -163,7 +170,7 @@ def run_overhead(rounds: int, ops: int, size: int) -> dict[str, Any]:
 
     data = [np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8) for i in range(ops)]
     out = np.empty(size, np.uint8)
-    keys = [(b"o%014d" % i)[:16] for i in range(ops)]
+    keys = [b"o%015d" % i for i in range(ops)]
     times: dict[str, dict[str, list[float]]] = {
         m: {"put": [], "get": []} for m in ("standalone", "ha")
     }
