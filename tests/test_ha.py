@@ -3,17 +3,21 @@ a zombie leader (SIGSTOP past its TTL), etcd itself stopped."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
-import threading
+import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
 from clusterhelpers import wait_until
 from etcdhelpers import Etcd, free_port, start_etcd
+from ha_client import key_of
+from ha_client import payload as client_payload
 
 import kvpool
 from kvpool.errors import KVPoolError, NotLeaderError, StaleWriteError
@@ -87,75 +91,53 @@ def epoch(pool: kvpool.RemotePool) -> int:
 
 
 def test_leader_killed_under_load(ha: HaCluster) -> None:
-    """Writers (replicas=2) and readers run while the leader is killed -9 three
-    times: no exception, no wrong bytes, every acknowledged put readable at the
-    end, each gap under 5 s, epochs strictly increasing."""
-    stop = threading.Event()
-    errors: list[BaseException] = []
-    wrong: list[bytes] = []
-    acked: dict[bytes, int] = {}
-    done_at: list[float] = []  # completion times of successful puts
-    lock = threading.Lock()
-
-    def writer(w: int) -> None:
-        with kvpool.connect(ha.url, timeout=5) as pool:
-            i = 0
-            while not stop.is_set():
-                key = (b"w%d-%06d" % (w, i)).ljust(16, b"\0")
-                try:
-                    pool.put(key, payload(w * 100000 + i), replicas=2)
-                    with lock:
-                        acked[key] = w * 100000 + i
-                        done_at.append(time.monotonic())
-                except BaseException as exc:
-                    errors.append(exc)
-                i += 1
-                time.sleep(0.04)  # <= ~600 puts x 2 replicas: the pool never fills
-
-    def reader() -> None:
-        out = np.empty(BLOCK, np.uint8)
-        with kvpool.connect(ha.url, timeout=5) as pool:
-            while not stop.is_set():
-                with lock:
-                    items = list(acked.items())[-20:]
-                for key, i in items:
-                    try:
-                        if pool.get_into(key, out) == BLOCK and not np.array_equal(out, payload(i)):
-                            wrong.append(key)
-                    except BaseException as exc:
-                        errors.append(exc)
-                time.sleep(0.01)
-
-    threads = [threading.Thread(target=writer, args=(w,)) for w in range(2)]
-    threads += [threading.Thread(target=reader) for _ in range(2)]
-    for t in threads:
-        t.start()
-    gaps, epochs = [], []
-    with kvpool.connect(ha.url, timeout=5) as probe:
-        epochs.append(epoch(probe))
-        for _ in range(3):
-            time.sleep(2.0)
-            port = ha.leader()
-            assert port is not None
-            killed = time.monotonic()
-            ha.masters[port].kill()
-            assert wait_until(lambda k=killed: any(t > k for t in done_at), 10, interval=0.02)
-            gaps.append(min(t for t in done_at if t > killed) - killed)
-            print(f"kill {len(gaps)}: first put {gaps[-1]:.2f} s later")
-            ha.start_master(port)  # back as a standby
+    """Two writer processes (replicas=2) and two reader processes run for ~20 s
+    while the leader is killed -9 four times: no exception, no wrong bytes,
+    every acknowledged put readable at the end, each gap under 5 s, epochs
+    strictly increasing."""
+    seconds = 20.0
+    script = str(Path(__file__).with_name("ha_client.py"))
+    roles = [("writer", 0), ("writer", 1), ("reader", 0), ("reader", 1)]
+    clients = [
+        subprocess.Popen(
+            [sys.executable, script, ha.url, role, str(ident), str(seconds)],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for role, ident in roles
+    ]
+    kills, epochs = [], []
+    try:
+        with kvpool.connect(ha.url, timeout=5) as probe:
             epochs.append(epoch(probe))
-    time.sleep(1.0)
-    stop.set()
-    for t in threads:
-        t.join(30)
-    assert not errors, errors[:3]
-    assert not wrong
+            for _ in range(4):
+                time.sleep(2.0)
+                assert wait_until(lambda: ha.leader() is not None, 10)
+                port = ha.leader()
+                assert port is not None
+                kills.append(time.monotonic())
+                ha.masters[port].kill()
+                assert wait_until(lambda p=port: ha.leader() not in (None, p), 10)
+                ha.start_master(port)  # back as a standby
+                epochs.append(epoch(probe))
+        reports = [json.loads(c.communicate(timeout=seconds + 60)[0]) for c in clients]
+    finally:
+        for c in clients:
+            c.kill()
+    writers, readers = reports[:2], reports[2:]
+    assert not [e for r in reports for e in r["errors"]], [r["errors"][:3] for r in reports]
+    assert not [w for r in readers for w in r["wrong"]]
+    done = sorted(t for r in writers for t in r["done"])
+    gaps = [min(t for t in done if t > k) - k for k in kills]
     assert all(g <= 5.0 for g in gaps), gaps
-    assert epochs == sorted(set(epochs)) and len(epochs) == 4, epochs
+    assert epochs == sorted(set(epochs)) and len(epochs) == 5, epochs
+    assert sum(r["done"] != [] for r in readers) == 2  # readers did read
     out = np.empty(BLOCK, np.uint8)
     with kvpool.connect(ha.url, timeout=5) as pool:
-        for key, i in acked.items():
-            assert pool.get_into(key, out) == BLOCK and np.array_equal(out, payload(i)), key
+        for w, report in enumerate(writers):
+            for i in report["acked"]:
+                assert pool.get_into(key_of(w, i), out) == BLOCK
+                assert np.array_equal(out, client_payload(w, i)), (w, i)
 
 
 def test_zombie_leader_is_fenced(ha: HaCluster) -> None:
