@@ -110,3 +110,8 @@ class MasterUnavailableError(KVPoolError, ConnectionError):
 
 class PermissionDeniedError(KVPoolError, PermissionError):
     """The caller may not call this method (e.g. a client calling a node-only one)."""
+
+
+class StaleReadError(KVPoolError):
+    """A node no longer holds the block a read named at that range (the reader's
+    lease is from an older placement): the read tries another replica or misses."""

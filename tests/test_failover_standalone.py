@@ -123,3 +123,38 @@ def _ride_through(cluster: Cluster) -> None:
         out = np.empty(64 << 10, np.uint8)
         for key, i in acked:
             assert pool.get_into(key, out) == out.size and np.array_equal(out, payload(i, 64 << 10))
+
+
+def test_a_reader_with_an_outdated_lease_never_gets_another_blocks_bytes() -> None:
+    """A client holds a cached lease on a block; the master restarts, the block is
+    removed and its range reused by another block. The old lease's read (TCP)
+    is refused by the node: a miss, not the other block's bytes."""
+    from kvpool.errors import PoolFullError
+
+    cluster = start_cluster(["1MiB"])  # one block of room: the range must be reused
+    try:
+        reader = kvpool.connect(cluster.url, timeout=5, transport="tcp", lease_cache_s=60)
+        other = kvpool.connect(cluster.url, timeout=5)
+        k1, k2 = b"\x31" * 16, b"\x32" * 16
+        out = np.empty(MIB, np.uint8)
+        assert reader.put(k1, payload(1))
+        assert reader.get_into(k1, out) == MIB  # the lease stays cached here
+        cluster.restart_master()
+        assert wait_until(lambda: other.exists([k1])[0], timeout=15)
+        assert other.remove(k1)
+
+        def reused() -> bool:
+            try:
+                return other.put(k2, payload(2))
+            except PoolFullError:  # the re-join grace still pins k1's range
+                return False
+
+        assert wait_until(reused, timeout=15)
+        got = reader.get_into(k1, out)
+        assert got is None or np.array_equal(out, payload(1))
+        assert not np.array_equal(out, payload(2))
+        assert other.get_into(k2, out) == MIB and np.array_equal(out, payload(2))
+        reader.close()
+        other.close()
+    finally:
+        cluster.stop()

@@ -19,18 +19,25 @@ a final (or sealed) write it knows which block the range holds, so a put
 acknowledged to its caller survives a master crash (the node re-registers
 it).
 
-Wire form: ``STAMP`` (65 bytes), used by kvpool.transport.tcp_wire's stamped
-ops.
+Reads name their block too (``IDENT``: key, block offset): the node serves
+the bytes only if that block still holds the range, and holds it while they
+are sent, so a reader with an outdated lease gets a miss, never another
+block's bytes (TCP; a same-host reader copies from shared memory unchecked).
+
+Wire form: ``STAMP`` (65 bytes) and ``IDENT`` (24 bytes), used by
+kvpool.transport.tcp_wire's stamped and checked-read ops.
 """
 
 from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 #: epoch, allocation id, block offset, block size, key, parent, has-parent flag
 STAMP = struct.Struct("!QQQQ16s16sB")
+#: what a checked read names: the block's key and its offset in the region
+IDENT = struct.Struct("!16sQ")
 
 FENCE_OK, FENCE_STALE, FENCE_BUSY = 0, 1, 2
 
@@ -90,6 +97,13 @@ class WriteFence(Protocol):
         ``ok`` and ``seal`` the block is whole. FENCE_OK, or STALE when the range
         was taken meanwhile."""
         ...
+
+    def begin_read(self, key: bytes, block_offset: int, offset: int, length: int) -> Any:
+        """Hold block ``key`` at ``block_offset`` for a read of the range, or None
+        if the range holds another block now."""
+        ...
+
+    def end_read(self, held: Any) -> None: ...
 
     def owner_gone(self, owner: object) -> None:
         """The connection closed: end every write it still had in flight."""

@@ -31,6 +31,7 @@ from kvpool.errors import (
 )
 from kvpool.rpc.auth import resolve_token
 from kvpool.transport.base import RegionInfo, Transport, check_range
+from kvpool.transport.fencing import IDENT
 from kvpool.transport.tcp_conn import DataConn
 
 _U8 = np.dtype(np.uint8)
@@ -169,6 +170,26 @@ class TcpTransport(Transport):
         for device, host in devices:
             copy_region(device, host)
         self.bytes_read += sum(r.nbytes for _, r in plan)
+
+    def read_blocks(self, items: Sequence[tuple[int, Any, bytes, int]]) -> list[bool]:
+        """Reads that name their block (offset, out, key, block offset): the node
+        serves the bytes only while that block holds the range. Per read: True,
+        or False (``out`` untouched or partly written) when it does not."""
+        plan, devices = [], []
+        for offset, out, key, block_offset in items:
+            region = as_region(out, writable=True, what="output buffer")
+            check_range(offset, region_nbytes(region), self.info.size)
+            if region_is_device(region):
+                host = _staging(region_nbytes(region))
+                devices.append((region, host))
+                region = host
+            plan.append((offset, region, IDENT.pack(key, block_offset)))
+        found: list[bool] = []
+        self._io(lambda conn: found.extend(conn.read_blocks(plan)))
+        for device, host in devices:
+            copy_region(device, host)
+        self.bytes_read += sum(r.nbytes for (_, r, _), ok in zip(plan, found, strict=True) if ok)
+        return found
 
     def _source(self, offset: int, data: Any) -> Any:
         """``data`` as a host region to send to ``offset`` (device buffers staged)."""

@@ -109,6 +109,25 @@ class DataConn:
         for rid, (_, host) in zip(rids, plan, strict=True):
             self._recv_read(rid, w.byte_view(host))
 
+    def read_blocks(self, plan: list[tuple[int, Any, bytes]]) -> list[bool]:
+        """Checked reads (offset, host region, packed IDENT), pipelined: per read,
+        True, or False when the node no longer holds that block there."""
+        rids = [self._next_rid() for _ in plan]
+        self.sock.sendall(
+            b"".join(
+                w.REQ.pack(w.OP_READ_BLOCK, rid, off, host.nbytes) + ident
+                for rid, (off, host, ident) in zip(rids, plan, strict=True)
+            )
+        )
+        found = []
+        for rid, (_, host, _) in zip(rids, plan, strict=True):
+            try:
+                self._recv_read(rid, w.byte_view(host))
+                found.append(True)
+            except RemoteError:  # the error reply was read whole: the stream is in sync
+                found.append(False)
+        return found
+
     def stamped_many(self, plan: list[tuple[int, bytes, int, Any]]) -> list[int]:
         """Fenced ops (op, packed stamp, offset, payload or None), pipelined; the
         status of each (ST_OK, ST_STALE or ST_BUSY; others raise)."""

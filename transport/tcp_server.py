@@ -26,7 +26,14 @@ from kvpool.errors import ConnectionLostError
 from kvpool.rpc.auth import check_bind, resolve_token, token_matches
 from kvpool.rpc.frame import linger_close, listen
 from kvpool.transport import tcp_wire as w
-from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, STAMP, WriteFence, WriteStamp
+from kvpool.transport.fencing import (
+    FENCE_BUSY,
+    FENCE_OK,
+    IDENT,
+    STAMP,
+    WriteFence,
+    WriteStamp,
+)
 
 log = logging.getLogger("kvpool.transport.tcp")
 
@@ -202,6 +209,8 @@ class TcpDataServer:
 
     def _stamped(self, sock: socket.socket, op: int, rid: int, offset: int, length: int) -> bool:
         """One fenced op; False after a fatal error (the stream is unusable)."""
+        if op == w.OP_READ_BLOCK:
+            return self._read_block(sock, rid, offset, length)
         raw = bytearray(STAMP.size)
         w.recv_into_exact(sock, memoryview(raw))
         stamp = WriteStamp.unpack(raw)
@@ -230,6 +239,25 @@ class TcpDataServer:
         status = fence.finish(stamp, sock, ok=True, seal=op == w.OP_WRITE_FINAL)
         self.bytes_written += length
         self._fence_reply(sock, rid, status)
+        return True
+
+    def _read_block(self, sock: socket.socket, rid: int, offset: int, length: int) -> bool:
+        raw = bytearray(IDENT.size)
+        w.recv_into_exact(sock, memoryview(raw))
+        key, block_offset = IDENT.unpack(raw)
+        fence = self.fence
+        held = None if fence is None else fence.begin_read(bytes(key), block_offset, offset, length)
+        if held is None:
+            self._error(sock, w.ST_STALE, rid, "that block no longer holds this range")
+            return True
+        try:
+            w.send_parts(
+                sock, w.RESP.pack(w.ST_OK, rid, length), self._mv[offset : offset + length]
+            )
+            self.bytes_read += length
+        finally:
+            assert fence is not None
+            fence.end_read(held)
         return True
 
     def _fence_reply(self, sock: socket.socket, rid: int, status: int) -> None:

@@ -20,7 +20,8 @@ Then any number of requests, answered strictly in order:
   part of it); ``CLAIM`` / ``SEAL`` / ``RELEASE`` carry none and bracket a
   write made another way (same-host shared memory, UCX). A refused stamp
   gets ``ST_STALE`` or ``ST_BUSY`` (its payload is drained: the connection
-  stays usable);
+  stays usable); ``READ_BLOCK`` (+ ``IDENT``) is a READ answered ``ST_STALE``
+  when the range no longer holds the named block;
 - ``RESP`` (status, request id, length); for an ok READ ``length`` payload
   bytes follow; for an error, ``length`` bytes of UTF-8 message follow.
 
@@ -50,7 +51,10 @@ RESP = struct.Struct("!BxxxIQ")
 
 OP_READ, OP_WRITE, OP_PING = 1, 2, 3
 OP_WRITE_FINAL, OP_WRITE_PART, OP_CLAIM, OP_SEAL, OP_RELEASE = 4, 5, 6, 7, 8  # + STAMP
-STAMPED_OPS = frozenset((OP_WRITE_FINAL, OP_WRITE_PART, OP_CLAIM, OP_SEAL, OP_RELEASE))
+OP_READ_BLOCK = 9  # + IDENT: a READ served only if that block still holds the range
+STAMPED_OPS = frozenset(
+    (OP_WRITE_FINAL, OP_WRITE_PART, OP_CLAIM, OP_SEAL, OP_RELEASE, OP_READ_BLOCK)
+)
 ST_OK, ST_BAD_VERSION, ST_BAD_TOKEN, ST_RANGE, ST_BAD_OP, ST_WRONG_INSTANCE = 0, 1, 2, 3, 4, 5
 ST_STALE, ST_BUSY = 6, 7  # the write fence refused the stamp (kvpool.transport.fencing)
 

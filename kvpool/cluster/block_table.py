@@ -128,6 +128,29 @@ class BlockTable:
                 self._settle(entry)
             self._cond.notify_all()
 
+    def begin_read(self, key: bytes, block_offset: int, offset: int, length: int) -> Any:
+        """The whole block ``key`` at ``block_offset`` covering the range, held (no
+        newer claim takes it) until ``end_read``; None if the range holds
+        something else now (the reader's lease is from an older placement)."""
+        with self._cond:
+            entry = self._entries.get(block_offset)
+            if (
+                entry is None
+                or entry.stamp.key != key
+                or entry.state == CLAIMED
+                or entry.aborted
+                or not entry.stamp.covers(offset, length)
+            ):
+                return None
+            entry.inflight += 1
+            return entry
+
+    def end_read(self, entry: Any) -> None:
+        with self._cond:
+            entry.inflight -= 1
+            self._settle(entry)
+            self._cond.notify_all()
+
     # -- terms, registration, heartbeat events -----------------------------------------
 
     def suspend(self) -> None:

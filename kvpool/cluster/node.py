@@ -116,7 +116,7 @@ class StorageNode:
             raise
         if self.ssd is not None:
             self.control.register(SSD_STORE, self._this_term(self.ssd.store))
-            self.control.register(SSD_LOAD, self._this_term(self.ssd.load))
+            self.control.register(SSD_LOAD, self._this_term(self._load_from_ssd))
         self.metrics = Metrics("node")
         self.metrics_port: int | None = None
         self.registered = threading.Event()
@@ -182,6 +182,17 @@ class StorageNode:
             return handler(params["items"])
 
         return checked
+
+    def _load_from_ssd(self, items: list[list[Any]]) -> list[bool]:
+        """Promote SSD blocks into the DRAM ranges the master chose; the table learns
+        each at once (checked reads of it may follow before the next heartbeat)."""
+        assert self.ssd is not None
+        loaded = self.ssd.load(items)
+        for (key, offset), ok in zip(items, loaded, strict=True):
+            found = self.ssd.describe(key) if ok else None
+            if found is not None:
+                self.table.committed(key, offset, found[0], found[1])
+        return loaded
 
     def _rpc(self) -> MasterLink:
         if self._client is None:

@@ -93,11 +93,16 @@ class LeasedReads:
                     by_node.setdefault(node_id, []).append(i)
             for node_id, items in by_node.items():
                 plan = [
-                    (self._session.preferred(found[keys[i]][0]).offset, regions[i][: sizes[i]])
+                    (
+                        self._session.preferred(found[keys[i]][0]).offset,
+                        0,
+                        regions[i][: sizes[i]],
+                        keys[i],
+                    )
                     for i in items
                 ]
                 try:  # one pipelined exchange per node
-                    self._session.transport(node_id).read_many(plan)
+                    self._session.read_many(node_id, plan)
                     self._session.counts["hits"] += len(items)
                 except TRANSFER_ERRORS:  # that node failed: each block tries its other replicas
                     for i in items:
@@ -239,7 +244,7 @@ class LeasedReads:
         placements, size, _ = found
         want = block_range(start, length, size)
         check_out_fits(dst, want)
-        got = self.read_replicas(placements, dst[:want], start, want)
+        got = self.read_replicas(key, placements, dst[:want], start, want)
         with self._lock:
             order = self._orders.pop(key, None) if got == size else None
         if order is not None:
@@ -247,7 +252,7 @@ class LeasedReads:
         return got
 
     def read_replicas(
-        self, placements: list[Placement], dst: Region, start: int, want: int
+        self, key: bytes, placements: list[Placement], dst: Region, start: int, want: int
     ) -> int | None:
         """Read from the best replica, falling back to the others; None if none serves."""
         session = self._session
@@ -257,7 +262,7 @@ class LeasedReads:
             ordered = sorted(placements, key=lambda p: p is not first)
         for placement in ordered:
             try:
-                session.read(placement, start, dst)
+                session.read(placement, start, dst, key)
             except TRANSFER_ERRORS:
                 continue
             session.counts["hits"] += 1

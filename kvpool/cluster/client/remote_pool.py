@@ -267,7 +267,7 @@ class RemotePool(LayerwiseMethods):
                 staging = np.empty(hit[1] if hit else 0, np.uint8)
                 if (
                     hit is None
-                    or self._reads.read_replicas(hit[0], staging, 0, staging.size) is None
+                    or self._reads.read_replicas(key, hit[0], staging, 0, staging.size) is None
                 ):
                     failed.append(alloc_id)
                     continue

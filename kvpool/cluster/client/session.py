@@ -25,15 +25,15 @@ from dataclasses import dataclass
 from kvpool.bindings.buffers import Region
 from kvpool.cluster.client import fenced
 from kvpool.cluster.link import MasterLink
-from kvpool.errors import PoolClosedError, StaleWriteError
+from kvpool.errors import PoolClosedError, StaleReadError, StaleWriteError
 from kvpool.transport.base import RegionInfo, Transport, host_identity
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.peers import PeerTransports
 from kvpool.transport.tcp import TcpTransport
 
 #: What a failed data-plane transfer raises (the node died, restarted, or is unreachable,
-#: or it refused a stale write).
-TRANSFER_ERRORS = (ConnectionError, TimeoutError, OSError, StaleWriteError)
+#: or it refused a stale write or a read of a block that moved).
+TRANSFER_ERRORS = (ConnectionError, TimeoutError, OSError, StaleWriteError, StaleReadError)
 
 
 @dataclass(frozen=True)
@@ -133,9 +133,25 @@ class ClientSession:
         if status != fenced.OK:
             raise StaleWriteError(f"node {node_id} refused the write (status {status})")
 
-    def read(self, placement: Placement, start: int, dst: Region) -> None:
-        """Bytes [start, start + len(dst)) of a replica into ``dst``."""
-        self.transport(placement.node_id).read_into(placement.offset + start, dst)
+    def read(self, placement: Placement, start: int, dst: Region, key: bytes) -> None:
+        """Bytes [start, start + len(dst)) of block ``key``'s replica into ``dst``.
+        Over TCP the node checks that the block still holds the range
+        (``StaleReadError`` if not); a same-host copy is not checked."""
+        self.read_many(placement.node_id, [(placement.offset, start, dst, key)])
+
+    def read_many(self, node_id: str, items: Sequence[tuple[int, int, Region, bytes]]) -> None:
+        """(block offset, start in block, destination, key) reads from one node,
+        pipelined; ``StaleReadError`` if any block no longer holds its range."""
+        transport = self.transport(node_id)
+        if isinstance(transport, TcpTransport):
+            plan = [(block + start, dst, key, block) for block, start, dst, key in items]
+            if not all(transport.read_blocks(plan)):
+                raise StaleReadError(f"node {node_id} holds other blocks there now")
+        elif len(items) == 1:
+            block, start, dst, _ = items[0]
+            transport.read_into(block + start, dst)
+        else:
+            transport.read_many([(block + start, dst) for block, start, dst, _ in items])
 
     def preferred(self, placements: list[Placement]) -> Placement:
         """The replica to read first: one on this host, else the master's first
