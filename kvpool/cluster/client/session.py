@@ -137,7 +137,11 @@ class ClientSession:
         """Bytes [start, start + len(dst)) of block ``key``'s replica into ``dst``.
         Over TCP the node checks that the block still holds the range
         (``StaleReadError`` if not); a same-host copy is not checked."""
-        self.read_many(placement.node_id, [(placement.offset, start, dst, key)])
+        transport = self.transport(placement.node_id)
+        if isinstance(transport, TcpTransport):
+            self.read_many(placement.node_id, [(placement.offset, start, dst, key)])
+        else:  # the same-host fast path: one copy, nothing else
+            transport.read_into(placement.offset + start, dst)
 
     def read_many(self, node_id: str, items: Sequence[tuple[int, int, Region, bytes]]) -> None:
         """(block offset, start in block, destination, key) reads from one node,
@@ -147,9 +151,6 @@ class ClientSession:
             plan = [(block + start, dst, key, block) for block, start, dst, key in items]
             if not all(transport.read_blocks(plan)):
                 raise StaleReadError(f"node {node_id} holds other blocks there now")
-        elif len(items) == 1:
-            block, start, dst, _ = items[0]
-            transport.read_into(block + start, dst)
         else:
             transport.read_many([(block + start, dst) for block, start, dst, _ in items])
 
