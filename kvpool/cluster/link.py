@@ -49,13 +49,6 @@ from kvpool.rpc.messages import WireMessage
 
 W = TypeVar("W", bound=WireMessage)
 DEFAULT_FAILOVER_S = 10.0
-RETRIABLE = (
-    ConnectionLostError,
-    CallTimeoutError,
-    NotLeaderError,
-    MasterNotReadyError,
-    StaleEpochError,
-)
 
 
 def parse_masters(masters: str | tuple[str, int] | Sequence[str]) -> list[tuple[str, int]]:

@@ -28,24 +28,16 @@ from kvpool.transport.tcp import TcpTransport
 OK = w.ST_OK
 
 
-def write_blocks(
-    data: Transport, control: TcpTransport, items: Sequence[tuple[WriteStamp, int, Region]]
-) -> list[int]:
-    """Write each (stamp, offset, bytes) as a whole block; a status per item.
-
-    ``data`` moves the bytes; ``control`` is a TCP transport to the same node
-    (the same object when the data path is TCP)."""
-    statuses, seals = write_blocks_begin(data, control, items)
-    return statuses if seals is None else seals()
-
-
 def write_blocks_begin(
     data: Transport, control: TcpTransport, items: Sequence[tuple[WriteStamp, int, Region]]
 ) -> tuple[list[int], Callable[[], list[int]] | None]:
-    """``write_blocks`` whose last round trip (the seals of an out-of-band copy)
-    is left in flight: (statuses so far, None or a call that waits for the
-    seals and returns the final statuses). The bytes are all in place when
-    this returns, so the caller may overlap the master's commit with the seals.
+    """Write each (stamp, offset, bytes) as a whole block. ``data`` moves the
+    bytes, ``control`` is a TCP transport to the same node (the same object
+    when the data path is TCP). The last round trip (the seals of an
+    out-of-band copy) is left in flight: (statuses so far, None or a call that
+    waits for the seals and returns the final statuses). The bytes are all in
+    place when this returns, so the caller may overlap the master's commit
+    with the seals.
     """
     if isinstance(data, TcpTransport):
         return data.stamped([(w.OP_WRITE_FINAL, s.pack(), off, d) for s, off, d in items]), None

@@ -311,6 +311,7 @@ class RemotePool(LayerwiseMethods):
             **session.counts,
             "put_grants_used": self._putter.grants.used,
             "put_grant_refills": self._putter.grants.refills,
+            "master_waits": session.rpc.failovers,  # calls that waited through a failover
         }
         stats["transports"] = session.peers.stats()
         stats["transport"] = ",".join(sorted(stats["transports"])) or "-"
