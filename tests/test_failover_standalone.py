@@ -158,3 +158,24 @@ def test_a_reader_with_an_outdated_lease_never_gets_another_blocks_bytes() -> No
         other.close()
     finally:
         cluster.stop()
+
+
+def test_claims_taken_ahead_for_grants_are_released_with_them() -> None:
+    """Same-host puts claim their stocked grants on the node ahead of use; when a
+    live client drops grants it did not use (they aged out), the claims go too,
+    so the next allocation of those ranges is not kept waiting."""
+    cluster = start_cluster(["4MiB"])
+    try:
+        block = 64 << 10
+        first = kvpool.connect(cluster.url, timeout=5)
+        for i in range(4):
+            assert first.put(bytes([0x40 + i]) * 16, payload(i, block))
+        time.sleep(2.5)  # the grants age out (1 s) and the client drops them
+        with kvpool.connect(cluster.url, timeout=5, put_grant_bytes=0) as second:
+            for i in range(40):  # fills the node: reuses the dropped grants' ranges
+                t0 = time.monotonic()
+                second.put(bytes([0x80 + i]) * 16, payload(100 + i, block))
+                assert time.monotonic() - t0 < 1.5  # never a claim wait (2 s)
+        first.close()
+    finally:
+        cluster.stop()

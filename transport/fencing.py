@@ -58,6 +58,16 @@ class WriteStamp:
         """Newer allocations compare higher (epochs and allocation ids only grow)."""
         return (self.epoch, self.alloc_id)
 
+    def same_allocation(self, other: WriteStamp) -> bool:
+        """Both name the same allocation (a claim taken ahead, before the key was
+        known, is sealed with the block's key and parent)."""
+        return (self.epoch, self.alloc_id, self.offset, self.size) == (
+            other.epoch,
+            other.alloc_id,
+            other.offset,
+            other.size,
+        )
+
     def covers(self, offset: int, length: int) -> bool:
         return self.offset <= offset and offset + length <= self.offset + self.size
 

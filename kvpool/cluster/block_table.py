@@ -80,7 +80,7 @@ class BlockTable:
                 if stamp.epoch != self.epoch:
                     return FENCE_STALE
                 entry = self._entries.get(stamp.offset)
-                if entry is not None and entry.stamp == stamp:
+                if entry is not None and entry.stamp.same_allocation(stamp):
                     if entry.aborted or entry.state != CLAIMED:
                         return FENCE_STALE  # written blocks are immutable
                     self._hold(entry, owner)
@@ -107,7 +107,15 @@ class BlockTable:
         connection of the same writer made (claims are made on pooled connections)."""
         with self._cond:
             entry = self._entries.get(stamp.offset)
-            mine = entry is not None and entry.stamp == stamp
+            mine = entry is not None and entry.stamp.same_allocation(stamp)
+            if mine and ok and seal and entry is not None and not entry.aborted:
+                # The block is whole: no write of it is in flight any more (a claim
+                # taken ahead on another connection ends too); the seal names its key.
+                for held in self._owners.values():
+                    held.pop(entry, None)
+                entry.inflight, entry.stamp, entry.state = 0, stamp, WRITTEN
+                self._cond.notify_all()
+                return FENCE_OK
             if mine:
                 assert entry is not None
                 holder = owner
@@ -115,8 +123,6 @@ class BlockTable:
                     holder = next((o for o, h in self._owners.items() if h.get(entry)), owner)
                 self._unhold(entry, holder)
                 if not entry.aborted:
-                    if ok and seal:
-                        entry.state = WRITTEN
                     return FENCE_OK
             return FENCE_STALE
 

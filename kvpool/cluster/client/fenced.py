@@ -29,11 +29,15 @@ OK = w.ST_OK
 
 
 def write_blocks_begin(
-    data: Transport, control: TcpTransport, items: Sequence[tuple[WriteStamp, int, Region]]
+    data: Transport,
+    control: TcpTransport,
+    items: Sequence[tuple[WriteStamp, int, Region]],
+    claimed: set[int] | frozenset[int] = frozenset(),
 ) -> tuple[list[int], Callable[[], list[int]] | None]:
     """Write each (stamp, offset, bytes) as a whole block. ``data`` moves the
     bytes, ``control`` is a TCP transport to the same node (the same object
-    when the data path is TCP). The last round trip (the seals of an
+    when the data path is TCP); ``claimed`` items hold their claim already
+    (taken ahead for a grant). The last round trip (the seals of an
     out-of-band copy) is left in flight: (statuses so far, None or a call that
     waits for the seals and returns the final statuses). The bytes are all in
     place when this returns, so the caller may overlap the master's commit
@@ -41,7 +45,10 @@ def write_blocks_begin(
     """
     if isinstance(data, TcpTransport):
         return data.stamped([(w.OP_WRITE_FINAL, s.pack(), off, d) for s, off, d in items]), None
-    claims = ops(control, w.OP_CLAIM, [s for s, _, _ in items])
+    need = [i for i in range(len(items)) if i not in claimed]
+    claims = [OK] * len(items)
+    for i, status in zip(need, ops(control, w.OP_CLAIM, [items[i][0] for i in need]), strict=True):
+        claims[i] = status
     held = [i for i, st in enumerate(claims) if st == OK]
     if not held:
         return claims, None

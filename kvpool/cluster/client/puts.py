@@ -27,6 +27,7 @@ from typing import Any
 
 from kvpool.bindings.buffers import Region, region_nbytes
 from kvpool.cluster.client import fenced
+from kvpool.cluster.client.claims import GrantClaims
 from kvpool.cluster.client.grants import Grant, GrantStock, use_window
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.wire import (
@@ -41,8 +42,9 @@ from kvpool.cluster.wire import (
 from kvpool.errors import KVPoolError
 from kvpool.transport.fencing import WriteStamp
 
-# (index into the batch, allocation or grant id, offset, master term) per node
-Writes = dict[str, list[tuple[int, int, int, int]]]
+# (index into the batch, allocation or grant id, offset, master term, claimed ahead)
+WriteItem = tuple[int, int, int, int, bool]
+Writes = dict[str, list[WriteItem]]
 # seals in flight: (node id, batch indices, the call that waits for their statuses)
 Sealing = tuple[str, list[int], Callable[[], list[int]]]
 log = logging.getLogger("kvpool.cluster.client")
@@ -54,6 +56,7 @@ class RemotePutter:
     def __init__(self, session: ClientSession, grant_bytes: int) -> None:
         self._session = session
         self.grants = GrantStock(grant_bytes)
+        self._claims = GrantClaims(session, self.grants)
         session.on_region_change(self.forget_node)
 
     def put_once(
@@ -83,7 +86,8 @@ class RemotePutter:
                 rest.append(i)
             else:
                 granted.add(i)
-                item = (i, grant.alloc_id, grant.offset, grant.epoch)
+                claimed = self.grants.was_claimed(grant.alloc_id)
+                item = (i, grant.alloc_id, grant.offset, grant.epoch, claimed)
                 writes.setdefault(grant.node_id, []).append(item)
         full: list[int] = []
         error = ""
@@ -116,10 +120,15 @@ class RemotePutter:
         self.grants.forget_node(node_id)
 
     def revoke_stale(self) -> None:
-        self._revoke(self.grants.stale())
+        stale = self.grants.stale()
+        self._claims.release(stale)
+        self._revoke(stale)
 
     def close(self) -> None:
-        self._revoke(self.grants.drain())
+        self._claims.close()
+        unused = self.grants.drain()
+        self._claims.release(unused)
+        self._revoke(unused)
 
     # -- helpers --------------------------------------------------------------------
 
@@ -157,7 +166,7 @@ class RemotePutter:
         self._absorb_reply(spare_size, reply)
         for i, placements in zip(rest, reply.placements, strict=True):
             for alloc_id, node_id, offset in placements or ():
-                writes.setdefault(node_id, []).append((i, alloc_id, offset, reply.epoch))
+                writes.setdefault(node_id, []).append((i, alloc_id, offset, reply.epoch, False))
         return [rest[j] for j in reply.full], reply.error
 
     def _top_up(self, size: int) -> None:
@@ -190,6 +199,8 @@ class RemotePutter:
         regions = self._session.regions
         grants = [Grant(a, n, o, regions.get(n), expires, reply.epoch) for a, n, o in reply.spares]
         self.grants.add(size, grants, fut)
+        if grants:
+            self._claims.claim_soon()  # same-host puts then skip their claim
 
     def _write(
         self,
@@ -198,7 +209,7 @@ class RemotePutter:
         regions: Sequence[Region],
         parents: Sequence[bytes | None],
         sizes: list[int],
-    ) -> tuple[list[tuple[int, int, int, int]], list[int], list[Sealing]]:
+    ) -> tuple[list[WriteItem], list[int], list[Sealing]]:
         """Write every block, stamped with its allocation and key (one pipelined
         exchange per node): (what was written, indices whose write failed or was
         refused as stale, whose allocations are revoked; seals still in flight,
@@ -207,10 +218,11 @@ class RemotePutter:
         for node_id, items in writes.items():
             stamped = [
                 (WriteStamp(epoch, alloc_id, off, sizes[i], keys[i], parents[i]), regions[i])
-                for i, alloc_id, off, epoch in items
+                for i, alloc_id, off, epoch, _ in items
             ]
+            claimed = {j for j, item in enumerate(items) if item[4]}
             try:
-                statuses, seals = self._session.write_blocks(node_id, stamped)
+                statuses, seals = self._session.write_blocks(node_id, stamped, claimed)
             except TRANSFER_ERRORS:
                 failed += [item[1] for item in items]
                 lost += [item[0] for item in items]
@@ -245,7 +257,7 @@ class RemotePutter:
         self,
         keys: Sequence[bytes],
         parents: Sequence[bytes | None],
-        written: list[tuple[int, int, int, int]],
+        written: list[WriteItem],
         granted: set[int],
         stored: list[bool],
     ) -> list[int]:

@@ -118,13 +118,18 @@ class ClientSession:
         return fresh
 
     def write_blocks(
-        self, node_id: str, items: Sequence[tuple[WriteStamp, Region]]
+        self,
+        node_id: str,
+        items: Sequence[tuple[WriteStamp, Region]],
+        claimed: set[int] | frozenset[int] = frozenset(),
     ) -> tuple[list[int], Callable[[], list[int]] | None]:
         """Whole blocks under the node's write fence: (a tcp_wire status per item,
         None or the call that waits for the last round trip; see
-        ``fenced.write_blocks_begin``)."""
+        ``fenced.write_blocks_begin``). ``claimed``: indices whose claim was taken
+        ahead (kvpool.cluster.client.claims)."""
         stamped = [(stamp, stamp.offset, src) for stamp, src in items]
-        return fenced.write_blocks_begin(self.transport(node_id), self.control(node_id), stamped)
+        data, control = self.transport(node_id), self.control(node_id)
+        return fenced.write_blocks_begin(data, control, stamped, claimed)
 
     def write_block(self, node_id: str, stamp: WriteStamp, src: Region) -> None:
         """One whole block; ``StaleWriteError`` when the node refuses its stamp."""
