@@ -21,6 +21,7 @@ SUITES = [
     ("gpu_check", "register_gpu"),  # kvpool bench gpu: the CUDA paths (--dry-run on CPU)
     ("vllm_ttft", "register_vllm"),
     ("all", "register_all"),  # issue 17: every suite's headline ratio in one run
+    ("failover", "register_failover"),  # master HA: leader kill -> first put/get
 ]
 
 

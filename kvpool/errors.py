@@ -81,3 +81,37 @@ class InsecureBindError(KVPoolError, ValueError):
 
 class TransportUnavailableError(KVPoolError, RuntimeError):
     """A transport was requested that cannot reach this peer from here (or is not installed)."""
+
+
+# --- master terms and failover (kvpool.cluster.link, node fencing) -------
+
+
+class NotLeaderError(KVPoolError):
+    """This master is a standby (or stopped leading): ask the leader. The message is
+    the leader's ``host:port`` when known, else empty."""
+
+
+class MasterNotReadyError(KVPoolError):
+    """The master just took over and is waiting for nodes to re-register: retry soon."""
+
+
+class StaleEpochError(KVPoolError):
+    """A message from an older master term (a deposed or restarted master) was refused."""
+
+
+class StaleWriteError(KVPoolError):
+    """A node refused a write: its allocation is stale (a newer allocation or master
+    term owns the range) or the range is still busy; the put is retried elsewhere."""
+
+
+class MasterUnavailableError(KVPoolError, ConnectionError):
+    """No master answered within the failover deadline (every address was tried)."""
+
+
+class PermissionDeniedError(KVPoolError, PermissionError):
+    """The caller may not call this method (e.g. a client calling a node-only one)."""
+
+
+class StaleReadError(KVPoolError):
+    """A node no longer holds the block a read named at that range (the reader's
+    lease is from an older placement): the read tries another replica or misses."""

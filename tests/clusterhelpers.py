@@ -37,7 +37,11 @@ class Cluster:
 
     def restart_master(self) -> None:
         self.master.kill()
-        self.master = spawn(["master", "--port", str(self.master.port), *self.master_args])
+        self.master = self.restart_master_process()
+
+    def restart_master_process(self) -> Child:
+        """A new master on the killed one's port (the caller killed it)."""
+        return spawn(["master", "--port", str(self.master.port), *self.master_args])
 
     def stop(self) -> None:
         for proc in [*self.nodes, self.master]:

@@ -335,6 +335,8 @@ def test_a_reservation_exported_to_another_client(pool: RemotePool, cluster: Clu
                 allocations=[tuple(a) for a in wire["allocations"]],
                 ttl_s=wire["ttl_s"],
                 nodes=wire["nodes"],
+                epoch=wire["epoch"],
+                parent=wire["parent"],
             )
         )
         assert adopted.node_ids == writer.node_ids

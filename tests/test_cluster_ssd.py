@@ -93,5 +93,9 @@ def test_master_restart_restores_ssd_blocks(ssd_cluster: tuple[Cluster, str]) ->
         cluster.restart_master()
         assert wait_until(lambda: pool.stats()["blocks"] == 128, timeout=15)
         out = np.empty(BLOCK, np.uint8)
+        # For the re-join grace the new term keeps the re-registered DRAM blocks
+        # (readers of the old term may still copy them), so a promotion from SSD
+        # that needs their room waits: a miss, not wrong bytes.
         for i in (0, 50, 127):
-            assert pool.get_into(keys[i], out) == BLOCK and np.array_equal(out, payload(i))
+            assert wait_until(lambda i=i: pool.get_into(keys[i], out) == BLOCK, timeout=10)
+            assert np.array_equal(out, payload(i))

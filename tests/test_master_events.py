@@ -52,7 +52,7 @@ def master() -> Iterator[Master]:
 
 def test_heartbeats_replay_commits_and_frees_once_in_order(master: Master) -> None:
     keys = make_keys(2)
-    with RpcClient(master.address, timeout=5) as rpc:
+    with RpcClient(master.address, timeout=5, name="kvpool-node n1") as rpc:
         rpc.call(REGISTER, RegisterNode(RegionInfo(node_id="n1", size=4 * PAGE)))
         reply = rpc.call(
             ALLOCATE,

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.transport.base import RegionInfo, Transport, host_identity
+from kvpool.transport.fencing import WriteFence
 from kvpool.transport.select import select_transport
 from kvpool.transport.tcp_server import TcpDataServer
 
@@ -85,13 +86,15 @@ def expose_region(
     token: str | None = None,
     ucx: bool | None = None,
     ucx_port: int = 0,
+    fence: WriteFence | None = None,
 ) -> ExposedRegion:
     """Serve ``region`` over TCP (and UCX: ``ucx=None`` means when RDMA/GPU is present).
 
     ``shm_name`` is the /dev/shm file backing ``region`` ("" if it is not
     shared); same-host clients then map it instead of using a socket.
+    ``fence`` checks stamped writes (kvpool.transport.fencing).
     """
-    tcp = TcpDataServer(region, host=host, port=port, token=token)
+    tcp = TcpDataServer(region, host=host, port=port, token=token, fence=fence)
     _, tcp_port = tcp.start()
     info = RegionInfo(
         node_id=node_id,

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from kvpool.errors import (
 )
 from kvpool.rpc.auth import resolve_token
 from kvpool.transport.base import RegionInfo, Transport, check_range
+from kvpool.transport.fencing import IDENT
 from kvpool.transport.tcp_conn import DataConn
 
 _U8 = np.dtype(np.uint8)
@@ -170,18 +171,87 @@ class TcpTransport(Transport):
             copy_region(device, host)
         self.bytes_read += sum(r.nbytes for _, r in plan)
 
-    def write_many(self, items: Sequence[tuple[int, Any]]) -> None:
-        plan = []
-        for offset, data in items:
-            region = as_region(data, what="data")
+    def read_blocks(self, items: Sequence[tuple[int, Any, bytes, int]]) -> list[bool]:
+        """Reads that name their block (offset, out, key, block offset): the node
+        serves the bytes only while that block holds the range. Per read: True,
+        or False (``out`` untouched or partly written) when it does not."""
+        plan, devices = [], []
+        for offset, out, key, block_offset in items:
+            region = as_region(out, writable=True, what="output buffer")
             check_range(offset, region_nbytes(region), self.info.size)
             if region_is_device(region):
                 host = _staging(region_nbytes(region))
-                copy_region(host, region)
+                devices.append((region, host))
                 region = host
-            plan.append((offset, region))
+            plan.append((offset, region, IDENT.pack(key, block_offset)))
+        found: list[bool] = []
+        self._io(lambda conn: found.extend(conn.read_blocks(plan)))
+        for device, host in devices:
+            copy_region(device, host)
+        self.bytes_read += sum(r.nbytes for (_, r, _), ok in zip(plan, found, strict=True) if ok)
+        return found
+
+    def _source(self, offset: int, data: Any) -> Any:
+        """``data`` as a host region to send to ``offset`` (device buffers staged)."""
+        region = as_region(data, what="data")
+        check_range(offset, region_nbytes(region), self.info.size)
+        if region_is_device(region):
+            host = _staging(region_nbytes(region))
+            copy_region(host, region)
+            region = host
+        return region
+
+    def stamped(self, items: Sequence[tuple[int, bytes, int, Any]]) -> list[int]:
+        """Fenced ops (op, packed stamp, offset, data or None) on one connection,
+        pipelined: each one's status (tcp_wire ST_OK, ST_STALE or ST_BUSY)."""
+        plan = [
+            (op, stamp, offset, None if data is None else self._source(offset, data))
+            for op, stamp, offset, data in items
+        ]
+        out: list[int] = []
+        self._io(lambda conn: out.extend(conn.stamped_many(plan)))
+        self.bytes_written += sum(r.nbytes for _, _, _, r in plan if r is not None)
+        return out
+
+    def stamped_later(
+        self, items: Sequence[tuple[int, bytes, int, None]]
+    ) -> Callable[[], list[int]]:
+        """Send payload-less fenced ops now; the returned call waits for their
+        statuses (the connection stays lent out until then: call it exactly once)."""
+        plan = list(items)
+        conn = self._acquire()
+        try:
+            rids = conn.stamped_send(plan)
+        except BaseException as exc:
+            self._release(conn, False)
+            _raise_transfer_error(self.info.node_id, exc)
+
+        def statuses() -> list[int]:
+            healthy = False
+            try:
+                out = conn.stamped_statuses(rids)
+                healthy = True
+                return out
+            except BaseException as exc:
+                _raise_transfer_error(self.info.node_id, exc)
+            finally:
+                self._release(conn, healthy)
+
+        return statuses
+
+    def write_many(self, items: Sequence[tuple[int, Any]]) -> None:
+        plan = [(offset, self._source(offset, data)) for offset, data in items]
         self._io(DataConn.write_many, plan)
         self.bytes_written += sum(r.nbytes for _, r in plan)
+
+
+def _raise_transfer_error(node_id: str, exc: BaseException) -> NoReturn:
+    """Raise the kvpool error for a failed data-path operation (as ``_io`` maps them)."""
+    if isinstance(exc, KVPoolError) or not isinstance(exc, OSError):
+        raise exc
+    if isinstance(exc, TimeoutError):
+        raise CallTimeoutError(f"data transfer with {node_id} timed out") from exc
+    raise ConnectionLostError(f"data connection to {node_id}: {exc}") from exc
 
 
 def _staging(n: int) -> np.ndarray:

@@ -146,6 +146,54 @@ class DataConn:
         for rid, (_, host) in zip(rids, plan, strict=True):
             self._recv_read(rid, w.byte_view(host))
 
+    def read_blocks(self, plan: list[tuple[int, Any, bytes]]) -> list[bool]:
+        """Checked reads (offset, host region, packed IDENT), pipelined: per read,
+        True, or False when the node no longer holds that block there."""
+        rids = [self._next_rid() for _ in plan]
+        self.sock.sendall(
+            b"".join(
+                w.REQ.pack(w.OP_READ_BLOCK, rid, off, host.nbytes) + ident
+                for rid, (off, host, ident) in zip(rids, plan, strict=True)
+            )
+        )
+        found = []
+        for rid, (_, host, _) in zip(rids, plan, strict=True):
+            try:
+                self._recv_read(rid, w.byte_view(host))
+                found.append(True)
+            except RemoteError:  # the error reply was read whole: the stream is in sync
+                found.append(False)
+        return found
+
+    def stamped_many(self, plan: list[tuple[int, bytes, int, Any]]) -> list[int]:
+        """Fenced ops (op, packed stamp, offset, payload or None), pipelined; the
+        status of each (ST_OK, ST_STALE or ST_BUSY; others raise)."""
+        return self.stamped_statuses(self.stamped_send(plan))
+
+    def stamped_send(self, plan: list[tuple[int, bytes, int, Any]]) -> list[int]:
+        """Send fenced ops; their request ids, for ``stamped_statuses``."""
+        rids = [self._next_rid() for _ in plan]
+        for rid, (op, stamp, off, data) in zip(rids, plan, strict=True):
+            n = 0 if data is None else data.nbytes
+            head = w.REQ.pack(op, rid, off, n) + stamp
+            w.send_parts(self.sock, head, None if data is None else w.byte_view(data))
+        return rids
+
+    def stamped_statuses(self, rids: list[int]) -> list[int]:
+        return [self._read_status(rid) for rid in rids]
+
+    def _read_status(self, rid: int) -> int:
+        w.recv_into_exact(self.sock, self._resp_mv[: w.RESP.size])
+        status, got_rid, length = w.RESP.unpack_from(self._resp)
+        msg = bytearray(length)
+        w.recv_into_exact(self.sock, memoryview(msg))
+        self._received += w.RESP.size + length
+        if status not in (w.ST_OK, w.ST_STALE, w.ST_BUSY):
+            raise RemoteError("data", msg.decode(errors="replace"))
+        if got_rid != rid:
+            raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")
+        return int(status)
+
     def write_many(self, plan: list[tuple[int, np.ndarray]]) -> None:
         rids = [self._next_rid() for _ in plan]
         for rid, (off, data) in zip(rids, plan, strict=True):

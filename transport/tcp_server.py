@@ -5,7 +5,10 @@ region (``sendmsg`` of a memoryview, no copy into Python objects), after a
 header padded so the payload sits at an aligned stream offset (see
 ``tcp_wire``); WRITE receives straight into the region with ``recv_into``.
 The server knows nothing about blocks: the master decides which ranges are
-valid to read or write; this server only refuses ranges outside the region.
+valid to read or write; this server only refuses ranges outside the region,
+and, given a ``fence`` (kvpool.transport.fencing), passes every stamped op
+through it before a byte lands (the node's block table checks the epoch and
+allocation).
 
 The token rule of ``kvpool.rpc.auth`` applies (a non-loopback bind needs a
 token; a wrong token is refused and logged).
@@ -25,6 +28,14 @@ from kvpool.errors import ConnectionLostError
 from kvpool.rpc.auth import check_bind, resolve_token, token_matches
 from kvpool.rpc.frame import linger_close, listen
 from kvpool.transport import tcp_wire as w
+from kvpool.transport.fencing import (
+    FENCE_BUSY,
+    FENCE_OK,
+    IDENT,
+    STAMP,
+    WriteFence,
+    WriteStamp,
+)
 
 log = logging.getLogger("kvpool.transport.tcp")
 
@@ -40,6 +51,9 @@ class TcpDataServer:
         port: int = 0,
         token: str | None = None,
         handshake_timeout: float = 10.0,
+        fence: WriteFence | None = None,
+        write_timeout: float = 30.0,
+        max_connections: int = 1024,
     ) -> None:
         self.token = resolve_token(token)
         check_bind(host, self.token)
@@ -47,6 +61,8 @@ class TcpDataServer:
         self._mv = memoryview(self.region)  # type: ignore[arg-type]
         self.size = self.region.nbytes
         self.handshake_timeout = handshake_timeout
+        self.fence, self.write_timeout = fence, write_timeout
+        self.max_connections = max_connections
         self._listener = listen(host, port)
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
@@ -73,7 +89,13 @@ class TcpDataServer:
             except OSError:
                 break
             with self._lock:
-                self._conns.add(sock)
+                full = len(self._conns) >= self.max_connections
+                if not full:
+                    self._conns.add(sock)
+            if full:  # each connection costs a thread: refuse past the cap
+                log.warning("data server: %d connections open: refusing %s", len(self._conns), peer)
+                sock.close()
+                continue
             threading.Thread(target=self._serve, args=(sock, peer), daemon=True).start()
 
     def close(self) -> None:
@@ -109,6 +131,8 @@ class TcpDataServer:
         except (OSError, ConnectionLostError):
             pass
         finally:
+            if self.fence is not None:
+                self.fence.owner_gone(sock)
             with self._lock:
                 self._conns.discard(sock)
             sock.close()
@@ -127,6 +151,9 @@ class TcpDataServer:
             lengths = bytearray(w.HELLO_LENGTHS.size)
             w.recv_into_exact(sock, memoryview(lengths))
             tlen, ilen = w.HELLO_LENGTHS.unpack(lengths)
+            if tlen > w.MAX_HELLO_FIELD or ilen > w.MAX_HELLO_FIELD:
+                log.warning("refused data connection from %s: oversized hello", peer)
+                return False  # nothing read or allocated past the lengths
             token, instance = bytearray(tlen), bytearray(ilen)
             w.recv_into_exact(sock, memoryview(token))
             w.recv_into_exact(sock, memoryview(instance))
@@ -165,9 +192,18 @@ class TcpDataServer:
                 sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
                 sent += w.RESP.size
                 continue
+            if op in w.STAMPED_OPS:
+                n = self._stamped(sock, op, rid, offset, length, sent)
+                if n is None:
+                    return True
+                sent += n
+                continue
             if op not in (w.OP_READ, w.OP_WRITE):
                 self._error(sock, w.ST_BAD_OP, rid, f"unknown op {op}")
                 return True
+            if op == w.OP_WRITE and self.fence is not None:  # would bypass the fence
+                self._error(sock, w.ST_BAD_OP, rid, "this node takes only stamped writes")
+                return True  # its payload is not drained: the stream is unusable
             if offset + length > self.size:
                 sent += self._error(
                     sock,
@@ -190,3 +226,79 @@ class TcpDataServer:
                 sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
                 sent += w.RESP.size
                 self.bytes_written += length
+
+    def _stamped(
+        self, sock: socket.socket, op: int, rid: int, offset: int, length: int, sent: int
+    ) -> int | None:
+        """One fenced op: the bytes it sent back, or None after a fatal error (the
+        stream is unusable). ``sent`` (bytes sent so far) fixes a checked READ's pad."""
+        if op == w.OP_READ_BLOCK:
+            return self._read_block(sock, rid, offset, length, sent)
+        raw = bytearray(STAMP.size)
+        w.recv_into_exact(sock, memoryview(raw))
+        stamp = WriteStamp.unpack(raw)
+        payload = length if op in (w.OP_WRITE_FINAL, w.OP_WRITE_PART) else 0
+        fence = self.fence
+        if fence is None:
+            self._error(sock, w.ST_BAD_OP, rid, "this data server takes no stamped writes")
+            return None
+        if stamp.offset + stamp.size > self.size or (payload and not stamp.covers(offset, length)):
+            n = self._error(sock, w.ST_RANGE, rid, f"stamp range outside region of {self.size} B")
+            return None if payload else n  # an undrained payload leaves the stream unusable
+        if op == w.OP_SEAL or op == w.OP_RELEASE:
+            sealed = op == w.OP_SEAL
+            status = fence.finish(stamp, sock, ok=sealed, seal=sealed, any_owner=True)
+            return self._fence_reply(sock, rid, status)
+        status = fence.claim(stamp, sock)
+        if status != FENCE_OK or op == w.OP_CLAIM:
+            if payload:
+                _drain(sock, payload)
+            return self._fence_reply(sock, rid, status)
+        sock.settimeout(self.write_timeout)  # a stalled writer must not hold its claim forever
+        w.recv_into_exact(sock, self._mv[offset : offset + length])
+        sock.settimeout(None)
+        status = fence.finish(stamp, sock, ok=True, seal=op == w.OP_WRITE_FINAL)
+        self.bytes_written += length
+        return self._fence_reply(sock, rid, status)
+
+    def _read_block(
+        self, sock: socket.socket, rid: int, offset: int, length: int, sent: int
+    ) -> int:
+        """A READ served only while the named block holds the range (padded like
+        READ); the bytes sent."""
+        raw = bytearray(IDENT.size)
+        w.recv_into_exact(sock, memoryview(raw))
+        key, block_offset = IDENT.unpack(raw)
+        fence = self.fence
+        held = None if fence is None else fence.begin_read(bytes(key), block_offset, offset, length)
+        if held is None:
+            return self._error(sock, w.ST_STALE, rid, "that block no longer holds this range")
+        try:
+            pad = w.read_pad(sent)
+            reply = w.READ_RESP.pack(w.ST_OK, pad, rid, length) + bytes(pad)
+            w.send_parts(sock, reply, self._mv[offset : offset + length])
+            self.bytes_read += length
+        finally:
+            assert fence is not None
+            fence.end_read(held)
+        return len(reply) + length
+
+    def _fence_reply(self, sock: socket.socket, rid: int, status: int) -> int:
+        """The fence's verdict as a reply; the bytes sent."""
+        if status == FENCE_OK:
+            sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
+            return w.RESP.size
+        if status == FENCE_BUSY:
+            return self._error(sock, w.ST_BUSY, rid, "range busy: an older write is still in flight")
+        return self._error(
+            sock, w.ST_STALE, rid, "stale write: the range belongs to a newer allocation"
+        )
+
+
+def _drain(sock: socket.socket, n: int) -> None:
+    """Read and discard ``n`` payload bytes (a refused write keeps the stream in sync)."""
+    scratch = memoryview(bytearray(min(n, 1 << 20)))
+    while n:
+        k = min(n, scratch.nbytes)
+        w.recv_into_exact(sock, scratch[:k])
+        n -= k

@@ -14,9 +14,17 @@ Then any number of requests, answered strictly in order:
 
 - ``REQ`` (op, request id, offset, length); a WRITE is followed by exactly
   ``length`` payload bytes;
-- ``RESP`` (status, request id, length); for an ok READ ``pad`` zero bytes
-  (``RESP``'s second byte, 0-63) and then ``length`` payload bytes follow; for
-  an error, ``length`` bytes of UTF-8 message follow (no pad).
+- stamped ops (the node's write fence, kvpool.transport.fencing): ``REQ``
+  then a ``STAMP``; ``WRITE_FINAL`` / ``WRITE_PART`` then carry ``length``
+  payload bytes (the whole block, which the node then knows complete; or a
+  part of it); ``CLAIM`` / ``SEAL`` / ``RELEASE`` carry none and bracket a
+  write made another way (same-host shared memory, UCX). A refused stamp
+  gets ``ST_STALE`` or ``ST_BUSY`` (its payload is drained: the connection
+  stays usable); ``READ_BLOCK`` (+ ``IDENT``) is a READ answered ``ST_STALE``
+  when the range no longer holds the named block;
+- ``RESP`` (status, request id, length); for an ok READ or READ_BLOCK ``pad``
+  zero bytes (``RESP``'s second byte, 0-63) and then ``length`` payload bytes
+  follow; for an error, ``length`` bytes of UTF-8 message follow (no pad).
 
 The pad puts every READ payload at a stream offset that is a multiple of
 ``ALIGN`` (counted from the first byte the server sends, the hello reply
@@ -24,7 +32,8 @@ included), so the kernel copies it cacheline-aligned on both ends: a payload
 16 bytes off alignment (the bare header) cost ~15% of loopback read
 throughput on AMD EPYC (p10, 1 MiB; a 64-byte prefix none). Both ends know
 the pad without asking: it is ``read_pad(bytes the server sent so far)``;
-the header repeats it so a desynchronised stream is caught.
+the header repeats it so a desynchronised stream is caught. Every reply the
+server sends counts, stamped ones included.
 
 A WRITE with a bad range is answered with an error and the connection is
 closed (its payload is never drained); a READ with a bad range gets an error
@@ -45,6 +54,7 @@ VERSION = 3  # 3: READ payloads aligned (pad after the reply header)
 HELLO = struct.Struct("!4sHHH")  # magic, version | token length, instance length
 HELLO_HEAD = struct.Struct("!4sH")  # what every version starts with
 HELLO_LENGTHS = struct.Struct("!HH")
+MAX_HELLO_FIELD = 1024  # token or instance bytes a server reads before authenticating
 HELLO_REPLY = struct.Struct("!4sBxH")
 REQ = struct.Struct("!BxxxIQQ")
 RESP = struct.Struct("!BxxxIQ")
@@ -52,7 +62,13 @@ READ_RESP = struct.Struct("!BBxxIQ")  # an ok READ's RESP: status, pad, request 
 ALIGN = 64
 
 OP_READ, OP_WRITE, OP_PING = 1, 2, 3
+OP_WRITE_FINAL, OP_WRITE_PART, OP_CLAIM, OP_SEAL, OP_RELEASE = 4, 5, 6, 7, 8  # + STAMP
+OP_READ_BLOCK = 9  # + IDENT: a READ served only if that block still holds the range
+STAMPED_OPS = frozenset(
+    (OP_WRITE_FINAL, OP_WRITE_PART, OP_CLAIM, OP_SEAL, OP_RELEASE, OP_READ_BLOCK)
+)
 ST_OK, ST_BAD_VERSION, ST_BAD_TOKEN, ST_RANGE, ST_BAD_OP, ST_WRONG_INSTANCE = 0, 1, 2, 3, 4, 5
+ST_STALE, ST_BUSY = 6, 7  # the write fence refused the stamp (kvpool.transport.fencing)
 
 SOCK_BUF = 8 * 1024 * 1024
 MAX_CHUNK = 1 << 30  # per recv_into/send call; keeps counts well inside int limits

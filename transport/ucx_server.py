@@ -3,12 +3,16 @@
 Serves one region to two kinds of clients on the process's UCX loop thread:
 listener endpoints (other hosts) and worker-address endpoints (same host,
 announced by a HELLO on ``HELLO_TAG``). A client with a wrong token gets
-status ``ST_BAD_TOKEN``; a bad range ends that client's channel only.
+status ``ST_BAD_TOKEN``; a bad range ends that client's channel only. The
+listener is bound to the node's ``--host`` when UCXX can bind an address;
+otherwise it listens everywhere and therefore requires a token, as any
+wildcard bind does (kvpool.rpc.auth).
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 from typing import Any
 
 import numpy as np
@@ -32,6 +36,18 @@ from kvpool.transport.ucx import (
 )
 
 
+def listener_address(create_listener: Any, host: str) -> dict[str, str]:
+    """The keyword that binds a UCXX listener to ``host``, if this UCXX has one."""
+    try:
+        params = inspect.signature(create_listener).parameters
+    except (TypeError, ValueError):
+        return {}
+    for name in ("ip_address", "address", "host", "ip"):
+        if name in params:
+            return {name: host}
+    return {}
+
+
 class UcxDataServer:
     """Node side: serves ``region`` to listener and worker-address clients."""
 
@@ -51,7 +67,12 @@ class UcxDataServer:
 
     async def _start(self, port: int) -> tuple[int, bytes]:
         ucxx = import_ucxx()
-        self._listener = ucxx.create_listener(self._on_endpoint, port=port)
+        where = listener_address(ucxx.create_listener, self.host)
+        if not where:
+            # This UCXX binds its listener on every interface: serve it only as a
+            # wildcard bind would be served (with a token), never silently wider.
+            check_bind("0.0.0.0", self.token)
+        self._listener = ucxx.create_listener(self._on_endpoint, port=port, **where)
         self._accept = asyncio.ensure_future(self._accept_by_address())
         return int(self._listener.port), bytes(ucxx.get_worker_address())
 

@@ -303,6 +303,16 @@ class BlockCatalog(CatalogState):
             self.leases[lease_id] = LeaseRecord(held, self.clock() + self.lease_ttl)
         return lease_id, found
 
+    def pin(self, keys: Sequence[bytes], seconds: float) -> None:
+        """Keep the stored ``keys`` from eviction for ``seconds``, like a lease that
+        nobody releases (a new master term: readers holding the previous term's
+        leases may still copy them)."""
+        held = [self.blocks[k] for k in keys if k in self.blocks]
+        for block in held:
+            block.leases += 1
+        if held:
+            self.leases[self.new_id()] = LeaseRecord(held, self.clock() + seconds)
+
     def release(self, lease_id: int) -> None:
         """End a lease (unknown or already ended ids are ignored)."""
         record = self.leases.pop(lease_id, None)

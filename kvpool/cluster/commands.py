@@ -13,10 +13,21 @@ import signal
 import threading
 from typing import Any
 
-from kvpool.args import address_arg, port_arg, positive_int, size_arg, size_or_zero_arg
+from kvpool.args import port_arg, positive_int, size_arg, size_or_zero_arg
 from kvpool.config import DEFAULT_PORT
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
+
+
+def masters_arg(text: str) -> str:
+    """``HOST:PORT[,HOST:PORT...]``, checked (kvpool.cluster.link)."""
+    from kvpool.cluster.link import parse_masters
+
+    try:
+        parse_masters(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
 
 
 def register(subparsers: Any) -> None:
@@ -40,11 +51,29 @@ def register(subparsers: Any) -> None:
     master.add_argument("--half-life", type=float, default=10.0, help="read-heat half-life (s)")
     master.add_argument("--max-replicas", type=positive_int, default=3)
     master.add_argument("--no-auto-replicate", action="store_true")
+    master.add_argument(
+        "--etcd",
+        default="",
+        metavar="URLS",
+        help="run as leader or hot standby, elected on etcd (http://HOST:PORT[,...])",
+    )
+    master.add_argument("--cluster", default="default", help="the cluster's name in etcd")
+    master.add_argument(
+        "--leader-ttl", type=float, default=3.0, help="leader lease seconds (HA, >= 1)"
+    )
+    master.add_argument(
+        "--advertise", default="", help="HOST:PORT callers are sent to (HA; default: bind)"
+    )
     master.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     master.set_defaults(func=_run_master)
 
     node = subparsers.add_parser("node", help="contribute DRAM to a pool and serve it")
-    node.add_argument("--master", required=True, type=address_arg, help="HOST:PORT of the master")
+    node.add_argument(
+        "--master",
+        required=True,
+        type=masters_arg,
+        help="HOST:PORT of the master (HA: every master, comma-separated)",
+    )
     node.add_argument("--dram", type=size_arg, default="1GiB", help="arena size, e.g. 4GiB")
     node.add_argument("--ssd", default=None, metavar="DIR", help="directory of the SSD tier")
     node.add_argument(
@@ -81,7 +110,13 @@ def _run_master(args: argparse.Namespace) -> int:
         lease_ttl=args.lease_ttl,
         metrics_port=args.metrics_port,
         replication=replication,
+        etcd=args.etcd,
+        cluster=args.cluster,
+        leader_ttl=args.leader_ttl,
+        advertise=args.advertise,
     )
+    if args.etcd and args.leader_ttl < 1.0:
+        raise SystemExit("kvpool master: error: --leader-ttl must be >= 1 s")
     master = Master(config)
     host, port = master.start()
     logging.getLogger("kvpool.cluster.master").info(

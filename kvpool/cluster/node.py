@@ -1,12 +1,20 @@
 """``kvpool node``: contributes a DRAM arena to the pool and serves its bytes.
 
 The node owns a shared-memory arena (same-host clients map it directly) and
-a TCP data server over it (other hosts). It knows nothing about placement:
-the master allocates ranges of the arena and tells the node, through
-heartbeat replies, which blocks were committed and which ranges were freed.
-The node keeps that list so that, when the master restarts and no longer
-knows it, the node registers again with every block it still holds, after
-checking each block's bytes against the checksum it took at commit.
+a TCP data server over it (other hosts). It does not place blocks: the
+master allocates ranges of the arena. But every write names its allocation
+and block (a ``WriteStamp``), and the node's ``BlockTable``
+(kvpool.cluster.block_table) checks it under its lock: writes from another
+master term, or into a range a newer allocation owns, are refused. Once a
+write is acknowledged the node knows the block's key, so when the master
+restarts (or another takes over) the node registers again with every whole
+block it holds, acknowledged puts included, after checking each block's
+bytes against its checksum. Heartbeat replies tell it which blocks were
+committed and which ranges were freed.
+
+Terms: the node registers with the master's epoch and accepts only that
+term's writes and control calls; a master of a lower term than one the node
+served is refused (``StaleEpochError``) and the node tries the next address.
 
 With ``--ssd DIR`` the node also has an SSD tier (kvpool.storage.ssd_tier) and a
 small RPC server of its own: the master asks it to copy DRAM blocks to SSD
@@ -29,6 +37,8 @@ from typing import Any
 
 import xxhash
 
+from kvpool.cluster.block_table import BlockTable
+from kvpool.cluster.link import MasterLink
 from kvpool.cluster.metrics import Metrics
 from kvpool.cluster.node_ssd import NodeSsd
 from kvpool.cluster.wire import (
@@ -36,6 +46,7 @@ from kvpool.cluster.wire import (
     EVENT_FREE,
     EVENT_SSD_DROP,
     HEARTBEAT,
+    NODE_HELLO,
     REGISTER,
     SSD_LOAD,
     SSD_STORE,
@@ -43,8 +54,7 @@ from kvpool.cluster.wire import (
     HeartbeatReply,
     RegisterNode,
 )
-from kvpool.errors import KVPoolError
-from kvpool.rpc.client import RpcClient
+from kvpool.errors import KVPoolError, StaleEpochError
 from kvpool.rpc.server import RpcServer, ServerConfig
 from kvpool.storage.arena import SharedArena
 from kvpool.transport.base import RegionInfo
@@ -55,7 +65,7 @@ log = logging.getLogger("kvpool.cluster.node")
 
 @dataclass(frozen=True)
 class NodeConfig:
-    master: str | tuple[str, int]  # "host:port" or (host, port)
+    master: str | tuple[str, int]  # "host:port[,host:port...]" or (host, port)
     dram_bytes: int
     host: str = "127.0.0.1"  # where the TCP data server listens
     data_port: int = 0
@@ -68,18 +78,6 @@ class NodeConfig:
     ssd_bytes: int = 0
 
 
-@dataclass
-class HeldBlock:
-    key: bytes
-    offset: int
-    size: int
-    parent: bytes | None
-    checksum: int
-
-    def wire(self) -> list[Any]:
-        return [self.key, self.offset, self.size, self.checksum, self.parent]
-
-
 class StorageNode:
     """Arena + data server + registration/heartbeat loop; ``start()`` runs it in threads."""
 
@@ -89,6 +87,7 @@ class StorageNode:
             config.node_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         )
         self.arena = SharedArena(config.dram_bytes)
+        self.table = BlockTable(self._checksum)
         try:
             self.exposed = expose_region(
                 self.arena.view,
@@ -97,6 +96,7 @@ class StorageNode:
                 host=config.host,
                 port=config.data_port,
                 token=config.token,
+                fence=self.table,
             )
         except BaseException:
             self.arena.close()
@@ -115,15 +115,14 @@ class StorageNode:
             self.arena.close()
             raise
         if self.ssd is not None:
-            self.control.register(SSD_STORE, self.ssd.store)
-            self.control.register(SSD_LOAD, self.ssd.load)
+            self.control.register(SSD_STORE, self._this_term(self.ssd.store))
+            self.control.register(SSD_LOAD, self._this_term(self._load_from_ssd))
         self.metrics = Metrics("node")
         self.metrics_port: int | None = None
-        self.blocks: dict[int, HeldBlock] = {}  # by offset
         self.registered = threading.Event()
         self._checksums: list[list[Any]] = []  # computed, not yet reported
         self._joined_before = False
-        self._client: RpcClient | None = None
+        self._client: MasterLink | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvpool-heartbeat", daemon=True)
 
@@ -166,45 +165,75 @@ class StorageNode:
             except (KVPoolError, OSError) as exc:
                 log.warning("master %s unreachable: %s (retrying)", self.config.master, exc)
                 self.registered.clear()
-                self._drop_client()
+                if isinstance(exc, StaleEpochError):
+                    self._rpc().skip()  # a deposed master: try the next address
             self._stop.wait(self.config.heartbeat_interval)
 
-    def _rpc(self) -> RpcClient:
+    def _this_term(self, handler: Any) -> Any:
+        """A master-to-node handler that refuses calls from another master term."""
+
+        def checked(params: dict[str, Any]) -> Any:
+            if params.get("epoch") != self.table.epoch:
+                raise StaleEpochError(
+                    f"call from master term {params.get('epoch')}; this node serves "
+                    f"term {self.table.epoch}"
+                )
+            return handler(params["items"])
+
+        return checked
+
+    def _load_from_ssd(self, items: list[list[Any]]) -> list[bool]:
+        """Promote SSD blocks into the DRAM ranges the master chose; the table learns
+        each at once (checked reads of it may follow before the next heartbeat)."""
+        assert self.ssd is not None
+        loaded = self.ssd.load(items)
+        for (key, offset), ok in zip(items, loaded, strict=True):
+            found = self.ssd.describe(key) if ok else None
+            if found is not None:
+                self.table.committed(key, offset, found[0], found[1])
+        return loaded
+
+    def _rpc(self) -> MasterLink:
         if self._client is None:
-            self._client = RpcClient(
+            self._client = MasterLink(
                 self.config.master,
                 token=self.config.token,
                 timeout=self.config.rpc_timeout,
-                name=f"node {self.node_id}",
+                name=f"{NODE_HELLO} {self.node_id}",
+                deadline=self.config.heartbeat_interval,
+                connect=False,
             )
         return self._client
 
-    def _drop_client(self) -> None:
-        if self._client is not None:
-            self._client.close()
-            self._client = None
-
     def _register(self) -> None:
-        held = [b for b in self.blocks.values() if self._intact(b)]
-        self.blocks = {b.offset: b for b in held}
+        table = self.table
+        table.suspend()  # no write completes between the listing and the new term
+        held = table.listing()
         ssd_blocks = [] if self.ssd is None else self.ssd.listing()
         message = RegisterNode(
-            self.region(), [b.wire() for b in held], ssd_blocks, rejoin=self._joined_before
+            self.region(), held, ssd_blocks, rejoin=self._joined_before, epoch=table.highest
         )
         reply = self._rpc().call(REGISTER, message)
+        epoch = int(reply.get("epoch", 0))
+        if epoch < table.highest:
+            raise StaleEpochError(f"master term {epoch} is older than {table.highest}")
+        table.new_term(epoch)
         self._checksums.clear()
         self._joined_before = True
         self.registered.set()
         log.info(
-            "registered with %s as %s (%d blocks kept)",
+            "registered with %s as %s in term %d (%d blocks kept)",
             self.config.master,
             self.node_id,
+            epoch,
             reply.get("restored", 0),
         )
 
     def _heartbeat(self) -> None:
-        beat = Heartbeat(self.node_id, self._checksums)
+        beat = Heartbeat(self.node_id, self._checksums, epoch=self.table.epoch)
         reply = self._rpc().call(HEARTBEAT, beat, response_type=HeartbeatReply)
+        if reply.epoch < self.table.highest:
+            raise StaleEpochError(f"master term {reply.epoch} is older than {self.table.highest}")
         self._checksums = []
         if not reply.known:
             log.warning(
@@ -218,25 +247,22 @@ class StorageNode:
 
     def _apply(self, events: list[list[Any]]) -> None:
         """Replay commits and frees in order; checksum the blocks that survive the batch."""
-        committed: list[HeldBlock] = []
+        committed = []
         for event in events:
             if event[0] == EVENT_COMMIT:
                 _, key, offset, size, parent = event
-                block = HeldBlock(key, offset, size, parent, 0)
-                self._forget_overlaps(offset, size)
-                self.blocks[offset] = block
-                committed.append(block)
+                entry = self.table.committed(key, offset, size, parent)
+                if entry is not None:
+                    committed.append(entry)
             elif event[0] == EVENT_FREE:
-                self.blocks.pop(event[1], None)
+                self.table.freed(event[1])
             elif event[0] == EVENT_SSD_DROP and self.ssd is not None:
                 self.ssd.drop(event[1])
-        for block in committed:
-            if self.blocks.get(block.offset) is block:
-                block.checksum = self._checksum(block)
-                self._checksums.append([block.key, block.checksum])
-        used = sum(b.size for b in self.blocks.values())
+        for entry in committed:
+            self._checksums.append([entry.stamp.key, self.table.set_checksum(entry)])
+        used, count = self.table.used_bytes()
         self.metrics.used.labels(self.node_id).set(used)
-        self.metrics.blocks.set(len(self.blocks))
+        self.metrics.blocks.set(count)
         self._count_served()
 
     def _count_served(self) -> None:
@@ -245,18 +271,5 @@ class StorageNode:
             self.metrics.count_moved(transport, "out", out)
             self.metrics.count_moved(transport, "in", into)
 
-    def _forget_overlaps(self, offset: int, size: int) -> None:
-        for other in [
-            b
-            for b in self.blocks.values()
-            if b.offset < offset + size and offset < b.offset + b.size
-        ]:
-            del self.blocks[other.offset]
-
-    def _checksum(self, block: HeldBlock) -> int:
-        return xxhash.xxh3_64_intdigest(
-            self.arena.view[block.offset : block.offset + block.size].data
-        )
-
-    def _intact(self, block: HeldBlock) -> bool:
-        return block.checksum != 0 and self._checksum(block) == block.checksum
+    def _checksum(self, offset: int, size: int) -> int:
+        return xxhash.xxh3_64_intdigest(self.arena.view[offset : offset + size].data)

@@ -68,6 +68,12 @@ class NodeSsd:
                 results.append(ok)
         return results
 
+    def describe(self, key: bytes) -> tuple[int, bytes | None] | None:
+        """(size, parent) of ``key`` on the SSD, or None."""
+        with self._lock:
+            record = self._records.get(key)
+            return None if record is None else (record.size, record.parent)
+
     def drop(self, key: bytes) -> None:
         with self._lock:
             self._drop(key)

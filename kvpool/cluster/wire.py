@@ -15,6 +15,8 @@ from kvpool.transport.base import RegionInfo
 
 DEFAULT_ALLOC_TTL = 120.0  # seconds a put (or a layer-by-layer block) has to commit
 
+# How a node introduces itself (RPC hello name prefix): node.* calls need it.
+NODE_HELLO = "kvpool-node"
 # Master RPC method names.
 REGISTER = "node.register"
 HEARTBEAT = "node.heartbeat"
@@ -48,18 +50,21 @@ class RegisterNode(WireMessage):
     blocks: list[list[Any]] = field(default_factory=list)
     ssd_blocks: list[list[Any]] = field(default_factory=list)  # [key, size, parent] on its SSD
     rejoin: bool = False  # registered with a master before (which may have leased its ranges)
+    epoch: int = 0  # the highest master term the node has served (a lower master is stale)
 
 
 @dataclass
 class Heartbeat(WireMessage):
     node_id: str
     checksums: list[list[Any]] = field(default_factory=list)  # [key, xxh3_64] computed since
+    epoch: int = 0  # the term the node registered in (another term: register again)
 
 
 @dataclass
 class HeartbeatReply(WireMessage):
     known: bool  # False: the master does not know this node (it restarted): register again
     events: list[list[Any]] = field(default_factory=list)  # EVENT_* lists, oldest first
+    epoch: int = 0  # the master's term
 
 
 @dataclass
@@ -85,6 +90,7 @@ class AllocateReply(WireMessage):
     ttl: float = 0.0  # an allocation not committed within this many seconds is revoked
     spares: list[list[Any]] = field(default_factory=list)  # [alloc_id, node_id, offset]
     spare_ttl: float = 0.0  # a grant not committed within this many seconds is revoked
+    epoch: int = 0  # the master term of these allocations: every write is stamped with it
 
 
 @dataclass
@@ -131,6 +137,7 @@ class LeaseReply(WireMessage):
     # hot blocks the reader should copy to a new replica after reading them:
     # [index into blocks, alloc_id, node_id, offset]; commit (or revoke) when done
     replicate: list[list[Any]] = field(default_factory=list)
+    epoch: int = 0  # the master term (replica orders are written stamped with it)
 
 
 @dataclass
@@ -149,3 +156,4 @@ class ReplicateReply(WireMessage):
     # per key: None (missing, already there, in flight, or no room) or [alloc_id, node_id, offset]
     allocations: list[list[Any] | None]
     nodes: dict[str, RegionInfo]
+    epoch: int = 0

@@ -70,6 +70,19 @@ class ServerConfig:
     max_in_flight: int = 256
     handshake_timeout: float = 10.0
     io_timeout: float = 30.0  # bounds a send to a client that stopped reading
+    # Before a peer authenticated it may send only this much (its hello), so an
+    # unauthenticated length prefix never makes the server allocate max_frame.
+    hello_max_frame: int = 4096
+    max_connections: int = 1024  # more are closed at accept (each costs a thread)
+
+
+@dataclass
+class Deferred:
+    """What an ``inline`` handler returns to finish its call on a worker thread:
+    the connection's reader goes on at once while ``finish()`` (which may wait on
+    other servers) computes the result."""
+
+    finish: Callable[[], Any]
 
 
 @dataclass
@@ -152,6 +165,14 @@ class RpcServer:
                 sock, peer = self._listener.accept()
             except OSError:
                 break
+            with self._lock:
+                full = len(self._conns) >= self.config.max_connections
+            if full:
+                log.warning(
+                    "%s: %d connections open: refusing %s", self.config.name, len(self._conns), peer
+                )
+                sock.close()
+                continue
             conn = Connection(sock, peer, next(self._ids), self.config.max_frame)
             with self._lock:
                 self._conns[conn.id] = conn
@@ -200,7 +221,7 @@ class RpcServer:
     def _handshake(self, conn: Connection) -> bool:
         conn.sock.settimeout(self.config.handshake_timeout)
         try:
-            body = read_frame(conn.sock, max_frame=self.config.max_frame, idle_ok=False)
+            body = read_frame(conn.sock, max_frame=self.config.hello_max_frame, idle_ok=False)
             if body is None:
                 return False
             hello = decode_envelope(body)
@@ -269,6 +290,11 @@ class RpcServer:
             if route.request_type is not None:
                 params = route.request_type.from_dict(params)
             result = route.fn(params, conn) if route.pass_conn else route.fn(params)
+            if isinstance(result, Deferred):
+                later = _Route(lambda _params: result.finish(), None, False, False)
+                self._pool.submit(self._run, conn, later, req, slots)
+                slots = None  # that run releases it
+                return
             reply = Response(req.id, to_wire(result))
         except ProtocolError as exc:
             reply = ErrorReply(req.id, "bad_params", str(exc), type(exc).__name__)
@@ -278,7 +304,8 @@ class RpcServer:
             log.exception("handler %r failed", req.method)
             reply = ErrorReply(req.id, "internal", str(exc), type(exc).__name__)
         finally:
-            slots.release()
+            if slots is not None:
+                slots.release()
         self._send(conn, reply)
 
     def _send(self, conn: Connection, reply: Envelope) -> None:

@@ -44,6 +44,7 @@ class Grant:
     offset: int
     region: Any  # the node's RegionInfo when granted (identity-compared)
     expires: float  # monotonic time after which it is not used
+    epoch: int = 0  # the master term that granted it (writes are stamped with it)
 
 
 class GrantStock:
@@ -59,6 +60,10 @@ class GrantStock:
         self._dead: list[int] = []  # dropped before use, not yet revoked
         self._reached: dict[int, int] = {}  # size -> stock level after the last refill
         self.used = self.refills = 0
+        # Grants already claimed on their node (kvpool.cluster.client.fenced): a
+        # same-host put then skips the claim round trip. alloc id -> (grant, size)
+        self._claimed: dict[int, tuple[Grant, int]] = {}
+        self._claiming: set[int] = set()
 
     def target(self, size: int) -> int:
         """How many grants of ``size`` bytes to keep in stock (0: grants off)."""
@@ -103,6 +108,37 @@ class GrantStock:
             if refill is not None or grants:
                 self._reached[size] = len(stock)
             self.refills += bool(grants)
+
+    def to_claim(self) -> list[tuple[Grant, int]]:
+        """Grants in stock not claimed on their node yet (marked as being claimed)."""
+        with self._lock:
+            found = [
+                (g, size)
+                for size, stock in self._stock.items()
+                for g in stock
+                if g.alloc_id not in self._claimed and g.alloc_id not in self._claiming
+            ]
+            self._claiming.update(g.alloc_id for g, _ in found)
+        return found
+
+    def claimed(self, grants: list[tuple[Grant, int]], ok: list[bool]) -> None:
+        """Record which claims succeeded (a grant taken meanwhile claimed its own)."""
+        with self._lock:
+            stocked = {g.alloc_id for stock in self._stock.values() for g in stock}
+            for (grant, size), good in zip(grants, ok, strict=True):
+                self._claiming.discard(grant.alloc_id)
+                if good and grant.alloc_id in stocked:
+                    self._claimed[grant.alloc_id] = (grant, size)
+
+    def was_claimed(self, alloc_id: int) -> bool:
+        """Whether a grant just taken holds its node's claim (then it is the put's)."""
+        with self._lock:
+            return self._claimed.pop(alloc_id, None) is not None
+
+    def claims_of(self, ids: list[int]) -> list[tuple[Grant, int]]:
+        """Remove and return the claims held by these (dropped) grants."""
+        with self._lock:
+            return [c for i in ids if (c := self._claimed.pop(i, None)) is not None]
 
     def forget_node(self, node_id: str) -> None:
         """Drop every grant on ``node_id`` (``stale`` returns them for revoking)."""

@@ -7,6 +7,7 @@ never the pool, so this module imports neither the pool nor the reads.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -14,9 +15,12 @@ from typing import Any
 
 from kvpool.api import BlockWriter, Lease
 from kvpool.bindings.buffers import Region
+from kvpool.cluster.client import fenced
 from kvpool.cluster.client.session import ClientSession, Placement
 from kvpool.cluster.wire import COMMIT, DEFAULT_ALLOC_TTL, REVOKE, IdsRequest
-from kvpool.errors import KVPoolError
+from kvpool.errors import KVPoolError, StaleWriteError
+from kvpool.transport import tcp_wire as w
+from kvpool.transport.fencing import WriteStamp
 
 
 @dataclass(frozen=True)
@@ -36,15 +40,20 @@ class ReservationTicket:
     allocations: list[tuple[int, str, int]]  # (allocation id, node id, offset) per replica
     ttl_s: float
     nodes: dict[str, dict[str, Any]]
+    epoch: int = 0  # the master term of the allocations (writes are stamped with it)
+    parent: bytes | None = None
 
 
 class RemoteBlockWriter(BlockWriter):
     """A block allocated on the master, filled on its node(s), visible after ``commit``.
 
-    Every write goes to every replica; a failed write aborts the block. The
-    master revokes allocations not committed within its TTL and may then hand
-    the range to another block, so a writer refuses to write past
-    ``deadline`` (a little before that TTL) rather than risk it.
+    Every write goes to every replica, stamped with its allocation
+    (kvpool.cluster.client.fenced); a failed or refused write aborts the block.
+    The master revokes allocations not committed within its TTL and may then
+    hand the range to another block: the node then refuses this writer's
+    stamp, whatever the timing (a writer also stops at ``deadline``, a little
+    before that TTL). ``commit`` seals the block on its nodes (they then know
+    its key: it survives a master crash) before the master makes it visible.
     """
 
     def __init__(
@@ -54,6 +63,9 @@ class RemoteBlockWriter(BlockWriter):
         size: int,
         allocations: Sequence[Sequence[Any]],
         deadline: float | None = None,
+        *,
+        epoch: int = 0,
+        parent: bytes | None = None,
     ) -> None:
         """``allocations``: (allocation id, node id, offset) per replica, as the
         master's allocate reply and a ``ReservationTicket`` both carry them."""
@@ -62,6 +74,11 @@ class RemoteBlockWriter(BlockWriter):
         self._placements = [Placement(str(node), int(offset)) for _, node, offset in allocations]
         # Without a deadline from the allocation reply, assume the default TTL.
         self.deadline = deadline or time.monotonic() + 0.9 * DEFAULT_ALLOC_TTL
+        self.epoch, self.parent = epoch, parent
+        self._stamps = [
+            WriteStamp(epoch, a, p.offset, size, key, parent)
+            for a, p in zip(self._ids, self._placements, strict=True)
+        ]
         self.done = False
 
     @property
@@ -79,6 +96,8 @@ class RemoteBlockWriter(BlockWriter):
             [(a, p.node_id, p.offset) for a, p in zip(self._ids, self._placements, strict=True)],
             self.deadline - time.monotonic(),
             self._session.region_dicts(set(self.node_ids)),
+            self.epoch,
+            self.parent,
         )
 
     def _write(self, offset: int, src: Region) -> None:
@@ -87,22 +106,37 @@ class RemoteBlockWriter(BlockWriter):
             raise KVPoolError("this block writer is already committed or aborted")
         if time.monotonic() > self.deadline:
             raise KVPoolError("this block's reservation expired before it was written; retry")
-        for placement in self._placements:
-            self._session.write(placement.node_id, placement.offset + offset, src)
+        session = self._session
+        for placement, stamp in zip(self._placements, self._stamps, strict=True):
+            data, control = session.transport(placement.node_id), session.control(placement.node_id)
+            status = fenced.write_part(data, control, stamp, placement.offset + offset, src)
+            self._fenced(status, placement)
+
+    def _fenced(self, status: int, placement: Placement) -> None:
+        if status != fenced.OK:
+            raise StaleWriteError(
+                f"node {placement.node_id} refused a write of this block: its reservation "
+                "is stale (a newer allocation or master term owns the range); retry"
+            )
 
     def commit(self) -> None:
         self._session.check_open()
         if self.done:
             raise KVPoolError("this block writer is already committed or aborted")
         self.done = True
-        self._session.rpc.call(COMMIT, IdsRequest(self._ids))
+        session = self._session
+        for placement, stamp in zip(self._placements, self._stamps, strict=True):
+            control = session.control(placement.node_id)
+            self._fenced(fenced.ops(control, w.OP_SEAL, [stamp])[0], placement)
+        session.rpc.call(COMMIT, IdsRequest(self._ids))
 
     def abort(self) -> None:
         """Revoke the allocation; after the pool closed, the master's TTL does it."""
         if not self.done:
             self.done = True
             if not self._session.closed:
-                self._session.rpc.submit(REVOKE, IdsRequest(self._ids))
+                with contextlib.suppress(KVPoolError):
+                    self._session.rpc.submit(REVOKE, IdsRequest(self._ids))
 
 
 class RemoteLease(Lease):

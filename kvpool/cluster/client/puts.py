@@ -19,12 +19,15 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
 from kvpool.bindings.buffers import Region, region_nbytes
+from kvpool.cluster.client import fenced
+from kvpool.cluster.client.claims import GrantClaims
 from kvpool.cluster.client.grants import Grant, GrantStock, use_window
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.wire import (
@@ -37,9 +40,14 @@ from kvpool.cluster.wire import (
     IdsRequest,
 )
 from kvpool.errors import KVPoolError
+from kvpool.transport.fencing import WriteStamp
 
-# (index into the batch, allocation or grant id, offset) per node
-Writes = dict[str, list[tuple[int, int, int]]]
+# (index into the batch, allocation or grant id, offset, master term, claimed ahead)
+WriteItem = tuple[int, int, int, int, bool]
+Writes = dict[str, list[WriteItem]]
+# seals in flight: (node id, batch indices, the call that waits for their statuses)
+Sealing = tuple[str, list[int], Callable[[], list[int]]]
+log = logging.getLogger("kvpool.cluster.client")
 
 
 class RemotePutter:
@@ -48,6 +56,7 @@ class RemotePutter:
     def __init__(self, session: ClientSession, grant_bytes: int) -> None:
         self._session = session
         self.grants = GrantStock(grant_bytes)
+        self._claims = GrantClaims(session, self.grants)
         session.on_region_change(self.forget_node)
 
     def put_once(
@@ -77,14 +86,17 @@ class RemotePutter:
                 rest.append(i)
             else:
                 granted.add(i)
-                writes.setdefault(grant.node_id, []).append((i, grant.alloc_id, grant.offset))
+                claimed = self.grants.was_claimed(grant.alloc_id)
+                item = (i, grant.alloc_id, grant.offset, grant.epoch, claimed)
+                writes.setdefault(grant.node_id, []).append(item)
         full: list[int] = []
         error = ""
         if rest:
             full, error = self._allocate(keys, sizes, parents, replicas, rest, use_grants, writes)
-        written, lost = self._write(writes, regions)
+        written, lost, sealing = self._write(writes, keys, regions, parents, sizes)
         stored = [False] * len(keys)
         retry = self._commit(keys, parents, written, granted, stored) + lost
+        self._sealed(sealing, stored)
         if use_grants and not rest:  # after the commit: the master is not kept from it
             self._top_up(sizes[0])
         if retry and again:
@@ -108,10 +120,15 @@ class RemotePutter:
         self.grants.forget_node(node_id)
 
     def revoke_stale(self) -> None:
-        self._revoke(self.grants.stale())
+        stale = self.grants.stale()
+        self._claims.release(stale)
+        self._revoke(stale)
 
     def close(self) -> None:
-        self._revoke(self.grants.drain())
+        self._claims.close()
+        unused = self.grants.drain()
+        self._claims.release(unused)
+        self._revoke(unused)
 
     # -- helpers --------------------------------------------------------------------
 
@@ -149,7 +166,7 @@ class RemotePutter:
         self._absorb_reply(spare_size, reply)
         for i, placements in zip(rest, reply.placements, strict=True):
             for alloc_id, node_id, offset in placements or ():
-                writes.setdefault(node_id, []).append((i, alloc_id, offset))
+                writes.setdefault(node_id, []).append((i, alloc_id, offset, reply.epoch, False))
         return [rest[j] for j in reply.full], reply.error
 
     def _top_up(self, size: int) -> None:
@@ -180,46 +197,81 @@ class RemotePutter:
         self._session.learn(reply.nodes)
         expires = time.monotonic() + use_window(reply.spare_ttl)
         regions = self._session.regions
-        grants = [Grant(a, n, o, regions.get(n), expires) for a, n, o in reply.spares]
+        grants = [Grant(a, n, o, regions.get(n), expires, reply.epoch) for a, n, o in reply.spares]
         self.grants.add(size, grants, fut)
+        if grants:
+            self._claims.claim_soon()  # same-host puts then skip their claim
 
     def _write(
-        self, writes: Writes, regions: Sequence[Region]
-    ) -> tuple[list[tuple[int, int, int]], list[int]]:
-        """Write every block (one pipelined exchange per node): (what was written,
-        indices whose write failed; their allocations are revoked)."""
-        written, failed, lost = [], [], []
+        self,
+        writes: Writes,
+        keys: Sequence[bytes],
+        regions: Sequence[Region],
+        parents: Sequence[bytes | None],
+        sizes: list[int],
+    ) -> tuple[list[WriteItem], list[int], list[Sealing]]:
+        """Write every block, stamped with its allocation and key (one pipelined
+        exchange per node): (what was written, indices whose write failed or was
+        refused as stale, whose allocations are revoked; seals still in flight,
+        which overlap the commit: the bytes are in place already)."""
+        written, failed, lost, sealing = [], [], [], []
         for node_id, items in writes.items():
+            stamped = [
+                (WriteStamp(epoch, alloc_id, off, sizes[i], keys[i], parents[i]), regions[i])
+                for i, alloc_id, off, epoch, _ in items
+            ]
+            claimed = {j for j, item in enumerate(items) if item[4]}
             try:
-                transport = self._session.transport(node_id)
-                transport.write_many([(off, regions[i]) for i, _, off in items])
-                written += items
+                statuses, seals = self._session.write_blocks(node_id, stamped, claimed)
             except TRANSFER_ERRORS:
-                failed += [alloc_id for _, alloc_id, _ in items]
-                lost += [i for i, _, _ in items]
+                failed += [item[1] for item in items]
+                lost += [item[0] for item in items]
                 self.forget_node(node_id)
+                continue
+            for item, status in zip(items, statuses, strict=True):
+                if status == fenced.OK:
+                    written.append(item)
+                else:  # stale or busy: that allocation can no longer be filled
+                    failed.append(item[1])
+                    lost.append(item[0])
+            if seals is not None:
+                sealing.append((node_id, [item[0] for item in items], seals))
         self._revoke(failed)
-        return written, lost
+        return written, lost, sealing
+
+    def _sealed(self, sealing: list[Sealing], stored: list[bool]) -> None:
+        """Wait for the seals: a put is acknowledged only once its node knows the
+        block is whole (then it outlives a master crash)."""
+        for node_id, indices, seals in sealing:
+            try:
+                statuses = seals()
+            except TRANSFER_ERRORS as exc:
+                statuses = [-1] * len(indices)
+                log.warning("node %s did not confirm seals: %s", node_id, exc)
+            for i, status in zip(indices, statuses, strict=True):
+                if status != fenced.OK and stored[i]:
+                    stored[i] = False  # committed, but its node may not re-register it
+                    log.warning("node %s refused the seal of a committed block", node_id)
 
     def _commit(
         self,
         keys: Sequence[bytes],
         parents: Sequence[bytes | None],
-        written: list[tuple[int, int, int]],
+        written: list[WriteItem],
         granted: set[int],
         stored: list[bool],
     ) -> list[int]:
         """Commit what was written; fills ``stored``; returns grant indices to retry."""
         if not written:
             return []
-        ids = [alloc_id for _, alloc_id, _ in written]
+        ids = [item[1] for item in written]
         request = CommitRequest(ids)
         if granted:
-            request.keys = [keys[i] if i in granted else None for i, _, _ in written]
-            request.parents = [parents[i] if i in granted else None for i, _, _ in written]
+            request.keys = [keys[i] if i in granted else None for i, *_ in written]
+            request.parents = [parents[i] if i in granted else None for i, *_ in written]
         done = self._session.rpc.call(COMMIT, request)
         retry = []
-        for (i, _, _), ok in zip(written, done, strict=True):
+        for (i, *_), ok in zip(written, done, strict=True):
             if ok is None and i in granted:
                 retry.append(i)
             else:

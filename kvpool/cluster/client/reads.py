@@ -26,7 +26,7 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 from kvpool.args import block_range, check_out_fits
-from kvpool.bindings.buffers import Region
+from kvpool.bindings.buffers import Region, region_nbytes
 from kvpool.cluster.client.handles import RemoteLease
 from kvpool.cluster.client.lease_cache import CachedLease, LeaseCache
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession, Placement
@@ -41,6 +41,10 @@ from kvpool.cluster.wire import (
     ReleaseRequest,
 )
 from kvpool.errors import KVPoolError
+from kvpool.transport.fencing import WriteStamp
+
+#: A replica order from a lease: (allocation id, target, lease id, master term)
+Order = tuple[int, Placement, int, int]
 
 #: A leased block: its replicas, its size and the cached lease that pins it.
 Found = tuple[list[Placement], int, CachedLease]
@@ -54,7 +58,7 @@ class LeasedReads:
         self._lock = threading.Lock()
         self.cache = LeaseCache(hold_s, max_bytes)
         # hot blocks to copy to a new replica: key -> (alloc id, target, lease that asked)
-        self._orders: dict[bytes, tuple[int, Placement, int]] = {}
+        self._orders: dict[bytes, Order] = {}
 
     # -- what the pool's read methods call -------------------------------------------
 
@@ -89,11 +93,16 @@ class LeasedReads:
                     by_node.setdefault(node_id, []).append(i)
             for node_id, items in by_node.items():
                 plan = [
-                    (self._session.preferred(found[keys[i]][0]).offset, regions[i][: sizes[i]])
+                    (
+                        self._session.preferred(found[keys[i]][0]).offset,
+                        0,
+                        regions[i][: sizes[i]],
+                        keys[i],
+                    )
                     for i in items
                 ]
                 try:  # one pipelined exchange per node
-                    self._session.transport(node_id).read_many(plan)
+                    self._session.read_many(node_id, plan)
                     self._session.counts["hits"] += len(items)
                 except TRANSFER_ERRORS:  # that node failed: each block tries its other replicas
                     for i in items:
@@ -174,7 +183,8 @@ class LeasedReads:
             lease = self.cache.add(reply.lease_id, held, reply.ttl, len(held) if pins < 0 else pins)
             superseded = self.cache.superseded
             for index, alloc_id, node_id, offset in reply.replicate:
-                self._orders[keys[index]] = (alloc_id, Placement(node_id, offset), reply.lease_id)
+                placement = Placement(node_id, offset)
+                self._orders[keys[index]] = (alloc_id, placement, reply.lease_id, reply.epoch)
         if superseded:
             self.hand_back(superseded, wait=False)
         return lease, held
@@ -234,15 +244,15 @@ class LeasedReads:
         placements, size, _ = found
         want = block_range(start, length, size)
         check_out_fits(dst, want)
-        got = self.read_replicas(placements, dst[:want], start, want)
+        got = self.read_replicas(key, placements, dst[:want], start, want)
         with self._lock:
             order = self._orders.pop(key, None) if got == size else None
         if order is not None:
-            self._fulfil_order(order, dst[:want])
+            self._fulfil_order(key, order, dst[:want])
         return got
 
     def read_replicas(
-        self, placements: list[Placement], dst: Region, start: int, want: int
+        self, key: bytes, placements: list[Placement], dst: Region, start: int, want: int
     ) -> int | None:
         """Read from the best replica, falling back to the others; None if none serves."""
         session = self._session
@@ -252,7 +262,7 @@ class LeasedReads:
             ordered = sorted(placements, key=lambda p: p is not first)
         for placement in ordered:
             try:
-                session.read(placement, start, dst)
+                session.read(placement, start, dst, key)
             except TRANSFER_ERRORS:
                 continue
             session.counts["hits"] += 1
@@ -260,12 +270,13 @@ class LeasedReads:
         session.counts["misses"] += 1
         return None
 
-    def _fulfil_order(self, order: tuple[int, Placement, int], block: Region) -> None:
+    def _fulfil_order(self, key: bytes, order: Order, block: Region) -> None:
         """Copy a just-read hot block to the replica the master asked for (or give it back)."""
-        alloc_id, target, _ = order
+        alloc_id, target, _, epoch = order
         rpc = self._session.rpc
+        stamp = WriteStamp(epoch, alloc_id, target.offset, region_nbytes(block), key)
         try:
-            self._session.write(target.node_id, target.offset, block)
+            self._session.write_block(target.node_id, stamp, block)
         except TRANSFER_ERRORS:
             rpc.submit(REVOKE, IdsRequest([alloc_id]))
             return

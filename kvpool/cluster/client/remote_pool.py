@@ -65,16 +65,20 @@ from kvpool.config import DEFAULT_PORT
 from kvpool.errors import KVPoolError, PoolFullError
 from kvpool.layerwise.api import LayerwiseMethods
 from kvpool.transport.base import RegionInfo
+from kvpool.transport.fencing import WriteStamp
 
 
 def connect(url: str, *, token: str | None = None, timeout: float = 10.0, **kw: Any) -> RemotePool:
-    """A pool backed by the cluster whose master is at ``kvpool://HOST:PORT``."""
-    parsed = urlparse(url if "://" in url else f"kvpool://{url}")
-    if parsed.scheme != "kvpool" or not parsed.hostname:
-        raise ValueError(f"expected kvpool://HOST:PORT, got {url!r}")
-    return RemotePool(
-        f"{parsed.hostname}:{parsed.port or DEFAULT_PORT}", token=token, timeout=timeout, **kw
-    )
+    """A pool backed by the cluster whose master is at ``kvpool://HOST:PORT``; with
+    HA masters, name them all: ``kvpool://H1:P1,H2:P2,H3:P3`` (calls follow the
+    leader and ride through failovers, kvpool.cluster.link)."""
+    masters = []
+    for part in (url if "://" in url else f"kvpool://{url}").split(","):
+        parsed = urlparse(part if "://" in part else f"kvpool://{part}")
+        if parsed.scheme != "kvpool" or not parsed.hostname:
+            raise ValueError(f"expected kvpool://HOST:PORT[,HOST:PORT...], got {url!r}")
+        masters.append(f"{parsed.hostname}:{parsed.port or DEFAULT_PORT}")
+    return RemotePool(",".join(masters), token=token, timeout=timeout, **kw)
 
 
 class RemotePool(LayerwiseMethods):
@@ -91,9 +95,15 @@ class RemotePool(LayerwiseMethods):
         lease_cache_s: float = DEFAULT_HOLD_S,
         lease_cache_bytes: int = DEFAULT_MAX_BYTES,
         put_grant_bytes: int | None = None,
+        failover_s: float | None = None,
     ) -> None:
+        """``failover_s``: how long a call waits for a master through a restart or
+        failover before it raises ``MasterUnavailableError`` (default 10 s,
+        ``$KVPOOL_FAILOVER_S``)."""
         self.token, self.timeout = token, timeout
-        self._session = ClientSession(master, token=token, timeout=timeout, transport=transport)
+        self._session = ClientSession(
+            master, token=token, timeout=timeout, transport=transport, failover_s=failover_s
+        )
         self._reads = LeasedReads(self._session, lease_cache_s, lease_cache_bytes)
         self._putter = RemotePutter(self._session, grant_budget(put_grant_bytes))
         self._stop = threading.Event()
@@ -174,7 +184,9 @@ class RemotePool(LayerwiseMethods):
         if allocations is None:
             return None
         deadline = time.monotonic() + 0.9 * reply.ttl
-        return RemoteBlockWriter(session, key, size, allocations, deadline)
+        return RemoteBlockWriter(
+            session, key, size, allocations, deadline, epoch=reply.epoch, parent=parent
+        )
 
     def adopt(self, ticket: ReservationTicket) -> RemoteBlockWriter:
         """A writer onto a reservation another process exported
@@ -184,7 +196,15 @@ class RemotePool(LayerwiseMethods):
         session.check_open()
         session.learn({n: RegionInfo.from_dict(d) for n, d in ticket.nodes.items()})
         deadline = time.monotonic() + ticket.ttl_s
-        return RemoteBlockWriter(session, ticket.key, ticket.size, ticket.allocations, deadline)
+        return RemoteBlockWriter(
+            session,
+            ticket.key,
+            ticket.size,
+            ticket.allocations,
+            deadline,
+            epoch=ticket.epoch,
+            parent=ticket.parent,
+        )
 
     # -- reads --------------------------------------------------------------------
 
@@ -247,12 +267,13 @@ class RemotePool(LayerwiseMethods):
                 staging = np.empty(hit[1] if hit else 0, np.uint8)
                 if (
                     hit is None
-                    or self._reads.read_replicas(hit[0], staging, 0, staging.size) is None
+                    or self._reads.read_replicas(key, hit[0], staging, 0, staging.size) is None
                 ):
                     failed.append(alloc_id)
                     continue
+                stamp = WriteStamp(reply.epoch, alloc_id, offset, staging.size, key)
                 try:
-                    session.write(node_id, offset, staging)
+                    session.write_block(node_id, stamp, staging)
                     added.append(alloc_id)
                 except TRANSFER_ERRORS:
                     failed.append(alloc_id)
@@ -290,6 +311,7 @@ class RemotePool(LayerwiseMethods):
             **session.counts,
             "put_grants_used": self._putter.grants.used,
             "put_grant_refills": self._putter.grants.refills,
+            "master_waits": session.rpc.failovers,  # calls that waited through a failover
         }
         stats["transports"] = session.peers.stats()
         stats["transport"] = ",".join(sorted(stats["transports"])) or "-"

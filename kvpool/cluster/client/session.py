@@ -19,17 +19,21 @@ Invariants:
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvpool.bindings.buffers import Region
-from kvpool.errors import PoolClosedError
-from kvpool.rpc.client import RpcClient
+from kvpool.cluster.client import fenced
+from kvpool.cluster.link import MasterLink
+from kvpool.errors import PoolClosedError, StaleReadError, StaleWriteError
 from kvpool.transport.base import RegionInfo, Transport, host_identity
+from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.peers import PeerTransports
+from kvpool.transport.tcp import TcpTransport
 
-#: What a failed data-plane transfer raises (the node died, restarted, or is unreachable).
-TRANSFER_ERRORS = (ConnectionError, TimeoutError, OSError)
+#: What a failed data-plane transfer raises (the node died, restarted, or is unreachable,
+#: or it refused a stale write or a read of a block that moved).
+TRANSFER_ERRORS = (ConnectionError, TimeoutError, OSError, StaleWriteError, StaleReadError)
 
 
 @dataclass(frozen=True)
@@ -45,15 +49,24 @@ class ClientSession:
     """The RPC client, the nodes' regions and the transports of one cluster client."""
 
     def __init__(
-        self, master: str, *, token: str | None, timeout: float, transport: str | None
+        self,
+        master: str,
+        *,
+        token: str | None,
+        timeout: float,
+        transport: str | None,
+        failover_s: float | None = None,
     ) -> None:
         self.token, self.timeout = token, timeout
-        self.rpc = RpcClient(master, token=token, timeout=timeout, name="kvpool-client")
+        self.rpc = MasterLink(
+            master, token=token, timeout=timeout, name="kvpool-client", deadline=failover_s
+        )
         self.regions: dict[str, RegionInfo] = {}
         self.peers = PeerTransports(token=token, timeout=timeout, override=transport)
         self.counts: Counter[str] = Counter()  # the client's own counters, for stats()
         self.closed = False
         self._by_region: dict[str, tuple[RegionInfo, Transport]] = {}  # skips peers' lock
+        self._controls: dict[str, TcpTransport] = {}  # fenced-write side channel per node
         self._listeners: list[Callable[[str], None]] = []
 
     def on_region_change(self, listener: Callable[[str], None]) -> None:
@@ -88,13 +101,63 @@ class ClientSession:
         self._by_region[node_id] = (region, transport)
         return transport
 
-    def write(self, node_id: str, offset: int, src: Region) -> None:
-        """Bytes to a node's range (CUDA buffers: the transport stages them)."""
-        self.transport(node_id).write(offset, src)
+    def control(self, node_id: str) -> TcpTransport:
+        """A TCP transport to ``node_id`` for the write fence's claims and seals
+        (the data transport itself when that is TCP)."""
+        data = self.transport(node_id)
+        if isinstance(data, TcpTransport):
+            return data
+        region = self.regions[node_id]
+        known = self._controls.get(node_id)
+        if known is not None and (known.info is region or known.info == region):
+            return known
+        fresh = TcpTransport(region, token=self.token, timeout=self.timeout, max_connections=2)
+        self._controls[node_id] = fresh
+        if known is not None:
+            known.close()
+        return fresh
 
-    def read(self, placement: Placement, start: int, dst: Region) -> None:
-        """Bytes [start, start + len(dst)) of a replica into ``dst``."""
-        self.transport(placement.node_id).read_into(placement.offset + start, dst)
+    def write_blocks(
+        self,
+        node_id: str,
+        items: Sequence[tuple[WriteStamp, Region]],
+        claimed: set[int] | frozenset[int] = frozenset(),
+    ) -> tuple[list[int], Callable[[], list[int]] | None]:
+        """Whole blocks under the node's write fence: (a tcp_wire status per item,
+        None or the call that waits for the last round trip; see
+        ``fenced.write_blocks_begin``). ``claimed``: indices whose claim was taken
+        ahead (kvpool.cluster.client.claims)."""
+        stamped = [(stamp, stamp.offset, src) for stamp, src in items]
+        data, control = self.transport(node_id), self.control(node_id)
+        return fenced.write_blocks_begin(data, control, stamped, claimed)
+
+    def write_block(self, node_id: str, stamp: WriteStamp, src: Region) -> None:
+        """One whole block; ``StaleWriteError`` when the node refuses its stamp."""
+        statuses, rest = self.write_blocks(node_id, [(stamp, src)])
+        status = (statuses if rest is None else rest())[0]
+        if status != fenced.OK:
+            raise StaleWriteError(f"node {node_id} refused the write (status {status})")
+
+    def read(self, placement: Placement, start: int, dst: Region, key: bytes) -> None:
+        """Bytes [start, start + len(dst)) of block ``key``'s replica into ``dst``.
+        Over TCP the node checks that the block still holds the range
+        (``StaleReadError`` if not); a same-host copy is not checked."""
+        transport = self.transport(placement.node_id)
+        if isinstance(transport, TcpTransport):
+            self.read_many(placement.node_id, [(placement.offset, start, dst, key)])
+        else:  # the same-host fast path: one copy, nothing else
+            transport.read_into(placement.offset + start, dst)
+
+    def read_many(self, node_id: str, items: Sequence[tuple[int, int, Region, bytes]]) -> None:
+        """(block offset, start in block, destination, key) reads from one node,
+        pipelined; ``StaleReadError`` if any block no longer holds its range."""
+        transport = self.transport(node_id)
+        if isinstance(transport, TcpTransport):
+            plan = [(block + start, dst, key, block) for block, start, dst, key in items]
+            if not all(transport.read_blocks(plan)):
+                raise StaleReadError(f"node {node_id} holds other blocks there now")
+        else:
+            transport.read_many([(block + start, dst) for block, start, dst, _ in items])
 
     def preferred(self, placements: list[Placement]) -> Placement:
         """The replica to read first: one on this host, else the master's first
@@ -109,5 +172,7 @@ class ClientSession:
     def close(self) -> None:
         """Refuse further calls and drop the transports and the master connection."""
         self.closed = True
+        for control in list(self._controls.values()):
+            control.close()
         self.peers.close()
         self.rpc.close()

@@ -27,12 +27,22 @@ class MasterConfig:
     # Copy a node's DRAM blocks to its SSD once DRAM is this full (0: write every
     # block behind, so evictions almost always demote instead of dropping).
     ssd_clean_at: float = 0.0
-    # A node re-joining (after a master restart) takes no new allocations for
-    # this long, so ranges named in leases the old master granted are not reused
-    # while clients may still read them (covers the client lease cache's hold).
+    # The blocks a node re-registers with a new term are not evicted for this
+    # long, so ranges named in leases the old term granted are not reused while
+    # clients may still read them (covers the client lease cache's hold); the
+    # node's free space takes allocations at once (writes are fenced by epoch).
     rejoin_grace_s: float = 2.0
+    # A master that just started answers allocations "not ready" (clients retry)
+    # until a node registered, for at most this long (then: the pool is full).
+    startup_grace_s: float = 5.0
     # Keyless allocations handed to clients for their next puts expire after this;
     # clients use them for at most half of min(grant_ttl, rejoin_grace_s), and 1 s.
     grant_ttl: float = 5.0
     # Grants held by all clients together stay under this share of the cluster's DRAM.
     grant_share: float = 1 / 16
+    # HA: etcd endpoints ("http://h:p,..."; "" = standalone), the cluster's name
+    # in etcd, the leader lease TTL, and the address callers are pointed at.
+    etcd: str = ""
+    cluster: str = "default"
+    leader_ttl: float = 3.0
+    advertise: str = ""

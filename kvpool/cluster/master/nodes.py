@@ -24,7 +24,7 @@ from kvpool.cluster.wire import (
     HeartbeatReply,
     RegisterNode,
 )
-from kvpool.errors import KVPoolError
+from kvpool.errors import KVPoolError, StaleEpochError
 from kvpool.index.catalog import BlockCommitted, NodeEvent, RangeFreed, SsdCopyDropped
 from kvpool.rpc.client import RpcClient
 
@@ -51,7 +51,8 @@ class NodeLinks:
         self._clients: dict[str, RpcClient] = {}
 
     def call(self, node_id: str, method: str, params: Any) -> Any:
-        """Call a node's own RPC server (SSD tier commands)."""
+        """Call a node's own RPC server (SSD tier commands), stamped with this
+        master's term: a node serving a newer term refuses it."""
         client = self._clients.get(node_id)
         if client is None:
             region = self.state.regions[node_id]
@@ -63,7 +64,7 @@ class NodeLinks:
                 name="kvpool-master",
             )
             self._clients[node_id] = client
-        return client.call(method, params)
+        return client.call(method, {"epoch": self.state.epoch, "items": params})
 
     def drop(self, node_id: str) -> None:
         client = self._clients.pop(node_id, None)
@@ -83,6 +84,11 @@ class NodeMembership:
 
     def register(self, msg: RegisterNode) -> dict[str, Any]:
         state, region = self.state, msg.region
+        if msg.epoch > state.epoch:
+            raise StaleEpochError(
+                f"node {region.node_id} serves master term {msg.epoch}, newer than this "
+                f"master's {state.epoch}: another master leads this cluster"
+            )
         blocks = [(b[0], b[1], b[2], b[3], b[4]) for b in msg.blocks]
         ssd_blocks = [(b[0], b[1], b[2]) for b in msg.ssd_blocks]
         with state.lock:
@@ -92,11 +98,14 @@ class NodeMembership:
                 region.to_dict(),
                 region.host_id,
                 has_ssd=region.ssd_bytes > 0,
-                grace_s=state.config.rejoin_grace_s if msg.rejoin else 0.0,
             )
             state.regions[region.node_id] = region
             self.links.drop(region.node_id)
             restored = state.catalog.restore_blocks(region.node_id, blocks)
+            if msg.rejoin:
+                # Readers may still copy these under the previous term's leases: keep
+                # them (not the node's free space: allocations go on at once).
+                state.catalog.pin([b[0] for b in blocks], state.config.rejoin_grace_s)
             restored += state.catalog.ssd_tier.restore(region.node_id, ssd_blocks)
             state.refresh_gauges()
         log.info(
@@ -105,17 +114,19 @@ class NodeMembership:
             region.size,
             restored,
         )
-        return {"restored": restored}
+        return {"restored": restored, "epoch": state.epoch}
 
     def heartbeat(self, msg: Heartbeat) -> HeartbeatReply:
         catalog = self.state.catalog
+        epoch = self.state.epoch
         with self.state.lock:
-            if not catalog.touch_node(msg.node_id):
-                return HeartbeatReply(known=False)
+            stale = msg.epoch and msg.epoch != epoch  # 0: a node that does not say
+            if stale or not catalog.touch_node(msg.node_id):
+                return HeartbeatReply(known=False, epoch=epoch)
             for key, checksum in msg.checksums:
                 catalog.set_checksum(key, checksum)
             events = catalog.drain_events(msg.node_id)
-        return HeartbeatReply(known=True, events=[event_wire(e) for e in events])
+        return HeartbeatReply(known=True, events=[event_wire(e) for e in events], epoch=epoch)
 
     def drop_dead_nodes(self) -> None:
         """Forget nodes whose heartbeats stopped for ``node_ttl`` (call under the lock)."""

@@ -19,6 +19,7 @@ from kvpool.args import check_keys
 from kvpool.cluster.master.config import MAX_GRANTS
 from kvpool.cluster.master.state import MasterState
 from kvpool.cluster.wire import AllocateReply, AllocateRequest, CommitRequest, IdsRequest
+from kvpool.errors import MasterNotReadyError
 from kvpool.index.catalog import CatalogFullError
 
 
@@ -38,9 +39,11 @@ class PutHandlers:
             raise ValueError("spare must be >= 0, and spare_size > 0 when spare > 0")
         state, catalog = self.state, self.state.catalog
         with state.lock:
-            grace = catalog.grace_left() if not catalog.has_usable_node() else 0.0
-        if grace:  # every node is re-joining: wait for the first to become usable
-            time.sleep(grace)
+            if not catalog.has_usable_node():
+                young = time.monotonic() - state.started < state.config.startup_grace_s
+                if young or catalog.grace_left():
+                    # A new term: nodes are (re-)registering. Never block the connection.
+                    raise MasterNotReadyError("nodes are re-registering with a new master")
         placements: list[list[list[Any]] | None] = []
         error, full = "", []
         with state.lock:
@@ -75,6 +78,7 @@ class PutHandlers:
             ttl=state.config.alloc_ttl,
             spares=spares,
             spare_ttl=self.grant_window(),
+            epoch=state.epoch,
         )
 
     def grant_window(self) -> float:

@@ -27,6 +27,7 @@ from kvpool.cluster.wire import (
 )
 from kvpool.errors import KVPoolError
 from kvpool.index.catalog import Allocation, BlockMeta, CatalogFullError
+from kvpool.rpc.server import Deferred
 
 log = logging.getLogger("kvpool.cluster.master")
 
@@ -35,7 +36,7 @@ class ReadHandlers:
     def __init__(self, state: MasterState, links: NodeLinks) -> None:
         self.state, self.links = state, links
 
-    def lease(self, msg: LeaseRequest) -> LeaseReply:
+    def lease(self, msg: LeaseRequest) -> LeaseReply | Deferred:
         check_keys(msg.keys)
         state, catalog = self.state, self.state.catalog
         ssd_tier = catalog.ssd_tier
@@ -46,8 +47,23 @@ class ReadHandlers:
                 for b in found
                 if b is not None and ssd_tier.ssd_only(b)
             ]
-        if promotions:
-            self._promote(promotions)
+        if promotions:  # node I/O: finish on a worker, never on the connection's reader
+
+            def promote_then_reply() -> LeaseReply:
+                self._promote(promotions)
+                return self._lease_reply(msg, lease_id, found, promotions)
+
+            return Deferred(promote_then_reply)
+        return self._lease_reply(msg, lease_id, found, promotions)
+
+    def _lease_reply(
+        self,
+        msg: LeaseRequest,
+        lease_id: int,
+        found: list[BlockMeta | None],
+        promotions: list[tuple[BlockMeta, Allocation | None]],
+    ) -> LeaseReply:
+        state, catalog = self.state, self.state.catalog
         with state.lock:
             blocks: list[list[Any] | None] = []
             for block in found:
@@ -70,7 +86,9 @@ class ReadHandlers:
         state.metrics.hits.inc(hits)
         state.metrics.misses.inc(len(msg.keys) - hits)
         busy = any(alloc is None for _, alloc in promotions)
-        return LeaseReply(lease_id, blocks, nodes, state.config.lease_ttl, busy, orders)
+        return LeaseReply(
+            lease_id, blocks, nodes, state.config.lease_ttl, busy, orders, state.epoch
+        )
 
     def _promote(self, promotions: list[tuple[BlockMeta, Allocation | None]]) -> None:
         """Load SSD-only blocks (leased by the caller) back into their nodes' DRAM."""
@@ -102,7 +120,7 @@ class ReadHandlers:
                     None if alloc is None else [alloc.alloc_id, alloc.node_id, alloc.offset]
                 )
             nodes = state.regions_of(a[1] for a in allocations if a)
-        return ReplicateReply(allocations, nodes)
+        return ReplicateReply(allocations, nodes, state.epoch)
 
     def release(self, msg: ReleaseRequest) -> None:
         catalog = self.state.catalog
@@ -139,6 +157,7 @@ class ReadHandlers:
             cat = self.state.catalog
             return {
                 "mode": "distributed",
+                "epoch": self.state.epoch,
                 "policy": cat.policy_name,
                 "blocks": len(cat.blocks),
                 "pending_allocations": len(cat.pending),

@@ -8,14 +8,17 @@ thread expires stale allocations and leases, drops extra replicas that
 cooled down, copies blocks ahead to nodes' SSD tiers and drops nodes whose
 heartbeats stopped for ``node_ttl`` seconds.
 
-The master keeps no state on disk. After a restart, nodes find they are
-unknown (heartbeat reply ``known=False``) and register again with the
-blocks they hold, which rebuilds the catalog.
+The master keeps no state on disk. After a restart (or a failover to a
+standby, kvpool.cluster.master.term), nodes find they are unknown (heartbeat
+reply ``known=False``) and register again with the blocks they hold,
+acknowledged puts included, which rebuilds the catalog.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 from kvpool.cluster.master.config import MasterConfig
@@ -23,6 +26,7 @@ from kvpool.cluster.master.nodes import NodeLinks, NodeMembership
 from kvpool.cluster.master.puts import PutHandlers
 from kvpool.cluster.master.reads import ReadHandlers
 from kvpool.cluster.master.state import MasterState
+from kvpool.cluster.master.term import MasterTerm
 from kvpool.cluster.metrics import Metrics
 from kvpool.cluster.wire import (
     ALLOCATE,
@@ -31,6 +35,7 @@ from kvpool.cluster.wire import (
     HEARTBEAT,
     LEASE,
     LOCATE,
+    NODE_HELLO,
     PREFIX,
     REGISTER,
     RELEASE,
@@ -48,8 +53,24 @@ from kvpool.cluster.wire import (
     ReleaseRequest,
     ReplicateRequest,
 )
+from kvpool.errors import PermissionDeniedError
 from kvpool.index.catalog import BlockCatalog
-from kvpool.rpc.server import RpcServer, ServerConfig
+from kvpool.rpc.server import Connection, RpcServer, ServerConfig
+
+
+def nodes_only(handler: Callable[[Any], Any]) -> Callable[[Any, Connection], Any]:
+    """``handler`` for connections that introduced themselves as a node.
+
+    A guard against misdirected calls (a client that registers itself as a node
+    would corrupt the catalog), not an authentication: nodes and clients share
+    the cluster's token."""
+
+    def checked(params: Any, conn: Connection) -> Any:
+        if not conn.client_name.startswith(NODE_HELLO):
+            raise PermissionDeniedError(f"only storage nodes may call this ({conn.client_name!r})")
+        return handler(params)
+
+    return checked
 
 
 class Master:
@@ -57,16 +78,10 @@ class Master:
 
     def __init__(self, config: MasterConfig) -> None:
         self.config = config
-        catalog = BlockCatalog(
-            policy=config.policy,
-            lease_ttl=config.lease_ttl,
-            alloc_ttl=config.alloc_ttl,
-            replication=config.replication,
-            grant_ttl=config.grant_ttl,
-        )
-        self.state = MasterState(config, catalog, Metrics("master"))
+        self.state = MasterState(config, self._new_catalog(), Metrics("master"))
         self.metrics = self.state.metrics
-        self.metrics.granted.set_function(lambda: catalog.granted_bytes)  # read at scrape
+        # read at scrape
+        self.metrics.granted.set_function(lambda: self.state.catalog.granted_bytes)
         self.metrics_port: int | None = None
         self._links = NodeLinks(self.state)
         self._nodes = NodeMembership(self.state, self._links)
@@ -76,6 +91,7 @@ class Master:
                 host=config.host, port=config.port, token=config.token, name="kvpool-master"
             )
         )
+        self.term = MasterTerm(config, self._begin_term)
         self._register_handlers()
         self._reaper = threading.Thread(target=self._reap_loop, name="kvpool-reaper", daemon=True)
 
@@ -87,10 +103,13 @@ class Master:
         if self.config.metrics_port is not None:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         self._reaper.start()
-        return self._server.start()
+        address = self._server.start()
+        self.term.start(address)
+        return address
 
     def close(self) -> None:
         self._stop.set()
+        self.term.close()
         self._server.close()
         self._links.close()
         self.metrics.close()
@@ -117,9 +136,38 @@ class Master:
         # Handlers are short critical sections under one lock: running them on the
         # connection's reader thread saves a thread hop (~50 us) per call.
         for method, fn, request_type in routes:
-            self._server.register(
-                method, self.metrics.wrap(method, fn), request_type=request_type, inline=True
-            )
+            handler = self.metrics.wrap(method, self.term.gate(fn))
+            if method in (REGISTER, HEARTBEAT):
+                self._server.register(
+                    method,
+                    nodes_only(handler),
+                    request_type=request_type,
+                    inline=True,
+                    pass_conn=True,
+                )
+            else:
+                self._server.register(method, handler, request_type=request_type, inline=True)
+
+    def _new_catalog(self) -> BlockCatalog:
+        config = self.config
+        return BlockCatalog(
+            policy=config.policy,
+            lease_ttl=config.lease_ttl,
+            alloc_ttl=config.alloc_ttl,
+            replication=config.replication,
+            grant_ttl=config.grant_ttl,
+        )
+
+    def _begin_term(self, epoch: int) -> None:
+        """Serve term ``epoch`` (0: none) from an empty catalog: nodes re-register."""
+        state = self.state
+        with state.lock:
+            if state.epoch:  # a term ends: forget it all (a later term rebuilds)
+                state.catalog = self._new_catalog()
+                state.regions.clear()
+            state.epoch = epoch
+            state.started = time.monotonic()
+        self._links.close()
 
     def _reap_loop(self) -> None:
         state = self.state

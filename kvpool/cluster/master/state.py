@@ -9,6 +9,7 @@ nodes the catalog knows.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -25,6 +26,9 @@ class MasterState:
     metrics: Metrics
     lock: threading.Lock = field(default_factory=threading.Lock)
     regions: dict[str, RegionInfo] = field(default_factory=dict)
+    # This master's term: only grows across restarts and failovers (kvpool.cluster.master.term)
+    epoch: int = 0
+    started: float = field(default_factory=time.monotonic)
 
     def regions_of(self, node_ids: Iterable[str]) -> dict[str, RegionInfo]:
         """The regions of ``node_ids`` (each once) that are still registered."""

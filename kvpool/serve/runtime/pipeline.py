@@ -340,6 +340,8 @@ def _write_spec(
     regions.update(ticket.nodes)
     return {
         "ttl_s": ticket.ttl_s,
+        "epoch": ticket.epoch,  # the master term: the stage's writes are stamped with it
+        "parent": ticket.parent,
         "key": ticket.key,
         "start": start,
         "rows": rows,

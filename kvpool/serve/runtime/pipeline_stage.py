@@ -113,6 +113,8 @@ class Stage:
             allocations=allocations,
             ttl_s=DEFAULT_TTL_S if ttl is None else float(ttl),
             nodes={n: nodes[n] for _, n, _ in allocations},
+            epoch=int(write.get("epoch", 0)),
+            parent=write.get("parent"),
         )
         return self.pool.adopt(ticket)
 

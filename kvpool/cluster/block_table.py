@@ -1,0 +1,274 @@
+"""A storage node's table of its region: which block holds which range, and the write fence.
+
+Every range a client writes is named by a ``WriteStamp`` (epoch, allocation
+id, block range, key, parent; kvpool.transport.fencing). The table keeps one
+entry per block range, never two overlapping, each in one of three states:
+
+- ``CLAIMED``: a write is being made (the bytes are not complete);
+- ``WRITTEN``: a final or sealed write completed: the node knows the key and
+  the bytes are whole, so the block is reported at the next registration
+  even if the master that allocated it crashed before it heard of it;
+- ``COMMITTED``: the master told the node (heartbeat event) that the block is
+  visible, or the node re-registered it with a master.
+
+Invariants (all under one lock):
+- the table accepts claims only for its master's epoch (``new_term`` sets
+  it; before the first registration, and while re-registering, every claim
+  is stale);
+- a claim older than an overlapping entry is refused (``FENCE_STALE``); a
+  newer one waits until the overlapped entries have no write in flight, then
+  replaces them (``FENCE_BUSY`` after ``claim_wait`` seconds), so a slow or
+  resumed writer can never put bytes into a range a newer allocation owns;
+- when a new term starts, entries not yet written are aborted: their writes
+  end ``STALE`` and the entry goes once nothing is in flight there;
+- a heartbeat ``free`` drops only a ``COMMITTED`` entry: an entry written for
+  a newer allocation of the same range (its commit event comes later in the
+  ordered stream) is kept.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, FENCE_STALE, WriteStamp
+
+CLAIMED, WRITTEN, COMMITTED = "claimed", "written", "committed"
+DEFAULT_CLAIM_WAIT = 2.0  # seconds a newer claim waits for older writes in flight
+
+
+@dataclass(eq=False)
+class Entry:
+    stamp: WriteStamp
+    state: str
+    inflight: int = 0
+    aborted: bool = False
+    checksum: int = 0  # xxh3_64 of the bytes once known (0: not computed yet)
+
+    def wire(self) -> list[Any]:
+        """As a registration reports it: [key, offset, size, checksum, parent]."""
+        s = self.stamp
+        return [s.key, s.offset, s.size, self.checksum, s.parent]
+
+
+class BlockTable:
+    """The node's blocks by range and the fence every stamped write passes."""
+
+    def __init__(
+        self, checksum: Callable[[int, int], int], claim_wait: float = DEFAULT_CLAIM_WAIT
+    ) -> None:
+        self._checksum = checksum  # (offset, size) -> xxh3_64 of those arena bytes
+        self.claim_wait = claim_wait
+        self.epoch = 0  # the term served now (0: none, every claim is stale)
+        self.highest = 0  # the highest term ever served (a lower master is stale)
+        self._cond = threading.Condition()
+        self._entries: dict[int, Entry] = {}
+        self._offsets: list[int] = []  # sorted keys of _entries
+        self._owners: dict[object, Counter[Entry]] = {}
+
+    # -- the fence (kvpool.transport.fencing.WriteFence) ------------------------------
+
+    def claim(self, stamp: WriteStamp, owner: object) -> int:
+        deadline = time.monotonic() + self.claim_wait
+        with self._cond:
+            while True:
+                if stamp.epoch != self.epoch:
+                    return FENCE_STALE
+                entry = self._entries.get(stamp.offset)
+                if entry is not None and entry.stamp.same_allocation(stamp):
+                    if entry.aborted or entry.state != CLAIMED:
+                        return FENCE_STALE  # written blocks are immutable
+                    self._hold(entry, owner)
+                    return FENCE_OK
+                overlapped = self._overlapping(stamp.offset, stamp.size)
+                if any(o.stamp.order >= stamp.order for o in overlapped):
+                    return FENCE_STALE
+                if not any(o.inflight for o in overlapped):
+                    for other in overlapped:
+                        self._remove(other)
+                    entry = Entry(stamp, CLAIMED)
+                    self._insert(entry)
+                    self._hold(entry, owner)
+                    return FENCE_OK
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return FENCE_BUSY
+                self._cond.wait(left)
+
+    def finish(
+        self, stamp: WriteStamp, owner: object, *, ok: bool, seal: bool, any_owner: bool = False
+    ) -> int:
+        """``any_owner``: an explicit seal or release may end a claim another
+        connection of the same writer made (claims are made on pooled connections)."""
+        with self._cond:
+            entry = self._entries.get(stamp.offset)
+            mine = entry is not None and entry.stamp.same_allocation(stamp)
+            if mine and ok and seal and entry is not None and not entry.aborted:
+                # The block is whole: no write of it is in flight any more (a claim
+                # taken ahead on another connection ends too); the seal names its key.
+                for held in self._owners.values():
+                    held.pop(entry, None)
+                entry.inflight, entry.stamp, entry.state = 0, stamp, WRITTEN
+                self._cond.notify_all()
+                return FENCE_OK
+            if mine:
+                assert entry is not None
+                holder = owner
+                if any_owner and not self._owners.get(owner, Counter())[entry]:
+                    holder = next((o for o, h in self._owners.items() if h.get(entry)), owner)
+                self._unhold(entry, holder)
+                if not entry.aborted:
+                    return FENCE_OK
+            return FENCE_STALE
+
+    def owner_gone(self, owner: object) -> None:
+        with self._cond:
+            held = self._owners.pop(owner, None)
+            for entry, n in (held or {}).items():
+                entry.inflight -= n
+                self._settle(entry)
+            self._cond.notify_all()
+
+    def begin_read(self, key: bytes, block_offset: int, offset: int, length: int) -> Any:
+        """The whole block ``key`` at ``block_offset`` covering the range, held (no
+        newer claim takes it) until ``end_read``; None if the range holds
+        something else now (the reader's lease is from an older placement)."""
+        with self._cond:
+            entry = self._entries.get(block_offset)
+            if (
+                entry is None
+                or entry.stamp.key != key
+                or entry.state == CLAIMED
+                or entry.aborted
+                or not entry.stamp.covers(offset, length)
+            ):
+                return None
+            entry.inflight += 1
+            return entry
+
+    def end_read(self, entry: Any) -> None:
+        with self._cond:
+            entry.inflight -= 1
+            self._settle(entry)
+            self._cond.notify_all()
+
+    # -- terms, registration, heartbeat events -----------------------------------------
+
+    def suspend(self) -> None:
+        """Before (re-)registering: take no writes and abort those not yet complete,
+        so the listing sent next holds every block a write was acknowledged for
+        (no write can complete between the listing and the new term)."""
+        self.new_term(0)
+
+    def new_term(self, epoch: int) -> None:
+        """Serve master term ``epoch`` (0: none): abort every write not yet complete."""
+        with self._cond:
+            self.epoch = epoch
+            self.highest = max(self.highest, epoch)
+            for entry in list(self._entries.values()):
+                if entry.state == CLAIMED:
+                    entry.aborted = True
+                    self._settle(entry)
+            self._cond.notify_all()
+
+    def listing(self) -> list[list[Any]]:
+        """Every whole block, checksummed (bytes that changed since are left out)."""
+        with self._cond:
+            report = []
+            for entry in [e for e in self._entries.values() if e.state != CLAIMED]:
+                s = entry.stamp
+                actual = self._checksum(s.offset, s.size)
+                if entry.checksum and actual != entry.checksum:
+                    self._remove(entry)
+                    continue
+                entry.checksum, entry.state = actual, COMMITTED
+                report.append(entry.wire())
+            return report
+
+    def committed(self, key: bytes, offset: int, size: int, parent: bytes | None) -> Entry | None:
+        """The master made ``key`` visible at ``offset``; the entry to checksum, if new."""
+        with self._cond:
+            entry = self._entries.get(offset)
+            if entry is not None and entry.stamp.key == key and entry.stamp.size == size:
+                entry.state = COMMITTED
+                return entry
+            if entry is None and not self._overlapping(offset, size):
+                # Bytes the node wrote itself (SSD promotion): no client stamp.
+                entry = Entry(WriteStamp(self.epoch, 0, offset, size, key, parent), COMMITTED)
+                self._insert(entry)
+                return entry
+            return None  # a newer allocation of the range already took it over
+
+    def freed(self, offset: int) -> None:
+        with self._cond:
+            entry = self._entries.get(offset)
+            if entry is not None and entry.state == COMMITTED and not entry.inflight:
+                self._remove(entry)
+                self._cond.notify_all()
+
+    def set_checksum(self, entry: Entry) -> int:
+        s = entry.stamp
+        entry.checksum = self._checksum(s.offset, s.size)
+        return entry.checksum
+
+    def used_bytes(self) -> tuple[int, int]:
+        """(bytes held in whole blocks, number of such blocks)."""
+        with self._cond:
+            whole = [e.stamp.size for e in self._entries.values() if e.state != CLAIMED]
+            return sum(whole), len(whole)
+
+    def state_of(self, offset: int) -> str | None:
+        with self._cond:
+            entry = self._entries.get(offset)
+            return None if entry is None else entry.state
+
+    # -- helpers (under the lock) -------------------------------------------------------
+
+    def _hold(self, entry: Entry, owner: object) -> None:
+        entry.inflight += 1
+        self._owners.setdefault(owner, Counter())[entry] += 1
+
+    def _unhold(self, entry: Entry, owner: object) -> None:
+        held = self._owners.get(owner)
+        if held is not None and held[entry] > 0:
+            held[entry] -= 1
+            if not held[entry]:
+                del held[entry]
+            entry.inflight -= 1
+            self._settle(entry)
+            self._cond.notify_all()
+
+    def _settle(self, entry: Entry) -> None:
+        if entry.aborted and entry.inflight <= 0 and self._entries.get(entry.stamp.offset) is entry:
+            self._remove(entry)
+
+    def _overlapping(self, offset: int, size: int) -> list[Entry]:
+        offsets = self._offsets
+        i = bisect.bisect_right(offsets, offset) - 1
+        found = []
+        if i >= 0:
+            before = self._entries[offsets[i]]
+            if before.stamp.offset + before.stamp.size > offset:
+                found.append(before)
+        j = bisect.bisect_right(offsets, offset)
+        end = offset + size
+        while j < len(offsets) and offsets[j] < end:
+            found.append(self._entries[offsets[j]])
+            j += 1
+        return found
+
+    def _insert(self, entry: Entry) -> None:
+        offset = entry.stamp.offset
+        self._entries[offset] = entry
+        bisect.insort(self._offsets, offset)
+
+    def _remove(self, entry: Entry) -> None:
+        offset = entry.stamp.offset
+        if self._entries.get(offset) is entry:
+            del self._entries[offset]
+            del self._offsets[bisect.bisect_left(self._offsets, offset)]

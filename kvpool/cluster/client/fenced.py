@@ -1,0 +1,92 @@
+"""Stamped (fenced) writes from the client side: every block write names its allocation.
+
+Over TCP the stamp rides in the write itself (``OP_WRITE_FINAL`` for a whole
+block, ``OP_WRITE_PART`` for a piece of a reserved block): one round trip,
+and when it is acknowledged the node knows the block is whole.
+
+Shared memory and UCX move the bytes without the node's data server seeing
+them, so the node is asked around the copy, on its TCP data port: ``CLAIM``
+(the node checks the stamp and holds the range for this write) -> copy ->
+``SEAL`` (the node records the block as whole) or ``RELEASE``. A claim is
+held by its connection: a writer that dies never blocks the range.
+
+Statuses are tcp_wire's ``ST_OK``, ``ST_STALE`` (a newer allocation or master
+term owns the range: never retry the same allocation) and ``ST_BUSY`` (an
+older write is still in flight there).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from kvpool.bindings.buffers import Region
+from kvpool.transport import tcp_wire as w
+from kvpool.transport.base import Transport
+from kvpool.transport.fencing import WriteStamp
+from kvpool.transport.tcp import TcpTransport
+
+OK = w.ST_OK
+
+
+def write_blocks_begin(
+    data: Transport,
+    control: TcpTransport,
+    items: Sequence[tuple[WriteStamp, int, Region]],
+    claimed: set[int] | frozenset[int] = frozenset(),
+) -> tuple[list[int], Callable[[], list[int]] | None]:
+    """Write each (stamp, offset, bytes) as a whole block. ``data`` moves the
+    bytes, ``control`` is a TCP transport to the same node (the same object
+    when the data path is TCP); ``claimed`` items hold their claim already
+    (taken ahead for a grant). The last round trip (the seals of an
+    out-of-band copy) is left in flight: (statuses so far, None or a call that
+    waits for the seals and returns the final statuses). The bytes are all in
+    place when this returns, so the caller may overlap the master's commit
+    with the seals.
+    """
+    if isinstance(data, TcpTransport):
+        return data.stamped([(w.OP_WRITE_FINAL, s.pack(), off, d) for s, off, d in items]), None
+    need = [i for i in range(len(items)) if i not in claimed]
+    claims = [OK] * len(items)
+    for i, status in zip(need, ops(control, w.OP_CLAIM, [items[i][0] for i in need]), strict=True):
+        claims[i] = status
+    held = [i for i, st in enumerate(claims) if st == OK]
+    if not held:
+        return claims, None
+    try:
+        data.write_many([(items[i][1], items[i][2]) for i in held])
+    except BaseException:
+        ops(control, w.OP_RELEASE, [items[i][0] for i in held])
+        raise
+    sealing = control.stamped_later([(w.OP_SEAL, items[i][0].pack(), 0, None) for i in held])
+
+    def sealed() -> list[int]:
+        final = list(claims)
+        for i, status in zip(held, sealing(), strict=True):
+            final[i] = status
+        return final
+
+    return claims, sealed
+
+
+def write_part(
+    data: Transport, control: TcpTransport, stamp: WriteStamp, offset: int, src: Region
+) -> int:
+    """A piece of a reserved block (``offset`` absolute in the node's region). Over
+    TCP the piece carries its stamp; another transport's copy is bracketed by a
+    claim and a release (held only while the bytes move, so a writer that
+    idles between pieces never keeps a newer allocation off the range)."""
+    if isinstance(data, TcpTransport):
+        return data.stamped([(w.OP_WRITE_PART, stamp.pack(), offset, src)])[0]
+    status = ops(control, w.OP_CLAIM, [stamp])[0]
+    if status != OK:
+        return status
+    try:
+        data.write(offset, src)
+    finally:
+        ops(control, w.OP_RELEASE, [stamp])
+    return OK
+
+
+def ops(control: TcpTransport, op: int, stamps: Sequence[WriteStamp]) -> list[int]:
+    """``OP_CLAIM`` / ``OP_SEAL`` / ``OP_RELEASE`` for each stamp, pipelined."""
+    return control.stamped([(op, s.pack(), 0, None) for s in stamps]) if stamps else []

@@ -1,0 +1,58 @@
+"""A client process for the HA storm test: ``python ha_client.py URL ROLE ID SECONDS``.
+
+ROLE ``writer``: puts block ``ID-i`` (replicas=2) every 40 ms; ``reader``:
+gets random blocks of writers 0 and 1 and checks their bytes. Prints one
+JSON object at the end: what was acknowledged, completion times
+(``time.monotonic``, system-wide on Linux), errors, wrong reads.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import time
+
+import numpy as np
+
+import kvpool
+
+BLOCK = 64 << 10
+
+
+def key_of(writer: int, i: int) -> bytes:
+    return (b"w%d-%06d" % (writer, i)).ljust(16, b"\0")
+
+
+def payload(writer: int, i: int) -> np.ndarray:
+    return np.random.default_rng(writer * 1_000_000 + i).integers(0, 256, BLOCK, dtype=np.uint8)
+
+
+def main(url: str, role: str, ident: int, seconds: float) -> None:
+    end = time.monotonic() + seconds
+    report: dict[str, list] = {"acked": [], "done": [], "errors": [], "wrong": []}
+    out = np.empty(BLOCK, np.uint8)
+    with kvpool.connect(url, timeout=5) as pool:
+        i = 0
+        while time.monotonic() < end:
+            try:
+                if role == "writer":
+                    pool.put(key_of(ident, i), payload(ident, i), replicas=2)
+                    report["acked"].append(i)
+                    report["done"].append(time.monotonic())
+                    i += 1
+                else:
+                    w, j = random.randrange(2), random.randrange(max(1, i))
+                    if pool.get_into(key_of(w, j), out) == BLOCK:
+                        if not np.array_equal(out, payload(w, j)):
+                            report["wrong"].append([w, j])
+                        report["done"].append(time.monotonic())
+                    i += 1
+            except Exception as exc:
+                report["errors"].append(f"{type(exc).__name__}: {exc}")
+            time.sleep(0.04)
+    print(json.dumps(report), flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))

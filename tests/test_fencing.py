@@ -1,0 +1,149 @@
+"""The node's write fence (kvpool.cluster.block_table) on its own, and over a real
+TCP data server: stale and newer stamps, writes in flight, new terms, frees."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from kvpool.cluster.block_table import COMMITTED, WRITTEN, BlockTable
+from kvpool.transport import tcp_wire as w
+from kvpool.transport.base import RegionInfo
+from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, FENCE_STALE, WriteStamp
+from kvpool.transport.tcp import TcpTransport
+from kvpool.transport.tcp_server import TcpDataServer
+
+K1, K2 = b"\x01" * 16, b"\x02" * 16
+
+
+def table(epoch: int = 5, wait: float = 0.2) -> BlockTable:
+    t = BlockTable(lambda offset, size: offset + size + 1, claim_wait=wait)
+    t.new_term(epoch)
+    return t
+
+
+def stamp(alloc: int, offset: int = 0, size: int = 100, epoch: int = 5, key: bytes = K1):
+    return WriteStamp(epoch, alloc, offset, size, key)
+
+
+def test_stamp_round_trips_on_the_wire() -> None:
+    s = WriteStamp(7, 2**60, 4096, 1 << 20, K1, K2)
+    assert WriteStamp.unpack(s.pack()) == s
+    assert WriteStamp.unpack(stamp(1).pack()).parent is None
+
+
+def test_other_terms_and_older_allocations_are_stale() -> None:
+    t = table()
+    assert t.claim(stamp(1, epoch=4), "a") == FENCE_STALE
+    assert t.claim(stamp(1, epoch=6), "a") == FENCE_STALE
+    assert t.claim(stamp(10), "a") == FENCE_OK
+    assert t.finish(stamp(10), "a", ok=True, seal=True) == FENCE_OK
+    assert t.state_of(0) == WRITTEN
+    # an expired allocation of an overlapping range, older than the block there
+    assert t.claim(stamp(9, offset=50), "b") == FENCE_STALE
+    # a written block is immutable: its own stamp cannot write again
+    assert t.claim(stamp(10), "a") == FENCE_STALE
+    # a newer allocation takes the range over (the master freed the old block)
+    assert t.claim(stamp(11, offset=50), "c") == FENCE_OK
+    assert t.state_of(0) is None
+    assert t.finish(stamp(10), "a", ok=True, seal=True) == FENCE_STALE
+
+
+def test_a_newer_claim_waits_for_an_older_write_in_flight() -> None:
+    t = table(wait=5.0)
+    assert t.claim(stamp(1), "old") == FENCE_OK  # old writer is copying
+    got: list[int] = []
+    waiter = threading.Thread(target=lambda: got.append(t.claim(stamp(2, offset=10), "new")))
+    waiter.start()
+    time.sleep(0.1)
+    assert not got  # still waiting
+    # the old copy ends: too late, its range is taken over
+    assert t.finish(stamp(1), "old", ok=True, seal=True) in (FENCE_OK, FENCE_STALE)
+    waiter.join(5)
+    assert got == [FENCE_OK]
+    assert t.state_of(0) is None and t.state_of(10) is not None
+
+
+def test_busy_after_the_wait_bound_and_a_dead_writer_frees_the_range() -> None:
+    t = table(wait=0.1)
+    assert t.claim(stamp(1), "old") == FENCE_OK
+    assert t.claim(stamp(2), "new") == FENCE_BUSY
+    t.owner_gone("old")  # its connection closed mid-copy
+    assert t.claim(stamp(2), "new") == FENCE_OK
+
+
+def test_a_new_term_aborts_unfinished_writes_but_keeps_whole_blocks() -> None:
+    t = table(wait=0.1)
+    assert t.claim(stamp(1, offset=0), "a") == FENCE_OK
+    assert t.finish(stamp(1, offset=0), "a", ok=True, seal=True) == FENCE_OK  # acknowledged
+    assert t.claim(stamp(2, offset=200, key=K2), "b") == FENCE_OK  # still copying
+    t.new_term(6)
+    assert [b[0] for b in t.listing()] == [K1]  # the acknowledged block is reported
+    # the aborted writer's range stays fenced until its copy ends
+    assert t.claim(stamp(1, offset=200, epoch=6), "c") == FENCE_BUSY
+    assert t.finish(stamp(2, offset=200, key=K2), "b", ok=True, seal=True) == FENCE_STALE
+    assert t.claim(stamp(1, offset=200, epoch=6), "c") == FENCE_OK
+
+
+def test_free_events_drop_only_the_committed_block_they_name() -> None:
+    t = table()
+    assert t.committed(K1, 0, 100, None) is not None  # a block the node wrote itself
+    assert t.claim(stamp(3, offset=0, key=K2), "a") == FENCE_OK  # newer allocation
+    t.finish(stamp(3, offset=0, key=K2), "a", ok=True, seal=True)
+    t.freed(0)  # the free of K1's range arrives after K2 was written there
+    assert t.state_of(0) == WRITTEN
+    assert t.committed(K1, 0, 100, None) is None  # K1's late commit does not clobber K2
+    assert t.committed(K2, 0, 100, None) is not None
+    assert t.state_of(0) == COMMITTED
+    t.freed(0)
+    assert t.state_of(0) is None
+
+
+def test_listing_drops_blocks_whose_bytes_changed() -> None:
+    sums = {"v": 1}
+    t = BlockTable(lambda offset, size: sums["v"])
+    t.new_term(1)
+    t.committed(K1, 0, 10, None)
+    assert len(t.listing()) == 1
+    sums["v"] = 2
+    assert t.listing() == []
+
+
+@pytest.fixture
+def fenced_server():
+    region = np.zeros(1 << 16, np.uint8)
+    fence = table(epoch=3, wait=0.2)
+    server = TcpDataServer(region, fence=fence)
+    server.start()
+    info = RegionInfo("n", region.nbytes, tcp_host="127.0.0.1", tcp_port=server.address[1])
+    info.tcp_instance = server.instance
+    transport = TcpTransport(info, timeout=5)
+    yield region, fence, transport
+    transport.close()
+    server.close()
+
+
+def test_tcp_stamped_writes_are_fenced(fenced_server) -> None:
+    region, fence, tcp = fenced_server
+    new = np.full(4096, 7, np.uint8)
+    old = np.full(4096, 9, np.uint8)
+    s_new, s_old = WriteStamp(3, 20, 0, 4096, K2), WriteStamp(3, 10, 0, 4096, K1)
+    assert tcp.stamped([(w.OP_WRITE_FINAL, s_new.pack(), 0, new)]) == [w.ST_OK]
+    # the stale writer's bytes are drained, never stored; the connection stays usable
+    assert tcp.stamped([(w.OP_WRITE_FINAL, s_old.pack(), 0, old)]) == [w.ST_STALE]
+    assert np.array_equal(region[:4096], new)
+    stale_term = WriteStamp(2, 99, 8192, 4096, K1)
+    assert tcp.stamped([(w.OP_WRITE_PART, stale_term.pack(), 8192, old)]) == [w.ST_STALE]
+    assert not region[8192 : 8192 + 4096].any()
+    # claim/seal around an out-of-band copy
+    s3 = WriteStamp(3, 30, 8192, 4096, K1)
+    assert tcp.stamped([(w.OP_CLAIM, s3.pack(), 0, None)]) == [w.ST_OK]
+    region[8192 : 8192 + 4096] = 5
+    assert tcp.stamped([(w.OP_SEAL, s3.pack(), 0, None)]) == [w.ST_OK]
+    assert fence.state_of(8192) == WRITTEN
+    out = np.empty(4096, np.uint8)
+    tcp.read_into(0, out)
+    assert np.array_equal(out, new)
