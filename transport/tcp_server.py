@@ -153,7 +153,7 @@ class TcpDataServer:
             tlen, ilen = w.HELLO_LENGTHS.unpack(lengths)
             if tlen > w.MAX_HELLO_FIELD or ilen > w.MAX_HELLO_FIELD:
                 log.warning("refused data connection from %s: oversized hello", peer)
-                return False  # nothing read or allocated past the lengths
+                return False, 0  # nothing read or allocated past the lengths
             token, instance = bytearray(tlen), bytearray(ilen)
             w.recv_into_exact(sock, memoryview(token))
             w.recv_into_exact(sock, memoryview(instance))
@@ -289,7 +289,9 @@ class TcpDataServer:
             sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
             return w.RESP.size
         if status == FENCE_BUSY:
-            return self._error(sock, w.ST_BUSY, rid, "range busy: an older write is still in flight")
+            return self._error(
+                sock, w.ST_BUSY, rid, "range busy: an older write is still in flight"
+            )
         return self._error(
             sock, w.ST_STALE, rid, "stale write: the range belongs to a newer allocation"
         )

@@ -23,6 +23,7 @@ Thread-safe: one lock guards the stock.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import threading
 import time
@@ -98,6 +99,22 @@ class GrantStock:
         with self._lock:
             self._refills[size] = fut
         fut.add_done_callback(absorb)
+
+    def settle(self, timeout: float) -> None:
+        """Wait up to ``timeout`` s for in-flight refills to be absorbed (the
+        client is closing: a refill landing after ``drain`` would stock grants
+        nobody revokes, held on the master until they expire)."""
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            pending = list(self._refills.values())
+        for fut in pending:
+            with contextlib.suppress(Exception):
+                fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        while time.monotonic() < deadline:  # the absorbing callback runs after result()
+            with self._lock:
+                if not self._refills:
+                    return
+            time.sleep(0.001)
 
     def add(self, size: int, grants: list[Grant], refill: Future[Any] | None = None) -> None:
         with self._lock:

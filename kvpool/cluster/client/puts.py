@@ -125,6 +125,7 @@ class RemotePutter:
         self._revoke(stale)
 
     def close(self) -> None:
+        self.grants.settle(timeout=1.0)
         self._claims.close()
         unused = self.grants.drain()
         self._claims.release(unused)
