@@ -37,7 +37,12 @@ class _Stopped(Exception):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="model preset: tiny, llama2-7b, llama2-70b")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="model preset (tiny, llama2-7b, llama2-70b) or a Hugging Face Llama-family "
+        "checkpoint directory (config.json, *.safetensors, tokenizer.json)",
+    )
     p.add_argument("--seed", type=non_negative_int, default=0, help="weights seed")
     p.add_argument("--prefill", type=positive_int, default=1, help="prefill worker processes")
     p.add_argument("--decode", type=positive_int, default=1, help="decode worker processes")

@@ -25,13 +25,12 @@ from kvpool import procs
 from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.procs import Child, ChildStartError
 from kvpool.rpc.frame import listen
+from kvpool.serve.runtime.checkpoint.config import resolve_model
 from kvpool.serve.runtime.http.frontend import Frontend
 from kvpool.serve.runtime.http.load import format_result, run_load
 from kvpool.serve.runtime.http.state import ServeSettings
 from kvpool.serve.runtime.pipeline import split_layers
-from kvpool.serve.runtime.tokenizer import ByteTokenizer
 from kvpool.serve.sched.pipeline_model import DEFAULT_MIN_TOKENS
-from kvpool.serve.sched.presets import get_preset
 from kvpool.serve.sched.router_api import RouterContext
 from kvpool.serve.sched.routing import make_router, parse_options
 
@@ -41,7 +40,8 @@ class ServeRuntime:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.model = get_preset(args.model, block_tokens=args.block_tokens)
+        # a checkpoint is read and checked here, before any process starts
+        self.model, self.checkpoint = resolve_model(args.model, block_tokens=args.block_tokens)
         self.infra: list[Child] = []  # master, node
         self.workers: list[Child] = []  # every worker process started
         self.pids: list[int] = []
@@ -105,7 +105,9 @@ class ServeRuntime:
             restart=not args.no_restart,
             groups=self.groups,
             chunk_tokens=args.chunk_tokens,
+            checkpoint=self.checkpoint,
         )
+        self.settings = settings
         cpp_min = 0
         if self.groups:
             cpp_min = args.cpp_min_tokens if args.cpp_min_tokens is not None else DEFAULT_MIN_TOKENS
@@ -225,7 +227,7 @@ class ServeRuntime:
             "so its blocks are computed once and then read from the pool. "
         ) * 10
         questions = [f"Question {i}: what is block {i} of the cache?" for i in range(64)]
-        tok = ByteTokenizer()
+        tok = self.settings.tokenizer()
         prompts = [tok.encode(system + q) for q in questions[: self.args.demo_requests]]
         first = run_load(self.url, concurrency=1, requests=1, max_tokens=32, prompts=prompts[:1])
         rest = run_load(

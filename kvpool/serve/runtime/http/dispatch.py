@@ -46,7 +46,6 @@ from kvpool.serve.runtime.http.openai import (
     usage,
 )
 from kvpool.serve.runtime.http.state import ServeRequest, ServeSettings, WorkerHandle
-from kvpool.serve.runtime.tokenizer import ByteTokenizer
 from kvpool.serve.sched.router_api import DECODE, PREFILL, Observation, RouteDecision, Router
 
 if TYPE_CHECKING:
@@ -71,7 +70,7 @@ class Dispatcher:
         self.fleet = fleet
         self.metrics = metrics
         self.pool = pool
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = settings.tokenizer()
         self.namespace = settings.model.namespace(settings.seed)
 
     def route(self, tokens: list[int]) -> tuple[list[WorkerHandle], WorkerHandle, str | None]:

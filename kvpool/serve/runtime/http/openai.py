@@ -22,7 +22,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from kvpool.serve.runtime.http.state import ServeRequest, ServeSettings
-from kvpool.serve.runtime.tokenizer import ByteTokenizer
+from kvpool.serve.runtime.tokenizer import TextTokenizer
 
 DEFAULT_MAX_TOKENS = 16
 
@@ -75,7 +75,7 @@ class CompletionRequest:
 
 
 def parse_completion(
-    body: Any, settings: ServeSettings, tokenizer: ByteTokenizer
+    body: Any, settings: ServeSettings, tokenizer: TextTokenizer
 ) -> CompletionRequest:
     """Validated request fields, or ApiError (4xx)."""
     if not isinstance(body, dict):
@@ -127,7 +127,7 @@ def parse_completion(
     )
 
 
-def _prompt_tokens(prompt: Any, vocab: int, tokenizer: ByteTokenizer) -> list[int]:
+def _prompt_tokens(prompt: Any, vocab: int, tokenizer: TextTokenizer) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):

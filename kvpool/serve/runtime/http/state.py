@@ -15,7 +15,8 @@ from typing import Any
 
 from kvpool.procs import Child
 from kvpool.rpc.client import RpcClient
-from kvpool.serve.runtime.tokenizer import EOS, VOCAB_SIZE
+from kvpool.serve.runtime.checkpoint.config import Checkpoint
+from kvpool.serve.runtime.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer, TextTokenizer
 from kvpool.serve.sched.presets import ModelConfig
 
 
@@ -33,10 +34,21 @@ class ServeSettings:
     events_wait_s: float = 1.0
     groups: dict[str, list[str]] = field(default_factory=dict)  # pipeline group -> stages
     chunk_tokens: int = 512  # the pipeline's chunk
+    checkpoint: Checkpoint | None = None  # a Hugging Face checkpoint (else a preset)
 
     @property
     def eos_id(self) -> int | None:
+        if self.checkpoint is not None:
+            return self.checkpoint.eos_id
         return EOS if self.model.vocab_size == VOCAB_SIZE else None
+
+    def tokenizer(self) -> TextTokenizer:
+        """The checkpoint's tokenizer, or the byte tokenizer of the presets."""
+        if self.checkpoint is not None:
+            from kvpool.serve.runtime.checkpoint.hf_tokenizer import HFTokenizer
+
+            return HFTokenizer(self.checkpoint)
+        return ByteTokenizer()
 
 
 @dataclass

@@ -1,0 +1,270 @@
+"""Hugging Face checkpoints: exact against ``transformers`` (logits, greedy tokens through
+prefill -> pool -> decode, cached prefixes, pipeline prefill, the HTTP API), the namespace
+digest, and every bad checkpoint refused at start-up naming what is wrong."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+import torch
+
+from kvpool import Pool, procs
+from kvpool.serve.runtime.checkpoint.config import read_checkpoint
+from kvpool.serve.runtime.checkpoint.errors import CheckpointError
+from kvpool.serve.runtime.checkpoint.hf_tokenizer import HFTokenizer
+from kvpool.serve.runtime.decode import DecodeEngine
+from kvpool.serve.runtime.model import Transformer, build_model
+from kvpool.serve.runtime.prefill import PrefillWorker
+
+transformers = pytest.importorskip("transformers", reason="transformers (the dev extra) is absent")
+from hf_checkpoints import make_checkpoint  # noqa: E402
+from servehelpers import Server, start_serve  # noqa: E402
+
+torch.set_num_threads(1)
+LLAMA3 = {
+    "rope_type": "llama3",
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 256,
+}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "llama": {},
+    "llama3-rope-tied": {"tie": True, "rope_scaling": LLAMA3},
+    "qwen2-bias": {"kind": "qwen2"},
+}
+
+
+@pytest.fixture(scope="module")
+def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, pathlib.Path]:
+    root = tmp_path_factory.mktemp("hf")
+    return {name: make_checkpoint(root / name, **kw) for name, kw in VARIANTS.items()}
+
+
+def reference(path: pathlib.Path) -> Any:
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def ref_generate(ref: Any, ids: list[int], n: int) -> list[int]:
+    with torch.no_grad():
+        out = ref.generate(
+            torch.tensor([ids]),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return [int(t) for t in out[0, len(ids) :]]
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return torch.randint(2, 258, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# -- exactness ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_logits_over_several_blocks_match_transformers(
+    ckpts: dict[str, pathlib.Path], variant: str
+) -> None:
+    model = build_model(str(ckpts[variant]))
+    ids = prompt(3 * 512 + 37, seed=1)  # four 512-token blocks, the last partial
+    ours, _ = model(ids)
+    with torch.no_grad():
+        theirs = reference(ckpts[variant])(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def llama(ckpts: dict[str, pathlib.Path]) -> Transformer:
+    return build_model(str(ckpts["llama3-rope-tied"]), block_tokens=16)
+
+
+def test_prefill_pool_decode_greedy_equals_generate_with_and_without_prefix(
+    ckpts: dict[str, pathlib.Path], llama: Transformer
+) -> None:
+    ref = reference(ckpts["llama3-rope-tied"])
+    shared = prompt(80, seed=2)
+    with (
+        Pool.embedded(dram_bytes=32 << 20) as pool,
+        PrefillWorker(llama, pool, chunk_tokens=32, native_layerwise=False) as pw,
+    ):
+        for suffix_seed, cached in ((3, False), (4, True)):
+            ids = shared + prompt(21, seed=suffix_seed)
+            result = pw.prefill(ids)
+            assert (result.cached_tokens > 0) == cached
+            engine = DecodeEngine(llama, pool, num_pages=64, page_tokens=8, native_layerwise=False)
+            req = engine.submit(result, 12)
+            engine.run()
+            assert req.output == ref_generate(ref, ids, 12)
+
+
+def test_namespace_has_the_weights_digest(
+    ckpts: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    other = make_checkpoint(tmp_path / "llama", seed=1)  # same shapes, other weights
+    a, b = read_checkpoint(ckpts["llama"]), read_checkpoint(other)
+    assert a.model.kv_layout() == b.model.kv_layout()
+    assert a.model.namespace() != b.model.namespace()
+    assert read_checkpoint(ckpts["llama"]).model.namespace() == a.model.namespace()
+
+
+def test_tokenizer_matches_transformers(ckpts: dict[str, pathlib.Path]) -> None:
+    path = ckpts["llama"]
+    ours, theirs = (
+        HFTokenizer(read_checkpoint(path)),
+        transformers.AutoTokenizer.from_pretrained(path),
+    )
+    text = "Grüße, kvpool! 🚀 ok"
+    assert ours.encode(text) == theirs(text)["input_ids"]
+    assert ours.encode(text)[0] == ours.bos_id == 0 and ours.eos_id == 1
+    ids = ours.encode(text)
+    stream = ours.decode_stream()
+    assert "".join(stream.feed(t) for t in ids) + stream.flush() == text == ours.decode(ids)
+
+
+# -- kvpool serve end to end ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def server(ckpts: dict[str, pathlib.Path]) -> Iterator[Server]:
+    server = start_serve(
+        [
+            *("--model", str(ckpts["llama3-rope-tied"]), "--port", "0"),
+            *("--prefill", "2", "--cpp-group", "2", "--cpp-min-tokens", "150"),
+            *("--block-tokens", "16", "--chunk-tokens", "32", "--dram", "64MiB"),
+            *("--kv-tokens", "2048", "--page-tokens", "8"),
+        ],
+        timeout=120,
+    )
+    yield server
+    popen = server.popen
+    if popen.poll() is None:
+        popen.terminate()
+        try:
+            popen.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(popen.pid, signal.SIGKILL)
+            popen.wait(10)
+
+
+@pytest.mark.parametrize("length,pipelined", [(60, False), (200, True)])
+def test_served_greedy_tokens_equal_generate(
+    server: Server, ckpts: dict[str, pathlib.Path], length: int, pipelined: bool
+) -> None:
+    ids = prompt(length, seed=length)
+    body = {"prompt": ids, "max_tokens": 10, "ignore_eos": True}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert bool(out["kvpool"]["pipeline"]) == pipelined
+    expected = ref_generate(reference(ckpts["llama3-rope-tied"]), ids, 10)
+    assert out["choices"][0]["token_ids"] == expected
+
+
+def test_text_prompt_uses_the_checkpoints_tokenizer(
+    server: Server, ckpts: dict[str, pathlib.Path]
+) -> None:
+    path = ckpts["llama3-rope-tied"]
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    text = "The pool keeps every block once. " * 3
+    r = httpx.post(
+        f"{server.url}/v1/completions", json={"prompt": text, "max_tokens": 6}, timeout=120
+    )
+    assert r.status_code == 200, r.text
+    out = r.json()
+    ids = tok(text)["input_ids"]
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    expected = ref_generate(reference(path), ids, 6)
+    got = out["choices"][0]["token_ids"]
+    n = expected.index(1) + 1 if 1 in expected else len(expected)  # stops at EOS (id 1)
+    assert got == expected[:n]
+    assert out["choices"][0]["text"] == tok.decode(got, skip_special_tokens=True)
+
+
+# -- bad checkpoints: refused at start-up ------------------------------------------
+
+
+def _edit_config(path: pathlib.Path, **changes: Any) -> None:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.update(changes)
+    (path / "config.json").write_text(json.dumps(cfg))
+
+
+def _bad_copy(src: pathlib.Path, dst: pathlib.Path, case: str) -> pathlib.Path:
+    shutil.copytree(src, dst)
+    if case == "no config":
+        (dst / "config.json").unlink()
+    elif case == "model_type":
+        _edit_config(dst, model_type="gpt2")
+    elif case == "rope_scaling":
+        _edit_config(dst, rope_scaling={"rope_type": "yarn", "factor": 4.0})
+    elif case == "sliding_window":
+        _edit_config(dst, model_type="mistral", sliding_window=128)
+    elif case == "vocab":
+        _edit_config(dst, vocab_size=100)
+    elif case == "missing shard":
+        (dst / "model.safetensors").rename(dst / "model-00001-of-00001.safetensors")
+        weight_map = {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}
+        index = {"metadata": {}, "weight_map": weight_map}
+        (dst / "model.safetensors.index.json").write_text(json.dumps(index))
+    elif case == "no tokenizer":
+        (dst / "tokenizer.json").unlink()
+    return dst
+
+
+BAD = {
+    "no config": "config.json is missing",
+    "model_type": "'model_type' 'gpt2' is not implemented",
+    "rope_scaling": "'rope_scaling' of type 'yarn' is not implemented",
+    "sliding_window": "'sliding_window' 128",
+    "vocab": "embed_tokens.weight has shape",
+    "missing shard": "shard model-00002-of-00002.safetensors",
+    "no tokenizer": "tokenizer.json is missing",
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_checkpoint_is_refused_naming_the_cause(
+    ckpts: dict[str, pathlib.Path], tmp_path: pathlib.Path, case: str
+) -> None:
+    path = _bad_copy(ckpts["llama"], tmp_path / "bad", case)
+    with pytest.raises(CheckpointError, match=re.escape(BAD[case])):
+        read_checkpoint(path)
+
+
+def test_tokenizer_larger_than_the_vocabulary_is_refused(
+    ckpts: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    path = tmp_path / "ck"
+    shutil.copytree(ckpts["llama"], path)
+    tok = json.loads((path / "tokenizer.json").read_text())
+    # another model's tokenizer: a larger vocabulary than these weights' embedding
+    tok["model"]["vocab"].update({f"<extra{i}>": i for i in range(258, 301)})
+    (path / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(CheckpointError, match=r"tokenizer\.json has token id 300"):
+        read_checkpoint(path)
+
+
+def test_serve_refuses_a_bad_checkpoint_before_starting_anything(tmp_path: pathlib.Path) -> None:
+    done = subprocess.run(
+        [sys.executable, *procs.kvpool_args("serve", "--model", str(tmp_path))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 1
+    assert "config.json is missing" in done.stderr
+    assert "ready" not in done.stdout
