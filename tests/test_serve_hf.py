@@ -268,3 +268,83 @@ def test_serve_refuses_a_bad_checkpoint_before_starting_anything(tmp_path: pathl
     assert done.returncode == 1
     assert "config.json is missing" in done.stderr
     assert "ready" not in done.stdout
+
+
+# -- stopping and parameters ---------------------------------------------------------
+
+
+def _post(server: Server, **body: Any) -> httpx.Response:
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+
+
+def _stream_text(server: Server, **body: Any) -> tuple[str, list[int], str | None]:
+    text, ids, finish = "", [], None
+    with httpx.stream(
+        "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120
+    ) as r:
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            c = json.loads(line[6:])["choices"][0]
+            text += c["text"]
+            ids += c["token_ids"]
+            finish = c["finish_reason"] or finish
+    return text, ids, finish
+
+
+def test_stop_strings_and_stop_token_ids_end_the_completion(server: Server) -> None:
+    ids = prompt(40, seed=7)
+    full = _post(server, prompt=ids, max_tokens=24, ignore_eos=True).json()["choices"][0]
+    assert full["finish_reason"] == "length"
+    text, tokens = full["text"], full["token_ids"]
+    k = next(i for i in range(4, len(text) - 2) if "\ufffd" not in text[i : i + 2])
+    stop = text[k : k + 2]
+    want = text[: text.find(stop)]
+    got = _post(server, prompt=ids, max_tokens=24, ignore_eos=True, stop=[stop, "\x00\x01"])
+    c = got.json()["choices"][0]
+    assert (c["text"], c["finish_reason"]) == (want, "stop")
+    assert len(c["token_ids"]) < len(tokens) and tokens[: len(c["token_ids"])] == c["token_ids"]
+    assert _stream_text(server, prompt=ids, max_tokens=24, ignore_eos=True, stop=stop)[::2] == (
+        want,
+        "stop",
+    )
+    # a stop token id: the output ends with it (its text is left out)
+    at = 5
+    stop_id = tokens[at]
+    first = tokens.index(stop_id)
+    c = _post(server, prompt=ids, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id]).json()[
+        "choices"
+    ][0]
+    assert c["token_ids"] == tokens[: first + 1] and c["finish_reason"] == "stop"
+    s_text, s_ids, s_finish = _stream_text(
+        server, prompt=ids, max_tokens=24, ignore_eos=True, stop_token_ids=[stop_id]
+    )
+    assert (s_text, s_ids, s_finish) == (c["text"], c["token_ids"], "stop")
+
+
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", 0.7),
+        ("top_p", 0.9),
+        ("logprobs", 2),
+        ("n", 2),
+        ("echo", True),
+        ("presence_penalty", 0.5),
+        ("frobnicate", 1),
+        ("stop", 3),
+        ("stop_token_ids", [100000]),
+    ],
+)
+def test_unsupported_parameters_answer_400_naming_them(
+    server: Server, field: str, value: Any
+) -> None:
+    r = _post(server, prompt=[5, 6, 7], max_tokens=2, **{field: value})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == field
+
+
+def test_neutral_parameter_values_are_accepted(server: Server) -> None:
+    neutral = {"temperature": 0, "top_p": 1.0, "n": 1, "seed": 42, "logprobs": None}
+    r = _post(server, prompt=[5, 6, 7], max_tokens=2, ignore_eos=True, **neutral)
+    assert r.status_code == 200, r.text

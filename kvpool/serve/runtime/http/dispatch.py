@@ -46,6 +46,7 @@ from kvpool.serve.runtime.http.openai import (
     usage,
 )
 from kvpool.serve.runtime.http.state import ServeRequest, ServeSettings, WorkerHandle
+from kvpool.serve.runtime.http.stopping import StopState
 from kvpool.serve.sched.router_api import DECODE, PREFILL, Observation, RouteDecision, Router
 
 if TYPE_CHECKING:
@@ -111,6 +112,7 @@ class Dispatcher:
             include_usage=fields.include_usage,
             arrival=time.perf_counter(),
             loop=asyncio.get_running_loop(),
+            stopper=StopState(self.tokenizer, fields.eos_id, fields.stop, fields.stop_token_ids),
         )
         self.metrics.inflight.inc()
         try:
@@ -123,8 +125,8 @@ class Dispatcher:
             else:
                 req.prefill_worker, req.pipeline = group, [p.worker_id for p in ps]
                 result = await self._prefill_pipeline(req, group, ps)
-            self._first_token(req, result)
-            if req.max_tokens > 1 and result["first_token"] != req.eos_id:
+            stopped = self._first_token(req, result)
+            if req.max_tokens > 1 and not stopped:
                 await self._submit_decode(req, d, result)
             else:
                 req.finished = True
@@ -213,13 +215,16 @@ class Dispatcher:
         self._account(req, result)
         return result
 
-    def _first_token(self, req: ServeRequest, result: dict[str, Any]) -> None:
+    def _first_token(self, req: ServeRequest, result: dict[str, Any]) -> bool:
+        """Record the prefill's token; True if it already stops the request."""
         token = int(result["first_token"])
         now = time.perf_counter()
         req.output.append(token)
         req.times.append(now)
         self.metrics.ttft.observe(now - req.arrival)
         self.metrics.generated.inc()
+        assert req.stopper is not None
+        return req.stopper.feed(token, last=req.max_tokens == 1)
 
     async def _submit_decode(
         self, req: ServeRequest, d: WorkerHandle, result: dict[str, Any]
@@ -267,20 +272,18 @@ class Dispatcher:
                 req.times.append(now)
                 self.metrics.generated.inc()
                 req.finished = finished
-                yield token, finished
+                assert req.stopper is not None
+                if req.stopper.feed(token, last=finished) and not finished:
+                    req.finished = True  # a stop token or string: the decode worker stops now
+                    self._cancel(req)
+                yield token, req.finished
         finally:
             self._end(req)
 
     def _end(self, req: ServeRequest) -> None:
         self.metrics.inflight.dec()
         if not req.finished:  # client left or failed: stop decoding it
-            d = self.fleet.handles.get(req.decode_worker)
-            if d is not None:
-                with self.fleet.lock:
-                    known = d.inflight.pop(req.id, None) is not None
-                if known and d.client is not None and d.alive:
-                    with contextlib.suppress(KVPoolError):
-                        d.client.submit("decode.cancel", {"request_id": req.id})
+            self._cancel(req)
         else:
             self.metrics.e2e.observe(time.perf_counter() - req.arrival)
         self._observe(
@@ -297,6 +300,16 @@ class Dispatcher:
             )
         )
 
+    def _cancel(self, req: ServeRequest) -> None:
+        """Stop decoding ``req`` (its later events are dropped: it left ``inflight``)."""
+        d = self.fleet.handles.get(req.decode_worker)
+        if d is not None:
+            with self.fleet.lock:
+                known = d.inflight.pop(req.id, None) is not None
+            if known and d.client is not None and d.alive:
+                with contextlib.suppress(KVPoolError):
+                    d.client.submit("decode.cancel", {"request_id": req.id})
+
     def _observe(self, obs: Observation) -> None:
         observe = getattr(self.router, "observe", None)
         if observe is not None:
@@ -308,12 +321,11 @@ class Dispatcher:
     # -- answers ----------------------------------------------------------------
 
     async def stream(self, req: ServeRequest) -> AsyncIterator[str]:
-        dec = self.tokenizer.decode_stream()
+        stopper = req.stopper
+        assert stopper is not None
         try:
             async for token, finished in self.tokens(req):
-                text = "" if token == req.eos_id else dec.feed(token)
-                if finished:
-                    text += dec.flush()
+                text = stopper.pending(finished)
                 yield stream_chunk(
                     req,
                     self.settings.served_name,
@@ -336,8 +348,8 @@ class Dispatcher:
     async def complete(self, req: ServeRequest) -> dict[str, Any]:
         async for _ in self.tokens(req):
             pass
-        out = [t for t in req.output if t != req.eos_id]
-        text = self.tokenizer.decode(out)
+        assert req.stopper is not None
+        text = req.stopper.text
         return completion_body(
             req,
             self.settings.served_name,

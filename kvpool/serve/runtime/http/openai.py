@@ -5,11 +5,14 @@
 object); the shaping functions build the ``text_completion`` objects and
 server-sent-event chunks from a ``ServeRequest``. Nothing here does I/O.
 
-Accepted fields: ``prompt`` (text, tokenized by the byte tokenizer with a
-leading BOS, or a list of token ids; a batch of one is unwrapped),
-``max_tokens`` (default 16), ``stream``, ``stream_options.include_usage``,
-``ignore_eos``, ``model`` (must be the served name when given), ``n`` (must
-be 1). ``temperature``/``top_p`` are accepted and ignored: greedy decoding.
+Accepted fields: ``prompt`` (text, tokenized by the model's tokenizer, or a
+list of token ids; a batch of one is unwrapped), ``max_tokens`` (default
+16), ``stream``, ``stream_options.include_usage``, ``ignore_eos``, ``stop``
+and ``stop_token_ids`` (``stopping``), ``model`` (must be the served name
+when given), ``user``. Decoding is greedy: the sampling and scoring
+parameters are accepted only at their greedy/neutral values (``NEUTRAL``:
+``temperature`` 0, ``top_p`` 1, ``n`` 1, ``seed`` any, ...); any other value,
+and any unknown field, answers 400 naming it, never silently ignored.
 """
 
 from __future__ import annotations
@@ -22,9 +25,30 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from kvpool.serve.runtime.http.state import ServeRequest, ServeSettings
+from kvpool.serve.runtime.http.stopping import parse_stop
 from kvpool.serve.runtime.tokenizer import TextTokenizer
 
 DEFAULT_MAX_TOKENS = 16
+#: Parameters accepted only at these values (what greedy decoding does anyway).
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "temperature": (None, 0),
+    "top_p": (None, 1),
+    "top_k": (None, 0, -1),
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "suffix": (None,),
+    "min_tokens": (None, 0),
+}
+#: Parameters with an effect here, or none by nature (``seed``: greedy is deterministic).
+ACCEPTED = {"model", "prompt", "max_tokens", "stream", "stream_options", "ignore_eos", "stop"}
+ACCEPTED |= {"stop_token_ids", "user", "seed", "messages", "add_generation_prompt"}
 
 
 class ApiError(Exception):
@@ -72,6 +96,27 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     eos_id: int | None  # None with ignore_eos (or a model without the byte vocabulary)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+
+
+def check_parameters(body: dict[str, Any]) -> None:
+    """ApiError(400) naming the first parameter this server would otherwise ignore."""
+    for name, value in body.items():
+        if name in NEUTRAL:
+            neutral = NEUTRAL[name]
+            if not any((value == v and type(value) is not bool) or value is v for v in neutral):
+                raise ApiError(
+                    400,
+                    f"'{name}' = {value!r} is not supported: this server decodes greedily "
+                    f"(accepted: {', '.join(repr(v) for v in neutral)})",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+        elif name not in ACCEPTED:
+            raise ApiError(
+                400, f"unknown parameter {name!r}", param=name, code="unsupported_parameter"
+            )
 
 
 def parse_completion(
@@ -85,6 +130,7 @@ def parse_completion(
         raise ApiError(
             404, f"model {model!r} is not served here", param="model", code="model_not_found"
         )
+    check_parameters(body)
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required", param="prompt")
     tokens = _prompt_tokens(body["prompt"], settings.model.vocab_size, tokenizer)
@@ -108,9 +154,11 @@ def parse_completion(
             param="prompt",
             code="context_length_exceeded",
         )
-    n = body.get("n", 1)
-    if n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
+    try:
+        stop, stop_ids = parse_stop(body, settings.model.vocab_size)
+    except ValueError as exc:
+        param = str(exc).split(":")[0]
+        raise ApiError(400, str(exc), param=param) from None
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream")
@@ -124,6 +172,8 @@ def parse_completion(
         stream=stream,
         include_usage=bool(opts.get("include_usage", False)),
         eos_id=None if ignore_eos else settings.eos_id,
+        stop=stop,
+        stop_token_ids=stop_ids,
     )
 
 
@@ -153,6 +203,9 @@ def _prompt_tokens(prompt: Any, vocab: int, tokenizer: TextTokenizer) -> list[in
 
 
 def finish_reason(req: ServeRequest) -> str:
+    """``stop`` (EOS, a stop token or string), else ``length`` (max_tokens reached)."""
+    if req.stopper is not None and req.stopper.finish:
+        return req.stopper.finish
     return "stop" if req.output and req.output[-1] == req.eos_id else "length"
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from kvpool.procs import Child
 from kvpool.rpc.client import RpcClient
 from kvpool.serve.runtime.checkpoint.config import Checkpoint
+from kvpool.serve.runtime.http.stopping import StopState
 from kvpool.serve.runtime.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer, TextTokenizer
 from kvpool.serve.sched.presets import ModelConfig
 
@@ -97,6 +98,7 @@ class ServeRequest:
     error: str | None = None
     prefill_timings: dict[str, float] = field(default_factory=dict)
     pipeline: list[str] = field(default_factory=list)  # the stages, when pipelined
+    stopper: StopState | None = None  # the text and stop conditions
 
     def push(self, item: tuple[Any, ...]) -> None:
         """Thread-safe: hand an event to the request's coroutine."""
