@@ -28,7 +28,7 @@ from kvpool.serve.runtime.model import Transformer, build_model
 from kvpool.serve.runtime.prefill import PrefillWorker
 
 transformers = pytest.importorskip("transformers", reason="transformers (the dev extra) is absent")
-from hf_checkpoints import make_checkpoint  # noqa: E402
+from hf_checkpoints import CHAT_TEMPLATE, make_checkpoint  # noqa: E402
 from servehelpers import Server, start_serve  # noqa: E402
 
 torch.set_num_threads(1)
@@ -41,7 +41,7 @@ LLAMA3 = {
 }
 VARIANTS: dict[str, dict[str, Any]] = {
     "llama": {},
-    "llama3-rope-tied": {"tie": True, "rope_scaling": LLAMA3},
+    "llama3-rope-tied": {"tie": True, "rope_scaling": LLAMA3, "chat_template": CHAT_TEMPLATE},
     "qwen2-bias": {"kind": "qwen2"},
 }
 
@@ -57,13 +57,17 @@ def reference(path: pathlib.Path) -> Any:
 
 
 def ref_generate(ref: Any, ids: list[int], n: int) -> list[int]:
+    """transformers' greedy ``generate`` (every position attended: the prompt holds the
+    BOS id, which would otherwise be taken for padding)."""
+    x = torch.tensor([ids])
     with torch.no_grad():
         out = ref.generate(
-            torch.tensor([ids]),
+            x,
+            attention_mask=torch.ones_like(x),
             max_new_tokens=n,
             do_sample=False,
             eos_token_id=None,
-            pad_token_id=0,
+            pad_token_id=None,
         )
     return [int(t) for t in out[0, len(ids) :]]
 
@@ -348,3 +352,84 @@ def test_neutral_parameter_values_are_accepted(server: Server) -> None:
     neutral = {"temperature": 0, "top_p": 1.0, "n": 1, "seed": 42, "logprobs": None}
     r = _post(server, prompt=[5, 6, 7], max_tokens=2, ignore_eos=True, **neutral)
     assert r.status_code == 200, r.text
+
+
+# -- chat ---------------------------------------------------------------------------
+
+MESSAGES = [
+    {"role": "system", "content": "You are terse."},
+    {"role": "user", "content": "Which blocks does the pool keep?"},
+]
+
+
+def test_chat_renders_the_checkpoints_template_like_transformers(
+    server: Server, ckpts: dict[str, pathlib.Path]
+) -> None:
+    path = ckpts["llama3-rope-tied"]
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ids = tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True)
+    expected = ref_generate(reference(path), list(ids), 8)
+    n = expected.index(1) + 1 if 1 in expected else len(expected)
+    body = {"messages": MESSAGES, "max_completion_tokens": 8}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    assert out["object"] == "chat.completion"
+    assert out["usage"]["prompt_tokens"] == len(ids)
+    assert out["usage"]["completion_tokens"] == n
+    msg = out["choices"][0]["message"]
+    assert msg == {
+        "role": "assistant",
+        "content": tok.decode(expected[:n], skip_special_tokens=True),
+    }
+    assert out["choices"][0]["finish_reason"] == ("stop" if n < 8 else "length")
+    # streamed: the same text in deltas, the role first, usage last
+    deltas, finish, usage = [], None, None
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/chat/completions",
+        json={**body, "stream": True, "stream_options": {"include_usage": True}},
+        timeout=120,
+    ) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                assert chunk["object"] == "chat.completion.chunk"
+                usage = chunk.get("usage") or usage
+                for c in chunk["choices"]:
+                    deltas.append(c["delta"])
+                    finish = c["finish_reason"] or finish
+    assert deltas[0]["role"] == "assistant"
+    assert "".join(d.get("content", "") for d in deltas) == msg["content"]
+    assert finish == out["choices"][0]["finish_reason"] and usage is not None
+    for key in ("prompt_tokens", "completion_tokens"):  # the prompt is now cached in the pool
+        assert usage[key] == out["usage"][key]
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+@pytest.mark.parametrize(
+    "body,param",
+    [
+        ({"messages": []}, "messages"),
+        ({"messages": [{"role": "user"}]}, "messages"),
+        ({"messages": MESSAGES, "prompt": "x"}, "prompt"),
+        ({"messages": MESSAGES, "temperature": 1.0}, "temperature"),
+    ],
+)
+def test_bad_chat_requests_answer_400(server: Server, body: dict[str, Any], param: str) -> None:
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_chat_without_a_template_answers_400(ckpts: dict[str, pathlib.Path]) -> None:
+    from kvpool.serve.runtime.checkpoint.chat import ChatTemplate
+    from kvpool.serve.runtime.http.chat import parse_chat
+    from kvpool.serve.runtime.http.openai import ApiError
+    from kvpool.serve.runtime.http.state import ServeSettings
+
+    ckpt = read_checkpoint(ckpts["llama"])
+    assert ChatTemplate.load(ckpts["llama"]) is None
+    settings = ServeSettings(model=ckpt.model, served_name="m", checkpoint=ckpt)
+    with pytest.raises(ApiError, match="no chat template") as err:
+        parse_chat({"messages": MESSAGES}, settings, settings.tokenizer(), None)
+    assert err.value.status == 400

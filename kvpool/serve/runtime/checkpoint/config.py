@@ -25,6 +25,7 @@ import pathlib
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.serve.runtime.checkpoint.chat import ChatTemplate
 from kvpool.serve.runtime.checkpoint.errors import CheckpointError
 from kvpool.serve.runtime.checkpoint.hf_tokenizer import check_tokenizer
 from kvpool.serve.runtime.checkpoint.identity import weights_digest
@@ -238,4 +239,5 @@ def read_checkpoint(
         digest=digest,
     )
     check_tokenizer(ckpt)
+    ChatTemplate.load(path)  # a template that does not compile fails now, not per request
     return ckpt

@@ -32,6 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.errors import KVPoolError
 from kvpool.index.keys import block_keys
+from kvpool.serve.runtime.http.chat import chat_body, chat_chunk
 from kvpool.serve.runtime.http.fleet import WorkerFleet
 from kvpool.serve.runtime.http.metrics import ServeMetrics
 from kvpool.serve.runtime.http.openai import (
@@ -72,6 +73,7 @@ class Dispatcher:
         self.metrics = metrics
         self.pool = pool
         self.tokenizer = settings.tokenizer()
+        self.chat_template = settings.chat_template()
         self.namespace = settings.model.namespace(settings.seed)
 
     def route(self, tokens: list[int]) -> tuple[list[WorkerHandle], WorkerHandle, str | None]:
@@ -101,7 +103,7 @@ class Dispatcher:
             raise ApiError(500, f"router chose unknown workers {decision}", "server_error")
         return [p], d, None
 
-    async def begin(self, fields: CompletionRequest) -> ServeRequest:
+    async def begin(self, fields: CompletionRequest, chat: bool = False) -> ServeRequest:
         """Route, prefill and hand to decode; errors are ApiError with a status."""
         req = ServeRequest(
             id=f"cmpl-{uuid.uuid4().hex[:24]}",
@@ -113,6 +115,7 @@ class Dispatcher:
             arrival=time.perf_counter(),
             loop=asyncio.get_running_loop(),
             stopper=StopState(self.tokenizer, fields.eos_id, fields.stop, fields.stop_token_ids),
+            chat=chat,
         )
         self.metrics.inflight.inc()
         try:
@@ -322,10 +325,17 @@ class Dispatcher:
 
     async def stream(self, req: ServeRequest) -> AsyncIterator[str]:
         stopper = req.stopper
+        name = self.settings.served_name
         assert stopper is not None
+        first = True
         try:
             async for token, finished in self.tokens(req):
                 text = stopper.pending(finished)
+                if req.chat:
+                    reason = finish_reason(req) if finished else None
+                    yield chat_chunk(req, name, text, reason, first=first)
+                    first = False
+                    continue
                 yield stream_chunk(
                     req,
                     self.settings.served_name,
@@ -333,7 +343,9 @@ class Dispatcher:
                     token,
                     finish_reason(req) if finished else None,
                 )
-            if req.include_usage:
+            if req.include_usage and req.chat:
+                yield chat_chunk(req, name, None, None, usage=usage(req))
+            elif req.include_usage:
                 yield sse(
                     completion_body(
                         req, self.settings.served_name, [], usage=usage(req), kvpool=extras(req)
@@ -350,6 +362,11 @@ class Dispatcher:
             pass
         assert req.stopper is not None
         text = req.stopper.text
+        if req.chat:
+            name = self.settings.served_name
+            return chat_body(
+                req, name, text, finish_reason(req), usage=usage(req), kvpool=extras(req)
+            )
         return completion_body(
             req,
             self.settings.served_name,

@@ -48,7 +48,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 #: Parameters with an effect here, or none by nature (``seed``: greedy is deterministic).
 ACCEPTED = {"model", "prompt", "max_tokens", "stream", "stream_options", "ignore_eos", "stop"}
-ACCEPTED |= {"stop_token_ids", "user", "seed", "messages", "add_generation_prompt"}
+ACCEPTED |= {"stop_token_ids", "user", "seed"}
 
 
 class ApiError(Exception):

@@ -2,6 +2,8 @@
 
 - ``POST /v1/completions``: the OpenAI completion object (``openai``), or
   server-sent events with ``stream``; errors are OpenAI error objects.
+- ``POST /v1/chat/completions``: the same through the checkpoint's chat template
+  (``chat``; 400 for a model without one).
 - ``GET /v1/models``: the served model (and its kvpool preset, seed, block size).
 - ``GET /health``: 200 while each kind has a live worker, else 503; lists the workers.
 - ``GET /metrics``: Prometheus text (``metrics``).
@@ -19,6 +21,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvpool.serve.runtime.http.chat import parse_chat
 from kvpool.serve.runtime.http.dispatch import Dispatcher
 from kvpool.serve.runtime.http.fleet import WorkerFleet
 from kvpool.serve.runtime.http.metrics import ServeMetrics
@@ -38,14 +41,23 @@ def build_app(
     s = settings
 
     async def completions(request: Request) -> Response:
+        return await answer(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await answer(request, chat=True)
+
+    async def answer(request: Request, chat: bool) -> Response:
         try:
             raw = await request.body()
             try:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise ApiError(400, f"malformed JSON: {exc}") from None
-            fields = parse_completion(body, s, dispatch.tokenizer)
-            req = await dispatch.begin(fields)
+            if chat:
+                fields = parse_chat(body, s, dispatch.tokenizer, dispatch.chat_template)
+            else:
+                fields = parse_completion(body, s, dispatch.tokenizer)
+            req = await dispatch.begin(fields, chat=chat)
             if req.stream:
                 return StreamingResponse(
                     dispatch.stream(req),
@@ -116,6 +128,7 @@ def build_app(
     return Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_text, methods=["GET"]),

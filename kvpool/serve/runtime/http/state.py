@@ -15,6 +15,7 @@ from typing import Any
 
 from kvpool.procs import Child
 from kvpool.rpc.client import RpcClient
+from kvpool.serve.runtime.checkpoint.chat import ChatTemplate
 from kvpool.serve.runtime.checkpoint.config import Checkpoint
 from kvpool.serve.runtime.http.stopping import StopState
 from kvpool.serve.runtime.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer, TextTokenizer
@@ -42,6 +43,10 @@ class ServeSettings:
         if self.checkpoint is not None:
             return self.checkpoint.eos_id
         return EOS if self.model.vocab_size == VOCAB_SIZE else None
+
+    def chat_template(self) -> ChatTemplate | None:
+        """The checkpoint's chat template (None: none, or a preset)."""
+        return ChatTemplate.load(self.checkpoint.path) if self.checkpoint else None
 
     def tokenizer(self) -> TextTokenizer:
         """The checkpoint's tokenizer, or the byte tokenizer of the presets."""
@@ -99,6 +104,7 @@ class ServeRequest:
     prefill_timings: dict[str, float] = field(default_factory=dict)
     pipeline: list[str] = field(default_factory=list)  # the stages, when pipelined
     stopper: StopState | None = None  # the text and stop conditions
+    chat: bool = False  # answered as chat.completion(.chunk)
 
     def push(self, item: tuple[Any, ...]) -> None:
         """Thread-safe: hand an event to the request's coroutine."""
