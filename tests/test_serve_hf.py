@@ -32,6 +32,8 @@ from hf_checkpoints import CHAT_TEMPLATE, make_checkpoint  # noqa: E402
 from servehelpers import Server, start_serve  # noqa: E402
 
 torch.set_num_threads(1)
+KEY = "test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
 LLAMA3 = {
     "rope_type": "llama3",
     "factor": 8.0,
@@ -150,6 +152,7 @@ def server(ckpts: dict[str, pathlib.Path]) -> Iterator[Server]:
             *("--prefill", "2", "--cpp-group", "2", "--cpp-min-tokens", "150"),
             *("--block-tokens", "16", "--chunk-tokens", "32", "--dram", "64MiB"),
             *("--kv-tokens", "2048", "--page-tokens", "8"),
+            *("--api-key", KEY, "--max-body-bytes", "64KiB"),
         ],
         timeout=120,
     )
@@ -170,7 +173,7 @@ def test_served_greedy_tokens_equal_generate(
 ) -> None:
     ids = prompt(length, seed=length)
     body = {"prompt": ids, "max_tokens": 10, "ignore_eos": True}
-    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120, headers=AUTH)
     assert r.status_code == 200, r.text
     out = r.json()
     assert bool(out["kvpool"]["pipeline"]) == pipelined
@@ -185,7 +188,10 @@ def test_text_prompt_uses_the_checkpoints_tokenizer(
     tok = transformers.AutoTokenizer.from_pretrained(path)
     text = "The pool keeps every block once. " * 3
     r = httpx.post(
-        f"{server.url}/v1/completions", json={"prompt": text, "max_tokens": 6}, timeout=120
+        f"{server.url}/v1/completions",
+        json={"prompt": text, "max_tokens": 6},
+        timeout=120,
+        headers=AUTH,
     )
     assert r.status_code == 200, r.text
     out = r.json()
@@ -278,13 +284,17 @@ def test_serve_refuses_a_bad_checkpoint_before_starting_anything(tmp_path: pathl
 
 
 def _post(server: Server, **body: Any) -> httpx.Response:
-    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+    return httpx.post(f"{server.url}/v1/completions", json=body, timeout=120, headers=AUTH)
 
 
 def _stream_text(server: Server, **body: Any) -> tuple[str, list[int], str | None]:
     text, ids, finish = "", [], None
     with httpx.stream(
-        "POST", f"{server.url}/v1/completions", json={**body, "stream": True}, timeout=120
+        "POST",
+        f"{server.url}/v1/completions",
+        json={**body, "stream": True},
+        timeout=120,
+        headers=AUTH,
     ) as r:
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -371,7 +381,7 @@ def test_chat_renders_the_checkpoints_template_like_transformers(
     expected = ref_generate(reference(path), list(ids), 8)
     n = expected.index(1) + 1 if 1 in expected else len(expected)
     body = {"messages": MESSAGES, "max_completion_tokens": 8}
-    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120)
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120, headers=AUTH)
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["object"] == "chat.completion"
@@ -390,6 +400,7 @@ def test_chat_renders_the_checkpoints_template_like_transformers(
         f"{server.url}/v1/chat/completions",
         json={**body, "stream": True, "stream_options": {"include_usage": True}},
         timeout=120,
+        headers=AUTH,
     ) as resp:
         for line in resp.iter_lines():
             if line.startswith("data: {"):
@@ -417,7 +428,7 @@ def test_chat_renders_the_checkpoints_template_like_transformers(
     ],
 )
 def test_bad_chat_requests_answer_400(server: Server, body: dict[str, Any], param: str) -> None:
-    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
@@ -433,3 +444,41 @@ def test_chat_without_a_template_answers_400(ckpts: dict[str, pathlib.Path]) -> 
     with pytest.raises(ApiError, match="no chat template") as err:
         parse_chat({"messages": MESSAGES}, settings, settings.tokenizer(), None)
     assert err.value.status == 400
+
+
+# -- front-end limits -----------------------------------------------------------------
+
+
+def test_api_key_guards_v1_but_not_health_or_metrics(server: Server) -> None:
+    body = {"prompt": [5, 6], "max_tokens": 1}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        r = httpx.post(f"{server.url}/v1/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=headers, timeout=30)
+        assert r.status_code == 401
+        assert httpx.get(f"{server.url}/v1/models", headers=headers, timeout=30).status_code == 401
+    assert httpx.get(f"{server.url}/v1/models", headers=AUTH, timeout=30).status_code == 200
+    assert httpx.get(f"{server.url}/health", timeout=30).status_code == 200
+    assert httpx.get(f"{server.url}/metrics", timeout=30).status_code == 200
+
+
+def test_request_body_over_the_limit_answers_413(server: Server) -> None:
+    big = {"prompt": [5] * 40000, "max_tokens": 1}  # ~120 KB of JSON > 64 KiB
+    r = httpx.post(f"{server.url}/v1/completions", json=big, headers=AUTH, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["code"] == "body_too_large"
+
+    def chunks() -> Iterator[bytes]:  # no Content-Length: counted while read
+        yield b'{"prompt": ['
+        for _ in range(30000):
+            yield b"5, "
+        yield b'5], "max_tokens": 1}'
+
+    r = httpx.post(f"{server.url}/v1/completions", content=chunks(), headers=AUTH, timeout=30)
+    assert r.status_code == 413
+    ok = httpx.post(
+        f"{server.url}/v1/completions",
+        json={"prompt": [5, 6], "max_tokens": 1},
+        headers=AUTH,
+        timeout=30,
+    )
+    assert ok.status_code == 200, ok.text

@@ -94,6 +94,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--router-opt", action="append", default=[], metavar="KEY=VALUE", help="router option"
     )
     p.add_argument("--served-model-name", default=None, help="model id in the API")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes (also $KVPOOL_SERVE_API_KEY; "
+        "/health and /metrics stay open)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=size_arg,
+        default=16 << 20,
+        help="largest request body (default 16MiB; larger ones answer 413)",
+    )
     p.add_argument("--no-restart", action="store_true", help="do not restart dead workers")
     p.add_argument("--demo", action="store_true", help="serve a short synthetic load and exit")
     p.add_argument("--demo-requests", type=positive_int, default=12)
@@ -130,6 +142,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--prefill {args.prefill} is not a multiple of --cpp-group {args.cpp_group}"
         )
+    if args.demo and args.api_key:
+        raise ValueError("--demo sends its load without --api-key: use one or the other")
     from kvpool.serve.runtime.launcher import ServeRuntime
 
     runtime = ServeRuntime(args)  # checks the model and groups before anything starts

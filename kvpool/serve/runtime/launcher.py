@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -106,6 +107,8 @@ class ServeRuntime:
             groups=self.groups,
             chunk_tokens=args.chunk_tokens,
             checkpoint=self.checkpoint,
+            api_key=args.api_key or os.environ.get("KVPOOL_SERVE_API_KEY") or None,
+            max_body_bytes=args.max_body_bytes,
         )
         self.settings = settings
         cpp_min = 0

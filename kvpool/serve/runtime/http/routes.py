@@ -8,11 +8,15 @@
 - ``GET /health``: 200 while each kind has a live worker, else 503; lists the workers.
 - ``GET /metrics``: Prometheus text (``metrics``).
 
-Unknown paths and methods answer 404/405 as OpenAI error objects.
+Unknown paths and methods answer 404/405 as OpenAI error objects. With
+``--api-key`` the ``/v1`` routes answer 401 without ``Authorization: Bearer
+KEY`` (``/health`` and ``/metrics`` stay open, for probes and scrapers); a
+request body over ``--max-body-bytes`` answers 413 without being read whole.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 
 from starlette.applications import Starlette
@@ -40,6 +44,32 @@ def build_app(
     """The ASGI app over one front end's parts (``created``: the model's timestamp)."""
     s = settings
 
+    def authorize(request: Request) -> None:
+        if s.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {s.api_key}".encode()):
+            raise ApiError(
+                401,
+                "a valid API key is required (Authorization: Bearer KEY)",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+
+    async def read_body(request: Request) -> bytes:
+        limit = s.max_body_bytes
+        too_big = ApiError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def completions(request: Request) -> Response:
         return await answer(request, chat=False)
 
@@ -48,7 +78,8 @@ def build_app(
 
     async def answer(request: Request, chat: bool) -> Response:
         try:
-            raw = await request.body()
+            authorize(request)
+            raw = await read_body(request)
             try:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
@@ -71,7 +102,11 @@ def build_app(
         metrics.requests.labels("200").inc()
         return JSONResponse(result)
 
-    async def models(_request: Request) -> Response:
+    async def models(request: Request) -> Response:
+        try:
+            authorize(request)
+        except ApiError as exc:
+            return exc.response()
         return JSONResponse(
             {
                 "object": "list",

@@ -37,6 +37,8 @@ class ServeSettings:
     groups: dict[str, list[str]] = field(default_factory=dict)  # pipeline group -> stages
     chunk_tokens: int = 512  # the pipeline's chunk
     checkpoint: Checkpoint | None = None  # a Hugging Face checkpoint (else a preset)
+    api_key: str | None = None  # Bearer key the /v1 routes require (None: open)
+    max_body_bytes: int = 16 << 20  # larger request bodies answer 413
 
     @property
     def eos_id(self) -> int | None:
