@@ -339,8 +339,10 @@ def test_stop_strings_and_stop_token_ids_end_the_completion(server: Server) -> N
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("temperature", 0.7),
-        ("top_p", 0.9),
+        ("temperature", -1),
+        ("top_p", 0),
+        ("top_k", "x"),
+        ("seed", 1.5),
         ("logprobs", 2),
         ("n", 2),
         ("echo", True),
@@ -424,7 +426,7 @@ def test_chat_renders_the_checkpoints_template_like_transformers(
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user"}]}, "messages"),
         ({"messages": MESSAGES, "prompt": "x"}, "prompt"),
-        ({"messages": MESSAGES, "temperature": 1.0}, "temperature"),
+        ({"messages": MESSAGES, "n": 3}, "n"),
     ],
 )
 def test_bad_chat_requests_answer_400(server: Server, body: dict[str, Any], param: str) -> None:
@@ -482,3 +484,55 @@ def test_request_body_over_the_limit_answers_413(server: Server) -> None:
         timeout=30,
     )
     assert ok.status_code == 200, ok.text
+
+
+# -- sampling -------------------------------------------------------------------------
+
+
+def test_seeded_sampling_is_reproducible_and_follows_the_seed(server: Server) -> None:
+    def run(seed: int, length: int) -> list[int]:
+        r = _post(
+            server,
+            prompt=prompt(length, 9),
+            max_tokens=12,
+            ignore_eos=True,
+            temperature=1.0,
+            top_p=0.95,
+            top_k=50,
+            seed=seed,
+        )
+        assert r.status_code == 200, r.text
+        return list(r.json()["choices"][0]["token_ids"])
+
+    for length in (60, 200):  # one prefill worker; the pipeline group
+        a = run(7, length)
+        assert run(7, length) == a  # the second one's prompt is cached in the pool
+        assert run(8, length) != a
+    greedy = _post(server, prompt=prompt(60, 9), max_tokens=12, ignore_eos=True).json()
+    assert greedy["choices"][0]["token_ids"] != run(7, 60)
+
+
+def test_sampled_tokens_through_the_pool_equal_the_reference_loop(llama: Transformer) -> None:
+    from kvpool.serve.runtime.sampling import SamplingParams, sample
+
+    params = [SamplingParams(0.8, 0.9, 40, seed) for seed in (1, 2)]
+    ids = [prompt(50, seed=11), prompt(37, seed=12)]
+    want = []
+    for p, tokens in zip(params, ids, strict=True):
+        seq, out = list(tokens), []
+        for i in range(10):
+            logits, _ = llama(seq)
+            out.append(sample(logits[-1], p, i))
+            seq.append(out[-1])
+        want.append(out)
+    with (
+        Pool.embedded(dram_bytes=32 << 20) as pool,
+        PrefillWorker(llama, pool, chunk_tokens=32, native_layerwise=False) as pw,
+    ):
+        engine = DecodeEngine(llama, pool, num_pages=64, page_tokens=8, native_layerwise=False)
+        reqs = [  # decoded in one batch: the batch does not change a request's draws
+            engine.submit(pw.prefill(t, sampling=p), 10, sampling=p)
+            for p, t in zip(params, ids, strict=True)
+        ]
+        engine.run()
+    assert [r.output for r in reqs] == want

@@ -116,6 +116,7 @@ class Dispatcher:
             loop=asyncio.get_running_loop(),
             stopper=StopState(self.tokenizer, fields.eos_id, fields.stop, fields.stop_token_ids),
             chat=chat,
+            sampling=fields.sampling,
         )
         self.metrics.inflight.inc()
         try:
@@ -148,7 +149,8 @@ class Dispatcher:
                 )
             p.inflight[req.id] = req
         try:
-            fut = client.submit("prefill.run", {"request_id": req.id, "tokens": req.tokens})
+            call = {"request_id": req.id, "tokens": req.tokens, "sampling": req.sampling.to_dict()}
+            fut = client.submit("prefill.run", call)
             result: dict[str, Any] = await asyncio.wrap_future(fut)
         except KVPoolError as exc:
             raise ApiError(
@@ -203,6 +205,7 @@ class Dispatcher:
                 chunk_tokens=self.settings.chunk_tokens,
                 request_id=req.id,
                 seed=self.settings.seed,
+                sampling=req.sampling,
             )
         except Exception as exc:
             self.metrics.pipeline_failures.labels(group).inc()
@@ -240,7 +243,12 @@ class Dispatcher:
         try:
             fut = client.submit(
                 "decode.submit",
-                {"handoff": result, "max_new_tokens": req.max_tokens, "eos_id": req.eos_id},
+                {
+                    "handoff": result,
+                    "max_new_tokens": req.max_tokens,
+                    "eos_id": req.eos_id,
+                    "sampling": req.sampling.to_dict(),
+                },
             )
             await asyncio.wrap_future(fut)
         except KVPoolError as exc:

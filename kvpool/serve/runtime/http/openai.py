@@ -9,15 +9,18 @@ Accepted fields: ``prompt`` (text, tokenized by the model's tokenizer, or a
 list of token ids; a batch of one is unwrapped), ``max_tokens`` (default
 16), ``stream``, ``stream_options.include_usage``, ``ignore_eos``, ``stop``
 and ``stop_token_ids`` (``stopping``), ``model`` (must be the served name
-when given), ``user``. Decoding is greedy: the sampling and scoring
-parameters are accepted only at their greedy/neutral values (``NEUTRAL``:
-``temperature`` 0, ``top_p`` 1, ``n`` 1, ``seed`` any, ...); any other value,
-and any unknown field, answers 400 naming it, never silently ignored.
+when given), ``user``, and sampling: ``temperature`` (default 0: greedy),
+``top_p``, ``top_k`` and ``seed`` (``runtime.sampling``: the same seed gives
+the same tokens; without one each request draws its own). The other scoring
+parameters are accepted only at their neutral values (``NEUTRAL``: ``n`` 1,
+``logprobs`` null, penalties 0, ...); any other value, and any unknown field,
+answers 400 naming it, never silently ignored.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -26,14 +29,12 @@ from starlette.responses import JSONResponse
 
 from kvpool.serve.runtime.http.state import ServeRequest, ServeSettings
 from kvpool.serve.runtime.http.stopping import parse_stop
+from kvpool.serve.runtime.sampling import GREEDY, SamplingParams
 from kvpool.serve.runtime.tokenizer import TextTokenizer
 
 DEFAULT_MAX_TOKENS = 16
 #: Parameters accepted only at these values (what greedy decoding does anyway).
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "temperature": (None, 0),
-    "top_p": (None, 1),
-    "top_k": (None, 0, -1),
     "n": (None, 1),
     "best_of": (None, 1),
     "logprobs": (None, False),
@@ -48,7 +49,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 #: Parameters with an effect here, or none by nature (``seed``: greedy is deterministic).
 ACCEPTED = {"model", "prompt", "max_tokens", "stream", "stream_options", "ignore_eos", "stop"}
-ACCEPTED |= {"stop_token_ids", "user", "seed"}
+ACCEPTED |= {"stop_token_ids", "user", "seed", "temperature", "top_p", "top_k"}
 
 
 class ApiError(Exception):
@@ -98,6 +99,7 @@ class CompletionRequest:
     eos_id: int | None  # None with ignore_eos (or a model without the byte vocabulary)
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
+    sampling: SamplingParams = GREEDY
 
 
 def check_parameters(body: dict[str, Any]) -> None:
@@ -174,7 +176,33 @@ def parse_completion(
         eos_id=None if ignore_eos else settings.eos_id,
         stop=stop,
         stop_token_ids=stop_ids,
+        sampling=parse_sampling(body),
     )
+
+
+def _number(body: dict[str, Any], name: str, default: float, kind: type = float) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, kind | int):
+        raise ApiError(400, f"'{name}' must be a {kind.__name__}", param=name)
+    return value
+
+
+def parse_sampling(body: dict[str, Any]) -> SamplingParams:
+    """``temperature``, ``top_p``, ``top_k`` (-1 or 0: off), ``seed`` (None: a fresh one)."""
+    temperature = float(_number(body, "temperature", 0.0))
+    top_p = float(_number(body, "top_p", 1.0))
+    top_k = int(_number(body, "top_k", 0, int))
+    seed = int(_number(body, "seed", secrets.randbits(63), int))
+    for name, ok in (
+        ("temperature", 0 <= temperature <= 100),
+        ("top_p", 0 < top_p <= 1),
+        ("top_k", top_k >= -1),
+    ):
+        if not ok:
+            raise ApiError(400, f"'{name}' is out of range", param=name)
+    return SamplingParams(temperature, top_p, max(0, top_k), seed)
 
 
 def _prompt_tokens(prompt: Any, vocab: int, tokenizer: TextTokenizer) -> list[int]:

@@ -18,6 +18,7 @@ from kvpool.rpc.client import RpcClient
 from kvpool.serve.runtime.checkpoint.chat import ChatTemplate
 from kvpool.serve.runtime.checkpoint.config import Checkpoint
 from kvpool.serve.runtime.http.stopping import StopState
+from kvpool.serve.runtime.sampling import GREEDY, SamplingParams
 from kvpool.serve.runtime.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer, TextTokenizer
 from kvpool.serve.sched.presets import ModelConfig
 
@@ -107,6 +108,7 @@ class ServeRequest:
     pipeline: list[str] = field(default_factory=list)  # the stages, when pipelined
     stopper: StopState | None = None  # the text and stop conditions
     chat: bool = False  # answered as chat.completion(.chunk)
+    sampling: SamplingParams = GREEDY
 
     def push(self, item: tuple[Any, ...]) -> None:
         """Thread-safe: hand an event to the request's coroutine."""
