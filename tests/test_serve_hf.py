@@ -536,3 +536,15 @@ def test_sampled_tokens_through_the_pool_equal_the_reference_loop(llama: Transfo
         ]
         engine.run()
     assert [r.output for r in reqs] == want
+
+
+def test_bfloat16_checkpoint_matches_transformers(tmp_path: pathlib.Path) -> None:
+    path = make_checkpoint(tmp_path / "bf16", dtype="bfloat16", rope_scaling=LLAMA3)
+    model = build_model(str(path))
+    assert model.dtype == torch.bfloat16 and model.cfg.kv_layout().dtype == "bfloat16"
+    ids = prompt(600, seed=5)
+    ours, _ = model(ids)
+    ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    with torch.no_grad():
+        theirs = ref(torch.tensor([ids])).logits[0].float()
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-2)

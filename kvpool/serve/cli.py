@@ -88,7 +88,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=positive_int, default=32, help="decode batch limit")
     p.add_argument("--max-tokens-limit", type=positive_int, default=4096, help="largest max_tokens")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker")
-    p.add_argument("--device", default="cpu", help="torch device of the workers")
+    p.add_argument(
+        "--device", default="cpu", help="torch device of the workers (cpu, cuda, cuda:N)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="compute and KV dtype (default: the preset's, or the checkpoint's torch_dtype)",
+    )
     p.add_argument("--router", default="least-loaded", help="routing policy (routing.ROUTERS)")
     p.add_argument(
         "--router-opt", action="append", default=[], metavar="KEY=VALUE", help="router option"

@@ -42,7 +42,9 @@ class ServeRuntime:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
         # a checkpoint is read and checked here, before any process starts
-        self.model, self.checkpoint = resolve_model(args.model, block_tokens=args.block_tokens)
+        self.model, self.checkpoint = resolve_model(
+            args.model, block_tokens=args.block_tokens, dtype=args.dtype
+        )
         self.infra: list[Child] = []  # master, node
         self.workers: list[Child] = []  # every worker process started
         self.pids: list[int] = []
@@ -179,6 +181,8 @@ class ServeRuntime:
         ]
         if a.block_tokens:
             cmd += ["--block-tokens", str(a.block_tokens)]
+        if a.dtype:
+            cmd += ["--dtype", a.dtype]
         if kind == "prefill":
             cmd += ["--chunk-tokens", str(a.chunk_tokens)]
             if self.groups:

@@ -241,6 +241,10 @@ class Transformer(nn.Module):
     def rope(self, x: Tensor, tables: tuple[Tensor, Tensor]) -> Tensor:
         """Rotate ``x [..., T, heads, head_dim]`` by ``rope_tables(positions)``."""
         cos, sin = tables
+        if self.checkpoint is not None:  # as transformers: in the model's dtype
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+            half = x.shape[-1] // 2
+            return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
         x32 = x.float()
         half = x32.shape[-1] // 2
         rotated = torch.cat([-x32[..., half:], x32[..., :half]], -1)

@@ -75,15 +75,21 @@ def is_checkpoint_path(spec: str) -> bool:
 
 
 def resolve_model(
-    spec: str, *, block_tokens: int | None = None
+    spec: str, *, block_tokens: int | None = None, dtype: str | None = None
 ) -> tuple[ModelConfig, Checkpoint | None]:
-    """``--model``: a preset name, or a checkpoint directory (read and checked)."""
+    """``--model``: a preset name, or a checkpoint directory (read and checked);
+    ``dtype`` overrides the compute and KV dtype (so the KV layout follows)."""
+    from dataclasses import replace
+
     from kvpool.serve.sched.presets import get_preset
 
+    if dtype is not None and dtype not in _DTYPES:
+        raise ValueError(f"--dtype {dtype!r}: choose from {', '.join(_DTYPES)}")
     if is_checkpoint_path(spec):
-        ckpt = read_checkpoint(spec, block_tokens=block_tokens)
+        ckpt = read_checkpoint(spec, block_tokens=block_tokens, dtype=dtype)
         return ckpt.model, ckpt
-    return get_preset(spec, block_tokens=block_tokens), None
+    cfg = get_preset(spec, block_tokens=block_tokens)
+    return (cfg if dtype is None else replace(cfg, dtype=dtype)), None
 
 
 def _read_json(path: pathlib.Path, required: bool = True) -> dict[str, Any]:
