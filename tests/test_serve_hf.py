@@ -547,4 +547,4 @@ def test_bfloat16_checkpoint_matches_transformers(tmp_path: pathlib.Path) -> Non
     ref = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0].float()
-    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-2)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
