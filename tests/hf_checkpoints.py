@@ -38,6 +38,7 @@ def make_checkpoint(
     layers: int = 2,
     chat_template: str | None = None,
     dtype: str = "float32",
+    max_shard_size: str | None = None,
 ) -> pathlib.Path:
     """A random-init checkpoint of ``kind`` (llama, qwen2) with its tokenizer, in ``path``."""
     import torch
@@ -70,6 +71,9 @@ def make_checkpoint(
         for name, p in model.named_parameters():
             if name.endswith("bias"):
                 p.normal_(0, 0.1)
-    model.save_pretrained(path)
+    if max_shard_size is None:
+        model.save_pretrained(path)
+    else:
+        model.save_pretrained(path, max_shard_size=max_shard_size)
     byte_tokenizer(chat_template).save_pretrained(path)
     return path

@@ -548,3 +548,49 @@ def test_bfloat16_checkpoint_matches_transformers(tmp_path: pathlib.Path) -> Non
     with torch.no_grad():
         theirs = ref(torch.tensor([ids])).logits[0].float()
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_sharded_checkpoint_and_a_stage_reads_only_its_layers(tmp_path: pathlib.Path) -> None:
+    path = make_checkpoint(tmp_path / "sharded", max_shard_size="40KB")
+    shards = sorted(p.name for p in path.glob("model-*.safetensors"))
+    assert len(shards) > 2 and (path / "model.safetensors.index.json").is_file()
+    ids = prompt(100, seed=3)
+    with torch.no_grad():
+        theirs = reference(path)(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(build_model(str(path))(ids)[0], theirs, rtol=0, atol=0)
+    # a stage holding layer 1 only reads none of layer 0's tensors: with the checkpoint
+    # checked (headers), the shards holding only layer 0 can even be unreadable
+    ckpt = read_checkpoint(path)
+    index = json.loads((path / "model.safetensors.index.json").read_text())["weight_map"]
+    others = {f for n, f in index.items() if not n.startswith("model.layers.0.")}
+    only_l0 = {f for n, f in index.items() if n.startswith("model.layers.0.")} - others
+    assert only_l0, "the shard size should isolate some of layer 0"
+    ref_sd = reference(path).state_dict()
+    for f in only_l0:
+        (path / f).write_bytes(b"\0" * 16)
+    stage = Transformer(ckpt.model, layers=[1], checkpoint=ckpt)
+    assert stage.layer_ids == [1]
+    torch.testing.assert_close(
+        stage.layer(1).q_proj.weight, ref_sd["model.layers.1.self_attn.q_proj.weight"]
+    )
+    torch.testing.assert_close(stage.lm_head.weight, ref_sd["lm_head.weight"])
+
+
+def test_every_eos_id_of_the_checkpoint_stops_a_request(
+    ckpts: dict[str, pathlib.Path], tmp_path: pathlib.Path
+) -> None:
+    from kvpool.serve.runtime.http.openai import parse_completion
+    from kvpool.serve.runtime.http.state import ServeSettings
+
+    path = tmp_path / "eos"
+    shutil.copytree(ckpts["llama"], path)
+    (path / "generation_config.json").write_text(json.dumps({"eos_token_id": [1, 5]}))
+    ckpt = read_checkpoint(path)
+    assert ckpt.eos_ids == (1, 5) and ckpt.eos_id == 1
+    settings = ServeSettings(model=ckpt.model, served_name="m", checkpoint=ckpt)
+    fields = parse_completion({"prompt": [7, 8]}, settings, settings.tokenizer())
+    assert fields.eos_id == 1 and fields.stop_token_ids == {1, 5}
+    fields = parse_completion(
+        {"prompt": [7, 8], "ignore_eos": True}, settings, settings.tokenizer()
+    )
+    assert fields.eos_id is None and fields.stop_token_ids == frozenset()

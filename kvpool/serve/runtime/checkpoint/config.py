@@ -70,8 +70,13 @@ class Checkpoint:
 
 
 def is_checkpoint_path(spec: str) -> bool:
-    """True if ``--model`` names a directory (a checkpoint) rather than a preset."""
-    return pathlib.Path(spec).is_dir() or "/" in spec or spec.startswith(".")
+    """True if ``--model`` names a directory (a checkpoint) rather than a preset (a
+    preset's name wins over a same-named directory unless written as a path)."""
+    from kvpool.serve.sched.presets import PRESETS
+
+    if "/" in spec or spec.startswith("."):
+        return True
+    return spec not in PRESETS and pathlib.Path(spec).is_dir()
 
 
 def resolve_model(

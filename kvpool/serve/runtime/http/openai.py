@@ -33,7 +33,7 @@ from kvpool.serve.runtime.sampling import GREEDY, SamplingParams
 from kvpool.serve.runtime.tokenizer import TextTokenizer
 
 DEFAULT_MAX_TOKENS = 16
-#: Parameters accepted only at these values (what greedy decoding does anyway).
+#: Parameters not implemented here, accepted only at these (no-op) values.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
     "n": (None, 1),
     "best_of": (None, 1),
@@ -47,7 +47,7 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
     "suffix": (None,),
     "min_tokens": (None, 0),
 }
-#: Parameters with an effect here, or none by nature (``seed``: greedy is deterministic).
+#: Parameters implemented here (``user`` is only an identifier).
 ACCEPTED = {"model", "prompt", "max_tokens", "stream", "stream_options", "ignore_eos", "stop"}
 ACCEPTED |= {"stop_token_ids", "user", "seed", "temperature", "top_p", "top_k"}
 
@@ -110,7 +110,7 @@ def check_parameters(body: dict[str, Any]) -> None:
             if not any((value == v and type(value) is not bool) or value is v for v in neutral):
                 raise ApiError(
                     400,
-                    f"'{name}' = {value!r} is not supported: this server decodes greedily "
+                    f"'{name}' = {value!r} is not supported by this server "
                     f"(accepted: {', '.join(repr(v) for v in neutral)})",
                     param=name,
                     code="unsupported_parameter",
@@ -175,7 +175,8 @@ def parse_completion(
         include_usage=bool(opts.get("include_usage", False)),
         eos_id=None if ignore_eos else settings.eos_id,
         stop=stop,
-        stop_token_ids=stop_ids,
+        # a checkpoint's other EOS ids (Llama 3 has several) stop it too
+        stop_token_ids=stop_ids if ignore_eos else stop_ids | settings.eos_ids,
         sampling=parse_sampling(body),
     )
 

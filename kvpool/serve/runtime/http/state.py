@@ -51,6 +51,11 @@ class ServeSettings:
         """The checkpoint's chat template (None: none, or a preset)."""
         return ChatTemplate.load(self.checkpoint.path) if self.checkpoint else None
 
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """Every EOS id of the checkpoint (the decode workers stop at ``eos_id``)."""
+        return frozenset(self.checkpoint.eos_ids) if self.checkpoint else frozenset()
+
     def tokenizer(self) -> TextTokenizer:
         """The checkpoint's tokenizer, or the byte tokenizer of the presets."""
         if self.checkpoint is not None:
