@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 import pathlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from kvpool.serve.runtime.checkpoint.chat import ChatTemplate
@@ -84,8 +84,6 @@ def resolve_model(
 ) -> tuple[ModelConfig, Checkpoint | None]:
     """``--model``: a preset name, or a checkpoint directory (read and checked);
     ``dtype`` overrides the compute and KV dtype (so the KV layout follows)."""
-    from dataclasses import replace
-
     from kvpool.serve.sched.presets import get_preset
 
     if dtype is not None and dtype not in _DTYPES:
@@ -190,7 +188,6 @@ def read_checkpoint(
     spec: str | pathlib.Path, *, block_tokens: int | None = None, dtype: str | None = None
 ) -> Checkpoint:
     """The checkpoint in directory ``spec``, checked (CheckpointError says what is wrong)."""
-
     path = pathlib.Path(spec)
     if not path.is_dir():
         raise CheckpointError(f"--model {spec}: no such directory (and not a preset name)")
@@ -234,7 +231,7 @@ def read_checkpoint(
     check_tensors(path, shards, model, qkv_bias=qkv_bias, o_bias=o_bias, tied=tie)
     digest = weights_digest(path, sorted(set(shards.values())))
     name = f"hf/{path.resolve().name}/{digest[:16]}"
-    model = ModelConfig(**{**model.__dict__, "name": name})
+    model = replace(model, name=name)
     bos = cfg.get("bos_token_id")
     ckpt = Checkpoint(
         path=path,
