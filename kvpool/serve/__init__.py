@@ -9,7 +9,8 @@
   compute, layer-wise store);
 - ``runtime.decode``: ``DecodeEngine`` (paged KV memory, continuous batching);
 - ``runtime.kv_io``: per-layer KV between torch tensors and the pool;
-- ``runtime.tokenizer``: byte-level tokenizer.
+- ``runtime.tokenizer``: byte-level tokenizer;
+- ``runtime.checkpoint``: Hugging Face Llama-family checkpoints (``--model PATH``).
 
 The names below are imported lazily: ``import kvpool.serve`` alone does not
 import torch.

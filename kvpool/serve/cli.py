@@ -37,7 +37,12 @@ class _Stopped(Exception):
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny", help="model preset: tiny, llama2-7b, llama2-70b")
+    p.add_argument(
+        "--model",
+        default="tiny",
+        help="model preset (tiny, llama2-7b, llama2-70b) or a Hugging Face Llama-family "
+        "checkpoint directory (config.json, *.safetensors, tokenizer.json)",
+    )
     p.add_argument("--seed", type=non_negative_int, default=0, help="weights seed")
     p.add_argument("--prefill", type=positive_int, default=1, help="prefill worker processes")
     p.add_argument("--decode", type=positive_int, default=1, help="decode worker processes")
@@ -83,12 +88,32 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-batch", type=positive_int, default=32, help="decode batch limit")
     p.add_argument("--max-tokens-limit", type=positive_int, default=4096, help="largest max_tokens")
     p.add_argument("--threads", type=positive_int, default=1, help="torch threads per worker")
-    p.add_argument("--device", default="cpu", help="torch device of the workers")
+    p.add_argument(
+        "--device", default="cpu", help="torch device of the workers (cpu, cuda, cuda:N)"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "float16", "bfloat16"],
+        default=None,
+        help="compute and KV dtype (default: the preset's, or the checkpoint's torch_dtype)",
+    )
     p.add_argument("--router", default="least-loaded", help="routing policy (routing.ROUTERS)")
     p.add_argument(
         "--router-opt", action="append", default=[], metavar="KEY=VALUE", help="router option"
     )
     p.add_argument("--served-model-name", default=None, help="model id in the API")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="require 'Authorization: Bearer KEY' on /v1 routes (also $KVPOOL_SERVE_API_KEY; "
+        "/health and /metrics stay open)",
+    )
+    p.add_argument(
+        "--max-body-bytes",
+        type=size_arg,
+        default=16 << 20,
+        help="largest request body (default 16MiB; larger ones answer 413)",
+    )
     p.add_argument("--no-restart", action="store_true", help="do not restart dead workers")
     p.add_argument("--demo", action="store_true", help="serve a short synthetic load and exit")
     p.add_argument("--demo-requests", type=positive_int, default=12)
@@ -125,6 +150,8 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(
             f"--prefill {args.prefill} is not a multiple of --cpp-group {args.cpp_group}"
         )
+    if args.demo and args.api_key:
+        raise ValueError("--demo sends its load without --api-key: use one or the other")
     from kvpool.serve.runtime.launcher import ServeRuntime
 
     runtime = ServeRuntime(args)  # checks the model and groups before anything starts

@@ -45,6 +45,7 @@ from kvpool.index.keys import Namespace
 from kvpool.serve.runtime.kv_io import BlockLayerLoader, tail_layout
 from kvpool.serve.runtime.model import Transformer
 from kvpool.serve.runtime.prefill import PrefillResult
+from kvpool.serve.runtime.sampling import GREEDY, SamplingParams, sample_batch
 
 
 class PagedKVCache:
@@ -110,6 +111,7 @@ class DecodeRequest:
     handoff: PrefillResult
     max_new_tokens: int
     eos_id: int | None = None
+    sampling: SamplingParams = GREEDY
     output: list[int] = field(default_factory=list)
     pages: list[int] = field(default_factory=list)
     length: int = 0  # positions whose KV is in this request's pages
@@ -187,7 +189,12 @@ class DecodeEngine:
     # -- requests --------------------------------------------------------------
 
     def submit(
-        self, handoff: PrefillResult, max_new_tokens: int, *, eos_id: int | None = None
+        self,
+        handoff: PrefillResult,
+        max_new_tokens: int,
+        *,
+        eos_id: int | None = None,
+        sampling: SamplingParams = GREEDY,
     ) -> DecodeRequest:
         """Queue a prefilled request; it joins the batch at a later ``step``."""
         if max_new_tokens < 1:
@@ -197,7 +204,7 @@ class DecodeEngine:
             raise ValueError(f"{need} positions exceed the model's context {self.cfg.max_context}")
         if self.cache.pages_for(need) > self.cache.num_pages:
             raise ValueError(f"request needs {need} KV positions; the cache holds fewer")
-        req = DecodeRequest(handoff, max_new_tokens, eos_id)
+        req = DecodeRequest(handoff, max_new_tokens, eos_id, sampling)
         self.waiting.append(req)
         return req
 
@@ -365,7 +372,9 @@ class DecodeEngine:
             k_all, v_all = cache.gather(layer, tables)
             attn = model.attention(q, k_all, v_all, allowed[:, None])
             h = model.layer_out(layer, h, attn)
-        next_tokens = torch.argmax(model.logits(h[:, 0]), dim=-1).tolist()
+        next_tokens = sample_batch(
+            model.logits(h[:, 0]), [r.sampling for r in batch], [len(r.output) for r in batch]
+        )
         events = []
         for req, token in zip(batch, next_tokens, strict=True):
             req.length += 1

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.rpc.server import Connection, RpcServer
 from kvpool.serve.runtime.prefill import PrefillResult
+from kvpool.serve.runtime.sampling import SamplingParams
 from kvpool.serve.runtime.worker_messages import CancelCall, DecodeSubmit, EventsCall, WorkerLoad
 
 if TYPE_CHECKING:
@@ -32,7 +33,7 @@ class DecodeService:
         self.engine = engine
         self.worker_id = worker_id
         self._cond = threading.Condition()
-        self._inbox: deque[tuple[Any, int, int | None]] = deque()
+        self._inbox: deque[tuple[Any, int, int | None, SamplingParams]] = deque()
         self._owner: dict[str, int] = {}  # request id -> connection id
         self._outbox: dict[int, list[list[Any]]] = {}
         self._cancelled: set[str] = set()
@@ -62,7 +63,8 @@ class DecodeService:
                 raise ValueError(f"request {handoff.request_id} is already here")
             self._owner[handoff.request_id] = conn.id
             self._outbox.setdefault(conn.id, [])
-            self._inbox.append((handoff, call.max_new_tokens, call.eos_id))
+            sampling = SamplingParams.from_dict(call.sampling)
+            self._inbox.append((handoff, call.max_new_tokens, call.eos_id, sampling))
             self._cond.notify_all()
             return {"queued": len(self._inbox)}
 
@@ -105,7 +107,7 @@ class DecodeService:
             "decode",
             queued_requests=len(waiting) + len(inbox),
             queued_tokens=sum(r.handoff.prompt_tokens + r.max_new_tokens for r in waiting)
-            + sum(h.prompt_tokens + m for h, m, _ in inbox),
+            + sum(h.prompt_tokens + m for h, m, _, _ in inbox),
             running=len(eng.running),
             completed=self.completed,
             failed=self.failed,
@@ -158,9 +160,9 @@ class DecodeService:
     def _take_inbox(self) -> list[list[Any]]:
         failed = []
         while self._inbox:
-            handoff, max_new, eos = self._inbox.popleft()
+            handoff, max_new, eos, sampling = self._inbox.popleft()
             try:
-                self.engine.submit(handoff, max_new, eos_id=eos)
+                self.engine.submit(handoff, max_new, eos_id=eos, sampling=sampling)
             except ValueError as exc:
                 failed.append([handoff.request_id, -1, 0, True, f"ValueError: {exc}"])
         return failed

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import socket
 import threading
 import time
@@ -25,13 +26,12 @@ from kvpool import procs
 from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.procs import Child, ChildStartError
 from kvpool.rpc.frame import listen
+from kvpool.serve.runtime.checkpoint.config import resolve_model
 from kvpool.serve.runtime.http.frontend import Frontend
 from kvpool.serve.runtime.http.load import format_result, run_load
 from kvpool.serve.runtime.http.state import ServeSettings
 from kvpool.serve.runtime.pipeline import split_layers
-from kvpool.serve.runtime.tokenizer import ByteTokenizer
 from kvpool.serve.sched.pipeline_model import DEFAULT_MIN_TOKENS
-from kvpool.serve.sched.presets import get_preset
 from kvpool.serve.sched.router_api import RouterContext
 from kvpool.serve.sched.routing import make_router, parse_options
 
@@ -41,7 +41,10 @@ class ServeRuntime:
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.model = get_preset(args.model, block_tokens=args.block_tokens)
+        # a checkpoint is read and checked here, before any process starts
+        self.model, self.checkpoint = resolve_model(
+            args.model, block_tokens=args.block_tokens, dtype=args.dtype
+        )
         self.infra: list[Child] = []  # master, node
         self.workers: list[Child] = []  # every worker process started
         self.pids: list[int] = []
@@ -105,7 +108,11 @@ class ServeRuntime:
             restart=not args.no_restart,
             groups=self.groups,
             chunk_tokens=args.chunk_tokens,
+            checkpoint=self.checkpoint,
+            api_key=args.api_key or os.environ.get("KVPOOL_SERVE_API_KEY") or None,
+            max_body_bytes=args.max_body_bytes,
         )
+        self.settings = settings
         cpp_min = 0
         if self.groups:
             cpp_min = args.cpp_min_tokens if args.cpp_min_tokens is not None else DEFAULT_MIN_TOKENS
@@ -174,6 +181,8 @@ class ServeRuntime:
         ]
         if a.block_tokens:
             cmd += ["--block-tokens", str(a.block_tokens)]
+        if a.dtype:
+            cmd += ["--dtype", a.dtype]
         if kind == "prefill":
             cmd += ["--chunk-tokens", str(a.chunk_tokens)]
             if self.groups:
@@ -225,7 +234,7 @@ class ServeRuntime:
             "so its blocks are computed once and then read from the pool. "
         ) * 10
         questions = [f"Question {i}: what is block {i} of the cache?" for i in range(64)]
-        tok = ByteTokenizer()
+        tok = self.settings.tokenizer()
         prompts = [tok.encode(system + q) for q in questions[: self.args.demo_requests]]
         first = run_load(self.url, concurrency=1, requests=1, max_tokens=32, prompts=prompts[:1])
         rest = run_load(

@@ -1,8 +1,10 @@
-"""A LLaMA-architecture decoder with deterministic random weights.
+"""A LLaMA-architecture decoder: deterministic random weights, or a Hugging Face checkpoint.
 
 RMSNorm, rotary position embeddings (rotate-half form), grouped-query
-attention and a SwiGLU MLP; untied embedding and LM head. The weights are
-random: the model exists to measure serving, not to answer well.
+attention and a SwiGLU MLP. A preset's weights are random (the model exists
+to measure serving); ``build_model(PATH)`` loads a Llama-family checkpoint
+(``runtime.checkpoint``: q/k/v(/o) biases, tied LM head, scaled rotary
+frequencies), computing exactly as ``transformers`` does.
 
 Determinism: every weight tensor is drawn from its own generator seeded with
 ``xxh3_64(seed, tensor name)``, so the same preset and seed give bit-identical
@@ -42,6 +44,12 @@ import torch.nn.functional as F
 import xxhash
 from torch import Tensor, nn
 
+from kvpool.serve.runtime.checkpoint.config import (
+    Checkpoint,
+    RopeScaling,
+    is_checkpoint_path,
+    read_checkpoint,
+)
 from kvpool.serve.sched.presets import ModelConfig, get_preset
 
 KV = tuple[Tensor, Tensor]
@@ -66,6 +74,23 @@ def tensor_seed(seed: int, name: str) -> int:
     return xxhash.xxh3_64_intdigest(f"kvpool-serve/{seed}/{name}".encode()) & ((1 << 63) - 1)
 
 
+def scaled_inv_freq(inv_freq: Tensor, rs: RopeScaling | None) -> Tensor:
+    """Rotary frequencies after ``rope_scaling`` (linear divides; llama3 is Meta's rule:
+    long wavelengths divided by ``factor``, short kept, a smooth blend between), in
+    float32 as ``transformers`` computes them."""
+    if rs is None:
+        return inv_freq
+    if rs.kind == "linear":
+        return inv_freq / rs.factor
+    old = rs.original_max_position_embeddings
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > old / rs.low_freq_factor, inv_freq / rs.factor, inv_freq)
+    smooth = (old / wavelen - rs.low_freq_factor) / (rs.high_freq_factor - rs.low_freq_factor)
+    blended = (1 - smooth) * scaled / rs.factor + smooth * scaled
+    medium = ~(wavelen < old / rs.high_freq_factor) & ~(wavelen > old / rs.low_freq_factor)
+    return torch.where(medium, blended, scaled)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -79,18 +104,25 @@ class RMSNorm(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+        qkv_bias: bool = False,
+        o_bias: bool = False,
+    ) -> None:
         super().__init__()
         h, kv, inter = cfg.hidden_size, cfg.kv_dim, cfg.intermediate_size
 
-        def linear(out_f: int, in_f: int) -> nn.Linear:
-            return nn.Linear(in_f, out_f, bias=False, dtype=dtype, device=device)
+        def linear(out_f: int, in_f: int, bias: bool = False) -> nn.Linear:
+            return nn.Linear(in_f, out_f, bias=bias, dtype=dtype, device=device)
 
         self.attn_norm = RMSNorm(h, cfg.norm_eps, dtype, device)
-        self.q_proj = linear(h, h)
-        self.k_proj = linear(kv, h)
-        self.v_proj = linear(kv, h)
-        self.o_proj = linear(h, h)
+        self.q_proj = linear(h, h, qkv_bias)
+        self.k_proj = linear(kv, h, qkv_bias)
+        self.v_proj = linear(kv, h, qkv_bias)
+        self.o_proj = linear(h, h, o_bias)
         self.mlp_norm = RMSNorm(h, cfg.norm_eps, dtype, device)
         self.gate_proj = linear(inter, h)
         self.up_proj = linear(inter, h)
@@ -99,7 +131,8 @@ class DecoderLayer(nn.Module):
 
 class Transformer(nn.Module):
     """The decoder. ``dtype`` overrides the preset's (and so its KV layout);
-    ``layers`` limits which layers exist (a pipeline stage)."""
+    ``layers`` limits which layers exist (a pipeline stage); ``checkpoint``
+    gives the architecture details and the weights (else random from ``seed``)."""
 
     def __init__(
         self,
@@ -109,6 +142,7 @@ class Transformer(nn.Module):
         device: str | torch.device = "cpu",
         dtype: str | None = None,
         layers: Sequence[int] | None = None,
+        checkpoint: Checkpoint | None = None,
     ) -> None:
         super().__init__()
         if dtype is not None and dtype != cfg.dtype:
@@ -125,16 +159,30 @@ class Transformer(nn.Module):
         # once on the target device and filled by _init_weights.
         dt, dev, meta = self.dtype, self.device, torch.device("meta")
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size, dtype=dt, device=meta)
-        self.layers = nn.ModuleDict({str(i): DecoderLayer(cfg, dt, meta) for i in self.layer_ids})
+        self.checkpoint = ck = checkpoint
+        bias = (ck.qkv_bias, ck.o_bias) if ck else (False, False)
+        self.layers = nn.ModuleDict(
+            {str(i): DecoderLayer(cfg, dt, meta, *bias) for i in self.layer_ids}
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.norm_eps, dt, meta)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False, dtype=dt, device=meta)
         self.to_empty(device=dev)
         half = cfg.head_dim // 2
-        exponents = torch.arange(half, dtype=torch.float64) * 2 / cfg.head_dim
-        self._inv_freq = (1.0 / (cfg.rope_theta**exponents)).to(dev)
+        if ck is None:
+            exponents = torch.arange(half, dtype=torch.float64) * 2 / cfg.head_dim
+            self._inv_freq = (1.0 / (cfg.rope_theta**exponents)).to(dev)
+        else:  # as transformers computes them: float32 frequencies and angles
+            exponents32 = torch.arange(0, cfg.head_dim, 2).float() / cfg.head_dim
+            base = 1.0 / (cfg.rope_theta**exponents32)
+            self._inv_freq = scaled_inv_freq(base, ck.rope_scaling).to(dev)
         self._rope_len = 0
         self._cos = self._sin = torch.empty(0)
-        self._init_weights()
+        if ck is None:
+            self._init_weights()
+        else:
+            from kvpool.serve.runtime.checkpoint.weights import load_weights
+
+            load_weights(self, ck, [n for n, _ in self.named_parameters()])
         self.requires_grad_(False)
         self.eval()
 
@@ -182,8 +230,8 @@ class Transformer(nn.Module):
         need = int(positions.max()) + 1 if positions.numel() else 0
         if need > self._rope_len:
             size = max(need, min(self.cfg.max_context, 4096), 2 * self._rope_len)
-            angles = torch.arange(size, dtype=torch.float64, device=self.device)[:, None]
-            angles = angles * self._inv_freq
+            dt = self._inv_freq.dtype  # float64 for presets, float32 (as HF) for checkpoints
+            angles = torch.arange(size, dtype=dt, device=self.device)[:, None] * self._inv_freq
             self._cos = torch.cat([angles.cos(), angles.cos()], -1).float()
             self._sin = torch.cat([angles.sin(), angles.sin()], -1).float()
             self._rope_len = size
@@ -193,6 +241,10 @@ class Transformer(nn.Module):
     def rope(self, x: Tensor, tables: tuple[Tensor, Tensor]) -> Tensor:
         """Rotate ``x [..., T, heads, head_dim]`` by ``rope_tables(positions)``."""
         cos, sin = tables
+        if self.checkpoint is not None:  # as transformers: in the model's dtype
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+            half = x.shape[-1] // 2
+            return x * cos + torch.cat([-x[..., half:], x[..., :half]], -1) * sin
         x32 = x.float()
         half = x32.shape[-1] // 2
         rotated = torch.cat([-x32[..., half:], x32[..., :half]], -1)
@@ -306,7 +358,11 @@ def build_model(
     block_tokens: int | None = None,
     layers: Sequence[int] | None = None,
 ) -> Transformer:
-    """The preset's model (by name or config) with weights drawn from ``seed``."""
+    """The preset's model (by name or config) with weights drawn from ``seed``, or the
+    checkpoint in directory ``preset`` (``seed`` unused)."""
+    if isinstance(preset, str) and is_checkpoint_path(preset):
+        ck = read_checkpoint(preset, block_tokens=block_tokens, dtype=dtype)
+        return Transformer(ck.model, device=device, layers=layers, checkpoint=ck)
     cfg = get_preset(preset) if isinstance(preset, str) else preset
     if block_tokens is not None:
         cfg = cfg.with_block_tokens(block_tokens)

@@ -56,6 +56,7 @@ from kvpool.rpc import RpcClient
 from kvpool.serve.runtime.kv_io import tail_key, tail_layout
 from kvpool.serve.runtime.pipeline_stage import MAX_FRAME
 from kvpool.serve.runtime.prefill import PrefillResult
+from kvpool.serve.runtime.sampling import GREEDY, SamplingParams
 from kvpool.serve.sched.presets import ModelConfig, get_preset
 
 
@@ -213,6 +214,7 @@ def pipeline_prefill(
     store_tail: bool = True,
     timeout: float = 600.0,
     seed: int = 0,
+    sampling: SamplingParams = GREEDY,
 ) -> PrefillResult:
     """Coordinate one pipeline prefill over stage RPC clients (``clients[i]`` runs
     stage i, already ``link``-ed to stage i+1), with ``pool`` reserving and
@@ -264,6 +266,7 @@ def pipeline_prefill(
             "chunk": chunk,
             "writes": writes,
             "nodes": regions,
+            "sampling": sampling.to_dict(),
         }
         # later stages first, so they expect chunks before the first stage sends any
         for client in reversed(clients[1:]):

@@ -48,6 +48,7 @@ from kvpool.cluster.client.handles import RemoteBlockWriter, ReservationTicket
 from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.rpc import RpcClient, RpcServer, ServerConfig
 from kvpool.serve.runtime.model import Transformer, build_model
+from kvpool.serve.runtime.sampling import GREEDY, SamplingParams, sample
 
 READY_PREFIX = "kvpool cpp stage ready on"
 MAX_FRAME = 256 * 1024 * 1024
@@ -76,6 +77,7 @@ class _Request:
     done: threading.Event = field(default_factory=threading.Event)
     error: str = ""
     first_token: int | None = None
+    sampling: SamplingParams = GREEDY  # how the last stage picks the first token
     busy_s: float = 0.0
     t_first: float = 0.0  # wall clock (time.time) when the first chunk started here
     t_last: float = 0.0  # ... and when the last chunk finished
@@ -148,6 +150,7 @@ class Stage:
             chunk=int(params["chunk"]),
             writes=writes,
             kv=kv,
+            sampling=SamplingParams.from_dict(params.get("sampling")),
         )
         self._load_cached(req, list(params.get("cached_keys", [])))
         with self._lock:
@@ -267,7 +270,7 @@ class Stage:
         last_chunk = end == req.total
         if self.is_last:
             if last_chunk:
-                req.first_token = int(torch.argmax(self.model.logits(h[-1])))
+                req.first_token = sample(self.model.logits(h[-1]), req.sampling, 0)
         else:
             assert self.next is not None
             payload = {

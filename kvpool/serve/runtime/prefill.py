@@ -37,6 +37,7 @@ from kvpool.api import KVStore
 from kvpool.index.keys import Namespace, block_keys, root_key, token_array
 from kvpool.serve.runtime.kv_io import BlockLayerLoader, BlockLayerWriter, tail_key, tail_layout
 from kvpool.serve.runtime.model import Transformer
+from kvpool.serve.runtime.sampling import GREEDY, SamplingParams, sample
 
 
 @dataclass
@@ -123,7 +124,10 @@ class PrefillWorker:
 
     @torch.inference_mode()
     def prefill(
-        self, tokens: Sequence[int] | Tensor, request_id: str | None = None
+        self,
+        tokens: Sequence[int] | Tensor,
+        request_id: str | None = None,
+        sampling: SamplingParams = GREEDY,
     ) -> PrefillResult:
         ids_np = token_array(tokens)
         total = int(ids_np.size)
@@ -175,7 +179,7 @@ class PrefillWorker:
                 start = end
             assert h is not None
             logits = model.logits(h[-1])
-            first = int(torch.argmax(logits))
+            first = sample(logits, sampling, 0)
             t_stored = time.perf_counter()
             for w in writers:
                 w.wait()

@@ -13,6 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from kvpool.rpc.server import RpcServer
+from kvpool.serve.runtime.sampling import SamplingParams
 from kvpool.serve.runtime.worker_messages import PrefillCall, WorkerLoad
 
 if TYPE_CHECKING:
@@ -50,7 +51,11 @@ class PrefillService:
             self.running = 1
         start = time.perf_counter()
         try:
-            result = self.worker.prefill(call.tokens, request_id=call.request_id)
+            result = self.worker.prefill(
+                call.tokens,
+                request_id=call.request_id,
+                sampling=SamplingParams.from_dict(call.sampling),
+            )
         except Exception:
             with self._lock:
                 self.failed += 1

@@ -20,6 +20,21 @@ from __future__ import annotations
 
 import codecs
 from collections.abc import Iterable
+from typing import Protocol
+
+
+class TextStream(Protocol):
+    def feed(self, token: int) -> str: ...
+    def flush(self) -> str: ...
+
+
+class TextTokenizer(Protocol):
+    """What the front end needs of a tokenizer (``ByteTokenizer``, ``HFTokenizer``)."""
+
+    def encode(self, text: str, *, add_bos: bool = True) -> list[int]: ...
+    def decode(self, ids: Iterable[int]) -> str: ...
+    def decode_stream(self) -> TextStream: ...
+
 
 BOS = 256
 EOS = 257

@@ -17,6 +17,7 @@ from kvpool.rpc.messages import WireMessage
 class PrefillCall(WireMessage):
     request_id: str
     tokens: list[int]
+    sampling: dict[str, Any] | None = None  # SamplingParams.to_dict(); None: greedy
 
 
 @dataclass
@@ -24,6 +25,7 @@ class DecodeSubmit(WireMessage):
     handoff: dict[str, Any]
     max_new_tokens: int
     eos_id: int | None = None
+    sampling: dict[str, Any] | None = None  # SamplingParams.to_dict(); None: greedy
 
 
 @dataclass

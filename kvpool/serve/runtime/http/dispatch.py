@@ -32,6 +32,7 @@ from starlette.concurrency import run_in_threadpool
 from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.errors import KVPoolError
 from kvpool.index.keys import block_keys
+from kvpool.serve.runtime.http.chat import chat_body, chat_chunk
 from kvpool.serve.runtime.http.fleet import WorkerFleet
 from kvpool.serve.runtime.http.metrics import ServeMetrics
 from kvpool.serve.runtime.http.openai import (
@@ -46,7 +47,7 @@ from kvpool.serve.runtime.http.openai import (
     usage,
 )
 from kvpool.serve.runtime.http.state import ServeRequest, ServeSettings, WorkerHandle
-from kvpool.serve.runtime.tokenizer import ByteTokenizer
+from kvpool.serve.runtime.http.stopping import StopState
 from kvpool.serve.sched.router_api import DECODE, PREFILL, Observation, RouteDecision, Router
 
 if TYPE_CHECKING:
@@ -71,7 +72,8 @@ class Dispatcher:
         self.fleet = fleet
         self.metrics = metrics
         self.pool = pool
-        self.tokenizer = ByteTokenizer()
+        self.tokenizer = settings.tokenizer()
+        self.chat_template = settings.chat_template()
         self.namespace = settings.model.namespace(settings.seed)
 
     def route(self, tokens: list[int]) -> tuple[list[WorkerHandle], WorkerHandle, str | None]:
@@ -101,7 +103,7 @@ class Dispatcher:
             raise ApiError(500, f"router chose unknown workers {decision}", "server_error")
         return [p], d, None
 
-    async def begin(self, fields: CompletionRequest) -> ServeRequest:
+    async def begin(self, fields: CompletionRequest, chat: bool = False) -> ServeRequest:
         """Route, prefill and hand to decode; errors are ApiError with a status."""
         req = ServeRequest(
             id=f"cmpl-{uuid.uuid4().hex[:24]}",
@@ -112,6 +114,9 @@ class Dispatcher:
             include_usage=fields.include_usage,
             arrival=time.perf_counter(),
             loop=asyncio.get_running_loop(),
+            stopper=StopState(self.tokenizer, fields.eos_id, fields.stop, fields.stop_token_ids),
+            chat=chat,
+            sampling=fields.sampling,
         )
         self.metrics.inflight.inc()
         try:
@@ -124,8 +129,8 @@ class Dispatcher:
             else:
                 req.prefill_worker, req.pipeline = group, [p.worker_id for p in ps]
                 result = await self._prefill_pipeline(req, group, ps)
-            self._first_token(req, result)
-            if req.max_tokens > 1 and result["first_token"] != req.eos_id:
+            stopped = self._first_token(req, result)
+            if req.max_tokens > 1 and not stopped:
                 await self._submit_decode(req, d, result)
             else:
                 req.finished = True
@@ -144,7 +149,8 @@ class Dispatcher:
                 )
             p.inflight[req.id] = req
         try:
-            fut = client.submit("prefill.run", {"request_id": req.id, "tokens": req.tokens})
+            call = {"request_id": req.id, "tokens": req.tokens, "sampling": req.sampling.to_dict()}
+            fut = client.submit("prefill.run", call)
             result: dict[str, Any] = await asyncio.wrap_future(fut)
         except KVPoolError as exc:
             raise ApiError(
@@ -199,6 +205,7 @@ class Dispatcher:
                 chunk_tokens=self.settings.chunk_tokens,
                 request_id=req.id,
                 seed=self.settings.seed,
+                sampling=req.sampling,
             )
         except Exception as exc:
             self.metrics.pipeline_failures.labels(group).inc()
@@ -214,13 +221,16 @@ class Dispatcher:
         self._account(req, result)
         return result
 
-    def _first_token(self, req: ServeRequest, result: dict[str, Any]) -> None:
+    def _first_token(self, req: ServeRequest, result: dict[str, Any]) -> bool:
+        """Record the prefill's token; True if it already stops the request."""
         token = int(result["first_token"])
         now = time.perf_counter()
         req.output.append(token)
         req.times.append(now)
         self.metrics.ttft.observe(now - req.arrival)
         self.metrics.generated.inc()
+        assert req.stopper is not None
+        return req.stopper.feed(token, last=req.max_tokens == 1)
 
     async def _submit_decode(
         self, req: ServeRequest, d: WorkerHandle, result: dict[str, Any]
@@ -233,7 +243,12 @@ class Dispatcher:
         try:
             fut = client.submit(
                 "decode.submit",
-                {"handoff": result, "max_new_tokens": req.max_tokens, "eos_id": req.eos_id},
+                {
+                    "handoff": result,
+                    "max_new_tokens": req.max_tokens,
+                    "eos_id": req.eos_id,
+                    "sampling": req.sampling.to_dict(),
+                },
             )
             await asyncio.wrap_future(fut)
         except KVPoolError as exc:
@@ -268,20 +283,18 @@ class Dispatcher:
                 req.times.append(now)
                 self.metrics.generated.inc()
                 req.finished = finished
-                yield token, finished
+                assert req.stopper is not None
+                if req.stopper.feed(token, last=finished) and not finished:
+                    req.finished = True  # a stop token or string: the decode worker stops now
+                    self._cancel(req)
+                yield token, req.finished
         finally:
             self._end(req)
 
     def _end(self, req: ServeRequest) -> None:
         self.metrics.inflight.dec()
         if not req.finished:  # client left or failed: stop decoding it
-            d = self.fleet.handles.get(req.decode_worker)
-            if d is not None:
-                with self.fleet.lock:
-                    known = d.inflight.pop(req.id, None) is not None
-                if known and d.client is not None and d.alive:
-                    with contextlib.suppress(KVPoolError):
-                        d.client.submit("decode.cancel", {"request_id": req.id})
+            self._cancel(req)
         else:
             self.metrics.e2e.observe(time.perf_counter() - req.arrival)
         self._observe(
@@ -298,6 +311,16 @@ class Dispatcher:
             )
         )
 
+    def _cancel(self, req: ServeRequest) -> None:
+        """Stop decoding ``req`` (its later events are dropped: it left ``inflight``)."""
+        d = self.fleet.handles.get(req.decode_worker)
+        if d is not None:
+            with self.fleet.lock:
+                known = d.inflight.pop(req.id, None) is not None
+            if known and d.client is not None and d.alive:
+                with contextlib.suppress(KVPoolError):
+                    d.client.submit("decode.cancel", {"request_id": req.id})
+
     def _observe(self, obs: Observation) -> None:
         observe = getattr(self.router, "observe", None)
         if observe is not None:
@@ -309,12 +332,18 @@ class Dispatcher:
     # -- answers ----------------------------------------------------------------
 
     async def stream(self, req: ServeRequest) -> AsyncIterator[str]:
-        dec = self.tokenizer.decode_stream()
+        stopper = req.stopper
+        name = self.settings.served_name
+        assert stopper is not None
+        first = True
         try:
             async for token, finished in self.tokens(req):
-                text = "" if token == req.eos_id else dec.feed(token)
-                if finished:
-                    text += dec.flush()
+                text = stopper.pending(finished)
+                if req.chat:
+                    reason = finish_reason(req) if finished else None
+                    yield chat_chunk(req, name, text, reason, first=first)
+                    first = False
+                    continue
                 yield stream_chunk(
                     req,
                     self.settings.served_name,
@@ -322,7 +351,9 @@ class Dispatcher:
                     token,
                     finish_reason(req) if finished else None,
                 )
-            if req.include_usage:
+            if req.include_usage and req.chat:
+                yield chat_chunk(req, name, None, None, usage=usage(req))
+            elif req.include_usage:
                 yield sse(
                     completion_body(
                         req, self.settings.served_name, [], usage=usage(req), kvpool=extras(req)
@@ -337,8 +368,13 @@ class Dispatcher:
     async def complete(self, req: ServeRequest) -> dict[str, Any]:
         async for _ in self.tokens(req):
             pass
-        out = [t for t in req.output if t != req.eos_id]
-        text = self.tokenizer.decode(out)
+        assert req.stopper is not None
+        text = req.stopper.text
+        if req.chat:
+            name = self.settings.served_name
+            return chat_body(
+                req, name, text, finish_reason(req), usage=usage(req), kvpool=extras(req)
+            )
         return completion_body(
             req,
             self.settings.served_name,

@@ -5,16 +5,22 @@
 object); the shaping functions build the ``text_completion`` objects and
 server-sent-event chunks from a ``ServeRequest``. Nothing here does I/O.
 
-Accepted fields: ``prompt`` (text, tokenized by the byte tokenizer with a
-leading BOS, or a list of token ids; a batch of one is unwrapped),
-``max_tokens`` (default 16), ``stream``, ``stream_options.include_usage``,
-``ignore_eos``, ``model`` (must be the served name when given), ``n`` (must
-be 1). ``temperature``/``top_p`` are accepted and ignored: greedy decoding.
+Accepted fields: ``prompt`` (text, tokenized by the model's tokenizer, or a
+list of token ids; a batch of one is unwrapped), ``max_tokens`` (default
+16), ``stream``, ``stream_options.include_usage``, ``ignore_eos``, ``stop``
+and ``stop_token_ids`` (``stopping``), ``model`` (must be the served name
+when given), ``user``, and sampling: ``temperature`` (default 0: greedy),
+``top_p``, ``top_k`` and ``seed`` (``runtime.sampling``: the same seed gives
+the same tokens; without one each request draws its own). The other scoring
+parameters are accepted only at their neutral values (``NEUTRAL``: ``n`` 1,
+``logprobs`` null, penalties 0, ...); any other value, and any unknown field,
+answers 400 naming it, never silently ignored.
 """
 
 from __future__ import annotations
 
 import json
+import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -22,9 +28,28 @@ from typing import Any
 from starlette.responses import JSONResponse
 
 from kvpool.serve.runtime.http.state import ServeRequest, ServeSettings
-from kvpool.serve.runtime.tokenizer import ByteTokenizer
+from kvpool.serve.runtime.http.stopping import parse_stop
+from kvpool.serve.runtime.sampling import GREEDY, SamplingParams
+from kvpool.serve.runtime.tokenizer import TextTokenizer
 
 DEFAULT_MAX_TOKENS = 16
+#: Parameters not implemented here, accepted only at these (no-op) values.
+NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "n": (None, 1),
+    "best_of": (None, 1),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (None, False),
+    "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1),
+    "logit_bias": (None, {}),
+    "suffix": (None,),
+    "min_tokens": (None, 0),
+}
+#: Parameters implemented here (``user`` is only an identifier).
+ACCEPTED = {"model", "prompt", "max_tokens", "stream", "stream_options", "ignore_eos", "stop"}
+ACCEPTED |= {"stop_token_ids", "user", "seed", "temperature", "top_p", "top_k"}
 
 
 class ApiError(Exception):
@@ -72,10 +97,32 @@ class CompletionRequest:
     stream: bool
     include_usage: bool
     eos_id: int | None  # None with ignore_eos (or a model without the byte vocabulary)
+    stop: tuple[str, ...] = ()
+    stop_token_ids: frozenset[int] = frozenset()
+    sampling: SamplingParams = GREEDY
+
+
+def check_parameters(body: dict[str, Any]) -> None:
+    """ApiError(400) naming the first parameter this server would otherwise ignore."""
+    for name, value in body.items():
+        if name in NEUTRAL:
+            neutral = NEUTRAL[name]
+            if not any((value == v and type(value) is not bool) or value is v for v in neutral):
+                raise ApiError(
+                    400,
+                    f"'{name}' = {value!r} is not supported by this server "
+                    f"(accepted: {', '.join(repr(v) for v in neutral)})",
+                    param=name,
+                    code="unsupported_parameter",
+                )
+        elif name not in ACCEPTED:
+            raise ApiError(
+                400, f"unknown parameter {name!r}", param=name, code="unsupported_parameter"
+            )
 
 
 def parse_completion(
-    body: Any, settings: ServeSettings, tokenizer: ByteTokenizer
+    body: Any, settings: ServeSettings, tokenizer: TextTokenizer
 ) -> CompletionRequest:
     """Validated request fields, or ApiError (4xx)."""
     if not isinstance(body, dict):
@@ -85,6 +132,7 @@ def parse_completion(
         raise ApiError(
             404, f"model {model!r} is not served here", param="model", code="model_not_found"
         )
+    check_parameters(body)
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required", param="prompt")
     tokens = _prompt_tokens(body["prompt"], settings.model.vocab_size, tokenizer)
@@ -108,9 +156,11 @@ def parse_completion(
             param="prompt",
             code="context_length_exceeded",
         )
-    n = body.get("n", 1)
-    if n != 1:
-        raise ApiError(400, "only n=1 is supported", param="n")
+    try:
+        stop, stop_ids = parse_stop(body, settings.model.vocab_size)
+    except ValueError as exc:
+        param = str(exc).split(":")[0]
+        raise ApiError(400, str(exc), param=param) from None
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, "'stream' must be a boolean", param="stream")
@@ -124,10 +174,39 @@ def parse_completion(
         stream=stream,
         include_usage=bool(opts.get("include_usage", False)),
         eos_id=None if ignore_eos else settings.eos_id,
+        stop=stop,
+        # a checkpoint's other EOS ids (Llama 3 has several) stop it too
+        stop_token_ids=stop_ids if ignore_eos else stop_ids | settings.eos_ids,
+        sampling=parse_sampling(body),
     )
 
 
-def _prompt_tokens(prompt: Any, vocab: int, tokenizer: ByteTokenizer) -> list[int]:
+def _number(body: dict[str, Any], name: str, default: float, kind: type = float) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, kind | int):
+        raise ApiError(400, f"'{name}' must be a {kind.__name__}", param=name)
+    return value
+
+
+def parse_sampling(body: dict[str, Any]) -> SamplingParams:
+    """``temperature``, ``top_p``, ``top_k`` (-1 or 0: off), ``seed`` (None: a fresh one)."""
+    temperature = float(_number(body, "temperature", 0.0))
+    top_p = float(_number(body, "top_p", 1.0))
+    top_k = int(_number(body, "top_k", 0, int))
+    seed = int(_number(body, "seed", secrets.randbits(63), int))
+    for name, ok in (
+        ("temperature", 0 <= temperature <= 100),
+        ("top_p", 0 < top_p <= 1),
+        ("top_k", top_k >= -1),
+    ):
+        if not ok:
+            raise ApiError(400, f"'{name}' is out of range", param=name)
+    return SamplingParams(temperature, top_p, max(0, top_k), seed)
+
+
+def _prompt_tokens(prompt: Any, vocab: int, tokenizer: TextTokenizer) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
         prompt = prompt[0]  # a batch of one
     if isinstance(prompt, str):
@@ -153,6 +232,9 @@ def _prompt_tokens(prompt: Any, vocab: int, tokenizer: ByteTokenizer) -> list[in
 
 
 def finish_reason(req: ServeRequest) -> str:
+    """``stop`` (EOS, a stop token or string), else ``length`` (max_tokens reached)."""
+    if req.stopper is not None and req.stopper.finish:
+        return req.stopper.finish
     return "stop" if req.output and req.output[-1] == req.eos_id else "length"
 
 

@@ -2,15 +2,21 @@
 
 - ``POST /v1/completions``: the OpenAI completion object (``openai``), or
   server-sent events with ``stream``; errors are OpenAI error objects.
+- ``POST /v1/chat/completions``: the same through the checkpoint's chat template
+  (``chat``; 400 for a model without one).
 - ``GET /v1/models``: the served model (and its kvpool preset, seed, block size).
 - ``GET /health``: 200 while each kind has a live worker, else 503; lists the workers.
 - ``GET /metrics``: Prometheus text (``metrics``).
 
-Unknown paths and methods answer 404/405 as OpenAI error objects.
+Unknown paths and methods answer 404/405 as OpenAI error objects. With
+``--api-key`` the ``/v1`` routes answer 401 without ``Authorization: Bearer
+KEY`` (``/health`` and ``/metrics`` stay open, for probes and scrapers); a
+request body over ``--max-body-bytes`` answers 413 without being read whole.
 """
 
 from __future__ import annotations
 
+import hmac
 import json
 
 from starlette.applications import Starlette
@@ -19,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvpool.serve.runtime.http.chat import parse_chat
 from kvpool.serve.runtime.http.dispatch import Dispatcher
 from kvpool.serve.runtime.http.fleet import WorkerFleet
 from kvpool.serve.runtime.http.metrics import ServeMetrics
@@ -37,15 +44,51 @@ def build_app(
     """The ASGI app over one front end's parts (``created``: the model's timestamp)."""
     s = settings
 
+    def authorize(request: Request) -> None:
+        if s.api_key is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {s.api_key}".encode()):
+            raise ApiError(
+                401,
+                "a valid API key is required (Authorization: Bearer KEY)",
+                "authentication_error",
+                code="invalid_api_key",
+            )
+
+    async def read_body(request: Request) -> bytes:
+        limit = s.max_body_bytes
+        too_big = ApiError(413, f"the request body exceeds {limit} bytes", code="body_too_large")
+        declared = request.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > limit:
+            raise too_big
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise too_big
+            chunks.append(chunk)
+        return b"".join(chunks)
+
     async def completions(request: Request) -> Response:
+        return await answer(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await answer(request, chat=True)
+
+    async def answer(request: Request, chat: bool) -> Response:
         try:
-            raw = await request.body()
+            authorize(request)
+            raw = await read_body(request)
             try:
                 body = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError) as exc:
                 raise ApiError(400, f"malformed JSON: {exc}") from None
-            fields = parse_completion(body, s, dispatch.tokenizer)
-            req = await dispatch.begin(fields)
+            if chat:
+                fields = parse_chat(body, s, dispatch.tokenizer, dispatch.chat_template)
+            else:
+                fields = parse_completion(body, s, dispatch.tokenizer)
+            req = await dispatch.begin(fields, chat=chat)
             if req.stream:
                 return StreamingResponse(
                     dispatch.stream(req),
@@ -59,7 +102,11 @@ def build_app(
         metrics.requests.labels("200").inc()
         return JSONResponse(result)
 
-    async def models(_request: Request) -> Response:
+    async def models(request: Request) -> Response:
+        try:
+            authorize(request)
+        except ApiError as exc:
+            return exc.response()
         return JSONResponse(
             {
                 "object": "list",
@@ -116,6 +163,7 @@ def build_app(
     return Starlette(
         routes=[
             Route("/v1/completions", completions, methods=["POST"]),
+            Route("/v1/chat/completions", chat_completions, methods=["POST"]),
             Route("/v1/models", models, methods=["GET"]),
             Route("/health", health, methods=["GET"]),
             Route("/metrics", metrics_text, methods=["GET"]),

@@ -15,7 +15,11 @@ from typing import Any
 
 from kvpool.procs import Child
 from kvpool.rpc.client import RpcClient
-from kvpool.serve.runtime.tokenizer import EOS, VOCAB_SIZE
+from kvpool.serve.runtime.checkpoint.chat import ChatTemplate
+from kvpool.serve.runtime.checkpoint.config import Checkpoint
+from kvpool.serve.runtime.http.stopping import StopState
+from kvpool.serve.runtime.sampling import GREEDY, SamplingParams
+from kvpool.serve.runtime.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer, TextTokenizer
 from kvpool.serve.sched.presets import ModelConfig
 
 
@@ -33,10 +37,32 @@ class ServeSettings:
     events_wait_s: float = 1.0
     groups: dict[str, list[str]] = field(default_factory=dict)  # pipeline group -> stages
     chunk_tokens: int = 512  # the pipeline's chunk
+    checkpoint: Checkpoint | None = None  # a Hugging Face checkpoint (else a preset)
+    api_key: str | None = None  # Bearer key the /v1 routes require (None: open)
+    max_body_bytes: int = 16 << 20  # larger request bodies answer 413
 
     @property
     def eos_id(self) -> int | None:
+        if self.checkpoint is not None:
+            return self.checkpoint.eos_id
         return EOS if self.model.vocab_size == VOCAB_SIZE else None
+
+    def chat_template(self) -> ChatTemplate | None:
+        """The checkpoint's chat template (None: none, or a preset)."""
+        return ChatTemplate.load(self.checkpoint.path) if self.checkpoint else None
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """Every EOS id of the checkpoint (the decode workers stop at ``eos_id``)."""
+        return frozenset(self.checkpoint.eos_ids) if self.checkpoint else frozenset()
+
+    def tokenizer(self) -> TextTokenizer:
+        """The checkpoint's tokenizer, or the byte tokenizer of the presets."""
+        if self.checkpoint is not None:
+            from kvpool.serve.runtime.checkpoint.hf_tokenizer import HFTokenizer
+
+            return HFTokenizer(self.checkpoint)
+        return ByteTokenizer()
 
 
 @dataclass
@@ -85,6 +111,9 @@ class ServeRequest:
     error: str | None = None
     prefill_timings: dict[str, float] = field(default_factory=dict)
     pipeline: list[str] = field(default_factory=list)  # the stages, when pipelined
+    stopper: StopState | None = None  # the text and stop conditions
+    chat: bool = False  # answered as chat.completion(.chunk)
+    sampling: SamplingParams = GREEDY
 
     def push(self, item: tuple[Any, ...]) -> None:
         """Thread-safe: hand an event to the request's coroutine."""
