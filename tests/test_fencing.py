@@ -147,3 +147,23 @@ def test_tcp_stamped_writes_are_fenced(fenced_server) -> None:
     out = np.empty(4096, np.uint8)
     tcp.read_into(0, out)
     assert np.array_equal(out, new)
+
+
+def test_a_stale_checked_read_in_a_pipeline_keeps_the_stream_in_sync(fenced_server) -> None:
+    """A refused checked read answers as many bytes as an ok one would, so the
+    replies after it in the same pipelined exchange are read whole and exact."""
+    _, _, tcp = fenced_server
+    first, second = np.full(4096, 7, np.uint8), np.full(8192, 5, np.uint8)
+    assert tcp.stamped([(w.OP_WRITE_FINAL, WriteStamp(3, 20, 0, 4096, K2).pack(), 0, first)]) == [
+        w.ST_OK
+    ]
+    s2 = WriteStamp(3, 21, 8192, 8192, K1)
+    assert tcp.stamped([(w.OP_WRITE_FINAL, s2.pack(), 8192, second)]) == [w.ST_OK]
+    for rounds in range(3):  # every pad the stream offset can take along the way
+        outs = [np.zeros(4096, np.uint8), np.zeros(4096, np.uint8), np.zeros(8192, np.uint8)]
+        items = [(0, outs[0], K1, 0), (0, outs[1], K2, 0), (8192, outs[2], K1, 8192)]
+        assert tcp.read_blocks(items) == [False, True, True], rounds
+        assert np.array_equal(outs[1], first) and np.array_equal(outs[2], second)
+        out = np.zeros(100, np.uint8)  # a short read after them: still in sync
+        tcp.read_into(8192, out)
+        assert (out == 5).all()

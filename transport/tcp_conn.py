@@ -112,6 +112,8 @@ class DataConn:
             got = h
         status, got_rid, length = w.RESP.unpack_from(self._resp)
         if status != w.ST_OK:  # an error carries no pad: its message came in hdr, then payload
+            if got > h + length:  # a short error spilled the next reply into our buffers
+                raise ConnectionLostError("data stream out of sync (short error reply)")
             early = bytes(hdr[h:got]) + bytes(payload[: max(0, got - h - pad)])
             msg = bytearray(length)
             k = min(len(early), length)
@@ -119,7 +121,7 @@ class DataConn:
             if k < length:
                 w.recv_into_exact(self.sock, memoryview(msg)[k:])
             self._received += h + length
-            raise RemoteError("data", msg.decode(errors="replace"))
+            raise RemoteError("data", msg.rstrip(b"\0").decode(errors="replace"))
         if got < h + pad:
             w.recv_into_exact(self.sock, hdr[got:])
             got = h + pad

@@ -271,10 +271,17 @@ class TcpDataServer:
         key, block_offset = IDENT.unpack(raw)
         fence = self.fence
         held = None if fence is None else fence.begin_read(bytes(key), block_offset, offset, length)
+        pad = w.read_pad(sent)
         if held is None:
-            return self._error(sock, w.ST_STALE, rid, "that block no longer holds this range")
+            msg = b"that block no longer holds this range"
+            if offset + length <= self.size:
+                # As long as an ok reply (NUL-filled): a client reading a pipeline of
+                # checked reads scatters each reply into buffers of that size, and a
+                # shorter reply would spill the next one's bytes into them.
+                msg = msg.ljust(pad + length, b"\0")
+            sock.sendall(w.RESP.pack(w.ST_STALE, rid, len(msg)) + msg)
+            return w.RESP.size + len(msg)
         try:
-            pad = w.read_pad(sent)
             reply = w.READ_RESP.pack(w.ST_OK, pad, rid, length) + bytes(pad)
             w.send_parts(sock, reply, self._mv[offset : offset + length])
             self.bytes_read += length
