@@ -105,6 +105,12 @@ def test_bad_argument_is_a_usage_error(
 EXPECTED_FAILURES = [
     (["master", "--host", "0.0.0.0"], 1, "master: error: ", "refusing to listen on '0.0.0.0'"),
     (
+        ["master", "--etcd", "http://127.0.0.1:9", "--leader-ttl", "0.5"],
+        1,
+        "master: error: ",
+        "the leader TTL must be >= 1 s",
+    ),
+    (
         ["demo", "--ssd-dir", "/proc/kvpool-nope", "--requests", "1"],
         1,
         "demo: error: ",

@@ -115,8 +115,6 @@ def _run_master(args: argparse.Namespace) -> int:
         leader_ttl=args.leader_ttl,
         advertise=args.advertise,
     )
-    if args.etcd and args.leader_ttl < 1.0:
-        raise SystemExit("kvpool master: error: --leader-ttl must be >= 1 s")
     master = Master(config)
     host, port = master.start()
     logging.getLogger("kvpool.cluster.master").info(

@@ -40,6 +40,10 @@ class ElectionConfig:
     fence_fraction: float = 0.6  # serve at most this share of the TTL past a renewal
     poll_s: float = 0.25  # standbys look up the leader this often
 
+    def __post_init__(self) -> None:
+        if self.ttl < 1.0:
+            raise ValueError("the leader TTL must be >= 1 s (etcd leases are whole seconds)")
+
     @property
     def key(self) -> str:
         return f"/kvpool/{self.cluster}/leader"
@@ -54,8 +58,6 @@ class Election:
         on_elected: Callable[[int], None],
         on_deposed: Callable[[], None],
     ) -> None:
-        if config.ttl < 1.0:
-            raise ValueError("the leader TTL must be >= 1 s (etcd leases are whole seconds)")
         self.coordinator, self.me, self.config = coordinator, me, config
         self._on_elected, self._on_deposed = on_elected, on_deposed
         self._lock = threading.Lock()

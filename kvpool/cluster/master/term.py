@@ -32,16 +32,21 @@ class MasterTerm:
         self.election: Any = None
         if not config.etcd:
             begin(standalone_epoch())
+            return
+        from kvpool.cluster.ha.election import ElectionConfig
+
+        # Checked here, before the master binds a port: a bad TTL fails at once.
+        self._election_config = ElectionConfig(cluster=config.cluster, ttl=config.leader_ttl)
 
     def start(self, address: tuple[str, int]) -> None:
         cfg = self.config
         if not cfg.etcd:
             return
-        from kvpool.cluster.ha.election import Election, ElectionConfig
+        from kvpool.cluster.ha.election import Election
         from kvpool.cluster.ha.etcd import EtcdCoordinator
 
         me = cfg.advertise or f"{address[0]}:{address[1]}"
-        election = ElectionConfig(cluster=cfg.cluster, ttl=cfg.leader_ttl)
+        election = self._election_config
         coordinator = EtcdCoordinator(cfg.etcd, timeout=min(1.0, cfg.leader_ttl / 4))
         self.election = Election(coordinator, me, election, self._begin, lambda: self._begin(0))
         self.election.start()
