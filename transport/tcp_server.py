@@ -169,8 +169,11 @@ class TcpDataServer:
         sock.sendall(reply)
         return status == w.ST_OK, len(reply)
 
-    def _error(self, sock: socket.socket, status: int, rid: int, message: str) -> int:
-        msg = message.encode()
+    def _error(
+        self, sock: socket.socket, status: int, rid: int, message: str, fill: int = 0
+    ) -> int:
+        """An error reply (its message NUL-filled to ``fill`` bytes); the bytes sent."""
+        msg = message.encode().ljust(fill, b"\0")
         sock.sendall(w.RESP.pack(status, rid, len(msg)) + msg)
         return w.RESP.size + len(msg)
 
@@ -273,14 +276,11 @@ class TcpDataServer:
         held = None if fence is None else fence.begin_read(bytes(key), block_offset, offset, length)
         pad = w.read_pad(sent)
         if held is None:
-            msg = b"that block no longer holds this range"
-            if offset + length <= self.size:
-                # As long as an ok reply (NUL-filled): a client reading a pipeline of
-                # checked reads scatters each reply into buffers of that size, and a
-                # shorter reply would spill the next one's bytes into them.
-                msg = msg.ljust(pad + length, b"\0")
-            sock.sendall(w.RESP.pack(w.ST_STALE, rid, len(msg)) + msg)
-            return w.RESP.size + len(msg)
+            # As long as an ok reply: a client reading a pipeline of checked reads
+            # scatters each reply into buffers of that size, and a shorter reply
+            # would spill the next one's bytes into them.
+            fill = pad + length if offset + length <= self.size else 0
+            return self._error(sock, w.ST_STALE, rid, "that block no longer holds this range", fill)
         try:
             reply = w.READ_RESP.pack(w.ST_OK, pad, rid, length) + bytes(pad)
             w.send_parts(sock, reply, self._mv[offset : offset + length])
