@@ -61,7 +61,6 @@ import numpy as np
 
 from kvpool.workload.traces import DEFAULT_BLOCK_TOKENS, TraceRecord
 
-
 MAX_TURNS = 200  # a session's turn count is capped here (a power law's far tail)
 
 
