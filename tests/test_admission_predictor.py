@@ -112,7 +112,10 @@ def test_live_router_rejects_on_the_simulators_prediction() -> None:
 
 def test_load_series_shows_the_oscillation_predicted_damps(tmp_path) -> None:  # type: ignore[no-untyped-def]
     """A decode-bound overload on the look-alike trace: rejecting on the load now lets
-    the decode load swing over its capacity; the predictor holds it closer."""
+    the decode load run over its admission target (admissions land a TTFT later, on
+    top of each other); the predictor keeps it under the target most of the time.
+    (The swing's amplitude is about the same for both on this trace: it comes from
+    the heavy-tailed request sizes, see RESULTS.)"""
     import json
 
     from kvpool.cli import main
@@ -128,8 +131,10 @@ def test_load_series_shows_the_oscillation_predicted_damps(tmp_path) -> None:  #
         cfg.load_sample_s = 1.0
         osc[rej] = simulate(records, cfg)["load_oscillation"]
     now, pred = osc["now"], osc["predicted"]
-    assert now["decode_over_capacity_share"] > 1.3 * pred["decode_over_capacity_share"]
-    assert now["decode_load_std"] > pred["decode_load_std"]
+    assert now["decode_over_capacity_share"] > 2.0 * pred["decode_over_capacity_share"]
+    assert now["decode_load_mean"] > pred["decode_load_mean"]
+    for o in (now, pred):
+        assert o["decode_load_period_s"] > 0 and o["decode_load_amplitude"] > 0
     trace = tmp_path / "c.jsonl"
     write_trace(records[:200], str(trace))
     series = tmp_path / "s.json"
@@ -143,3 +148,27 @@ def test_load_series_shows_the_oscillation_predicted_damps(tmp_path) -> None:  #
     pytest.importorskip("matplotlib")
     assert main([*argv, "--load-series", str(png)]) == 0
     assert png.stat().st_size > 1000
+
+
+def test_oscillation_amplitude_and_period_closed_form() -> None:
+    """A sine of amplitude A and period T sampled every second: amplitude ~0.988 A
+    (half the 5-95 % spread), period T; flat or noise-free-but-short series give 0."""
+    import math
+
+    from kvpool.serve.sched.sim.load_series import amplitude, period, summary
+
+    xs = [0.9 + 0.2 * math.sin(2 * math.pi * i / 25.0) for i in range(1000)]
+    assert amplitude(xs) == pytest.approx(0.2 * math.sin(0.45 * math.pi), rel=0.01)
+    assert period(xs, 1.0) == pytest.approx(25.0, rel=0.02)
+    assert period(xs, 0.5) == pytest.approx(12.5, rel=0.02)
+    assert amplitude([1.0] * 10) == 0.0 and period([1.0] * 10, 1.0) == 0.0
+    assert period([0.0, 1.0], 1.0) == 0.0  # one swing: no period
+    series = {
+        "t": [float(i) for i in range(1000)],
+        "decode_load": xs,
+        "prefill_queue_s": [2.0 * x for x in xs],
+        "decode_waiting": [0.0] * 1000,
+    }
+    out = summary(series)
+    assert out["decode_load_period_s"] == pytest.approx(25.0, rel=0.02)
+    assert out["prefill_queue_amplitude_s"] == pytest.approx(2 * amplitude(xs[100:900]))

@@ -69,15 +69,61 @@ def _mean_std(xs: list[float]) -> tuple[float, float]:
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / len(xs))
 
 
+def amplitude(xs: list[float]) -> float:
+    """Half the spread between the 5th and the 95th percentile (a sine of amplitude
+    A gives 0.988 A; robust to single spikes)."""
+    if not xs:
+        return 0.0
+    v = sorted(xs)
+
+    def q(p: float) -> float:
+        i = p * (len(v) - 1)
+        lo = int(i)
+        hi = min(lo + 1, len(v) - 1)
+        return v[lo] + (v[hi] - v[lo]) * (i - lo)
+
+    return (q(0.95) - q(0.05)) / 2
+
+
+def period(xs: list[float], interval_s: float) -> float:
+    """Mean time between successive upward swings through the mean (0 when there are
+    fewer than two). A swing counts once the series has been below ``mean - h`` and
+    then reaches ``mean + h``, ``h`` half a standard deviation, so noise around the
+    mean does not count as cycles."""
+    m, sd = _mean_std(xs)
+    h = sd / 2
+    if h <= 0:
+        return 0.0
+    ups: list[int] = []
+    low = False
+    for i, x in enumerate(xs):
+        if x < m - h:
+            low = True
+        elif x > m + h and low:
+            ups.append(i)
+            low = False
+    if len(ups) < 2:
+        return 0.0
+    return (ups[-1] - ups[0]) / (len(ups) - 1) * interval_s
+
+
 def summary(series: dict[str, list[float]]) -> dict[str, float]:
-    """Oscillation numbers over the steady middle 80 % of the series."""
+    """Oscillation numbers over the steady middle 80 % of the series: mean, standard
+    deviation, amplitude (``amplitude``) and period (``period``) of the decode load
+    and of the prefill queue, and the decode load's share of time over its target."""
     n = len(series["t"])
     lo, hi = n // 10, n - n // 10
     decode = series["decode_load"][lo:hi]
     queue = series["prefill_queue_s"][lo:hi]
     d_mean, d_std = _mean_std(decode)
     q_mean, q_std = _mean_std(queue)
+    t = series["t"]
+    step = (t[-1] - t[0]) / (len(t) - 1) if len(t) > 1 else 0.0
     return {
+        "decode_load_amplitude": amplitude(decode),
+        "decode_load_period_s": period(decode, step),
+        "prefill_queue_amplitude_s": amplitude(queue),
+        "prefill_queue_period_s": period(queue, step),
         "decode_load_mean": d_mean,
         "decode_load_std": d_std,
         "decode_over_capacity_share": sum(1 for x in decode if x > 1.0) / len(decode)
