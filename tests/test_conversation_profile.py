@@ -156,6 +156,12 @@ def test_config_errors() -> None:
         conversation_trace(requests=10, think_rho=1.0)
     with pytest.raises(ValueError, match="mean_turns"):
         ConversationConfig(mean_turns=0.5).validate()
+    with pytest.raises(ValueError, match="mean_turns"):
+        ConversationConfig(mean_turns=500).validate()
+    with pytest.raises(ValueError, match="break_prob"):
+        conversation_trace(requests=10, break_prob=1.5)
+    with pytest.raises(ValueError, match="read_tokens_per_s"):
+        conversation_trace(requests=10, read_tokens_per_s=0)
     assert conversation_trace(requests=0) == []
 
 

@@ -100,8 +100,14 @@ class ConversationConfig:
             raise ValueError("requests must be >= 0")
         if self.rate <= 0:
             raise ValueError("rate must be > 0")
-        if self.mean_turns < 1:
-            raise ValueError("mean_turns must be >= 1")
+        if not 1 <= self.mean_turns < MAX_TURNS:
+            raise ValueError(f"mean_turns must be in [1, {MAX_TURNS})")
+        if self.read_tokens_per_s <= 0 or self.think_median_s < 0 or self.think_ref_tokens <= 0:
+            raise ValueError(
+                "read_tokens_per_s and think_ref_tokens must be > 0, think_median_s >= 0"
+            )
+        if not 0.0 <= self.break_prob <= 1.0:
+            raise ValueError("break_prob must be in [0, 1]")
         if self.system_prompts < 1:
             raise ValueError("system_prompts must be >= 1")
         lo, hi = self.system_blocks
