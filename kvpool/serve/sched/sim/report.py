@@ -54,7 +54,7 @@ class Scenario:
     speeds_split: tuple[float, ...] = (1.0, 2.0, 4.0)
     speeds_router: tuple[float, ...] = (4.0, 6.0)
     reject: tuple[tuple[int, int, float], ...] = ((10, 1, 4.0),)  # decode-bound (P, D, speed)
-    reject_both: tuple[int, int, float, float] = (4, 2, 4.0, 30.0)  # P, D, speed, TTFT x
+    reject_both: tuple[int, int, float, float] = (4, 1, 4.0, 30.0)  # P, D, speed, TTFT x
     speed_capacity: float = 4.0
     capacities: tuple[int, ...] = (0, 16, 64, 256, 1024, 4096, 16384)
 
@@ -66,7 +66,7 @@ SCENARIOS = {
         speeds_split=(1.0, 2.0, 4.0),
         speeds_router=(1.5, 2.0),
         reject=((10, 1, 2.0),),
-        reject_both=(6, 1, 2.0, 10.0),
+        reject_both=(6, 1, 2.0, 30.0),
         speed_capacity=2.0,
     ),
 }
