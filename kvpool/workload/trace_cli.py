@@ -23,8 +23,9 @@ def register(subparsers: Any) -> None:
         description="Seeded synthetic trace. --profile synthetic (default): Zipf-popular "
         "system prompts, multi-turn sessions whose prompts extend each other, one-off "
         "documents, Poisson arrivals. --profile conversation: a look-alike of a production "
-        "chat trace's shape (heavy-tailed prompts, short sessions, non-IID think times, a "
-        "few very popular system prompts, most blocks used once; kvpool.workload.conversation).",
+        "chat trace's shape (heavy-tailed prompts, short sessions, non-IID think times, "
+        "short Zipf-popular system prompts, most blocks used once, sessions returning after "
+        "thousands of other blocks; kvpool.workload.conversation).",
     )
     synth.add_argument(
         "--profile",
@@ -41,7 +42,14 @@ def register(subparsers: Any) -> None:
     opt("--rate", type=float, default=None, help=f"mean requests per second ({d.rate})")
     opt("--sessions", type=int, default=None, help="number of chat sessions (default: derived)")
     opt("--mean-turns", type=float, default=None, help=f"({d.mean_turns})")
-    opt("--think-time", type=float, default=None, help=f"seconds, mean ({d.think_time_s})")
+    opt(
+        "--think-time",
+        type=float,
+        default=None,
+        help=f"seconds: synthetic, the mean think time ({d.think_time_s}); conversation, "
+        "the median time spent on the next message at 8k tokens of context (60; reading "
+        "the reply and breaks come on top)",
+    )
     opt(
         "--think-sigma",
         type=float,
