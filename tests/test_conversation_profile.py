@@ -158,6 +158,8 @@ def test_config_errors() -> None:
         ConversationConfig(mean_turns=0.5).validate()
     with pytest.raises(ValueError, match="mean_turns"):
         ConversationConfig(mean_turns=500).validate()
+    with pytest.raises(ValueError, match="warmup_s"):
+        conversation_trace(requests=10, warmup_s=-1)
     with pytest.raises(ValueError, match="break_prob"):
         conversation_trace(requests=10, break_prob=1.5)
     with pytest.raises(ValueError, match="read_tokens_per_s"):

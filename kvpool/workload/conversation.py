@@ -91,7 +91,7 @@ class ConversationConfig:
     break_prob: float = 0.3  # after a turn the user leaves for a while ...
     break_median_s: float = 600.0  # ... a lognormal break (meetings, other work)
     break_sigma: float = 1.0
-    warmup_s: float = 3600.0
+    warmup_s: float = 3600.0  # sessions start this long before the window (steady state)
     max_input_tokens: int = 128_000
     block_tokens: int = DEFAULT_BLOCK_TOKENS
 
@@ -108,6 +108,8 @@ class ConversationConfig:
             )
         if not 0.0 <= self.break_prob <= 1.0:
             raise ValueError("break_prob must be in [0, 1]")
+        if self.warmup_s < 0:
+            raise ValueError("warmup_s must be >= 0")
         if self.system_prompts < 1:
             raise ValueError("system_prompts must be >= 1")
         lo, hi = self.system_blocks
