@@ -155,6 +155,18 @@ class DataConn:
         for rid, (_, host) in zip(rids, plan, strict=True):
             self._recv_read(rid, w.byte_view(host))
 
+    def read_block(self, offset: int, host: np.ndarray, ident: bytes) -> bool:
+        """One checked read (``read_blocks`` of one, without its lists)."""
+        rid = self._next_rid()
+        request = w.REQ.pack(w.OP_READ_BLOCK, 0, rid, offset, host.nbytes) + ident
+        self.sock.sendall(request)
+        self._sent += len(request)
+        try:
+            self._recv_read(rid, w.byte_view(host))
+        except RemoteError:  # the error reply was read whole: the stream is in sync
+            return False
+        return True
+
     def read_blocks(self, plan: list[tuple[int, Any, bytes]]) -> list[bool]:
         """Checked reads (offset, host region, packed IDENT), pipelined: per read,
         True, or False when the node no longer holds that block there."""
