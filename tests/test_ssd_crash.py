@@ -17,7 +17,9 @@ import sys
 import textwrap
 
 import numpy as np
+import pytest
 
+import kvpool.storage.ssd_tier as ssd_tier_module
 from kvpool.eviction import make_policy
 from kvpool.storage.ssd_tier import SsdTier
 
@@ -109,5 +111,31 @@ def test_acknowledged_blocks_survive_kill_9_and_nothing_reads_wrong(tmp_path: ob
                 assert np.array_equal(out[: record.size], block_bytes(i, size_of(i)))
             else:  # only a block whose store never returned may be torn
                 assert i not in durable
+    finally:
+        tier.close()
+
+
+def test_the_index_map_grows_while_records_are_staged(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A record staged into a full LMDB map (MapFullError) aborts, doubles the map
+    and stages again; every block stored that way reads back exact after a reopen."""
+    monkeypatch.setattr(ssd_tier_module, "_INITIAL_MAP_SIZE", 32 << 10)
+    path = os.path.join(str(tmp_path), "tier")
+    count, size = 600, 4096
+    tier = SsdTier(path, count * size, make_policy("lru"))
+    try:
+        for i in range(count):
+            assert tier.store(key_of(i), slot_for(block_bytes(i, size)), size, None) is not None
+    finally:
+        tier.close()
+    tier = SsdTier(path, count * size, make_policy("lru"))
+    try:
+        records = dict(tier.load_records())
+        assert len(records) == count
+        for i in (0, count // 2, count - 1):
+            out = slot_for(np.zeros(size, dtype=np.uint8))
+            assert tier.read_into(records[key_of(i)], out)
+            assert np.array_equal(out[:size], block_bytes(i, size))
     finally:
         tier.close()

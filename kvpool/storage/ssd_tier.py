@@ -274,11 +274,22 @@ class SsdTier:
                     raise
         except OSError as exc:
             raise StorageError(f"SSD write failed at {self.path!r}: {exc}") from exc
-        try:
-            txn.commit()
-        except lmdb.Error as exc:
-            raise StorageError(f"SSD index write failed at {self.path!r}: {exc}") from exc
+        self._commit(txn, key, record)
         return record
+
+    def _commit(self, txn: lmdb.Transaction, key: bytes, record: SsdRecord) -> None:
+        """Commit a staged record; a map that fills up at commit (the commit adds
+        pages too) grows and the record is staged and committed again."""
+        while True:
+            try:
+                txn.commit()
+                return
+            except lmdb.MapFullError:
+                txn.abort()  # a failed commit already freed it; abort is a no-op then
+                self._env.set_mapsize(self._env.info()["map_size"] * 2)
+                txn = self._stage(key, record)
+            except lmdb.Error as exc:
+                raise StorageError(f"SSD index write failed at {self.path!r}: {exc}") from exc
 
     def _stage(self, key: bytes, record: SsdRecord) -> lmdb.Transaction:
         """An open write transaction holding ``key -> record``; the map grows if full."""
