@@ -48,7 +48,10 @@ from kvpool.transport.base import RegionInfo, UcxInfo
 from kvpool.transport.shm import ShmTransport
 from kvpool.transport.tcp import TcpTransport
 
-RAW_REQ = struct.Struct("!BxxxxxxxQQQ")  # op, offset, length, repeat
+# op, offset, length, repeat; 64 bytes, so a put's payload sits at a 64-byte-aligned
+# stream offset (sizes here are multiples of 64), as kvpool's own WRITEs do: the
+# baseline is the best a raw socket does (a 32-byte header cost ~15% at 1 MiB).
+RAW_REQ = struct.Struct("!BxxxxxxxQQQ32x")
 RAW_GET, RAW_PUT, RAW_STREAM = 1, 2, 3
 WORKING_SET = 64 << 20
 BATCH = 8

@@ -167,3 +167,21 @@ def test_a_stale_checked_read_in_a_pipeline_keeps_the_stream_in_sync(fenced_serv
         out = np.zeros(100, np.uint8)  # a short read after them: still in sync
         tcp.read_into(8192, out)
         assert (out == 5).all()
+
+
+def test_single_checked_reads_refused_and_served_on_one_connection(fenced_server) -> None:
+    """``read_blocks`` of one block into a host array (the fast path without the
+    batch's lists): a stale one answers False and leaves the stream in sync."""
+    _, _, tcp = fenced_server
+    data = np.full(4096, 3, np.uint8)
+    assert tcp.stamped([(w.OP_WRITE_FINAL, WriteStamp(3, 40, 0, 4096, K2).pack(), 0, data)]) == [
+        w.ST_OK
+    ]
+    for rounds in range(3):
+        out = np.zeros(4096, np.uint8)
+        assert tcp.read_blocks([(0, out, K1, 0)]) == [False], rounds  # another block there
+        assert tcp.read_blocks([(0, out, K2, 0)]) == [True], rounds
+        assert np.array_equal(out, data)
+        half = np.zeros(1000, np.uint8)  # a part of the block, at an offset inside it
+        assert tcp.read_blocks([(100, half, K2, 0)]) == [True]
+        assert (half == 3).all()

@@ -164,10 +164,10 @@ def test_server_refuses_out_of_range_from_raw_client(node: RegionInfo) -> None:
     with socket.create_connection(("127.0.0.1", node.tcp_port), timeout=5) as s:
         s.sendall(w.hello(None))
         assert w.HELLO_REPLY.unpack(s.recv(w.HELLO_REPLY.size))[1] == w.ST_OK
-        s.sendall(w.REQ.pack(w.OP_READ, 9, REGION - 1, 2))
+        s.sendall(w.REQ.pack(w.OP_READ, 0, 9, REGION - 1, 2))
         status, rid, n = w.RESP.unpack(s.recv(w.RESP.size))
         assert (status, rid) == (w.ST_RANGE, 9) and b"outside" in s.recv(n)
-        s.sendall(w.REQ.pack(w.OP_READ, 10, 0, 3))  # still usable after a bad read
+        s.sendall(w.REQ.pack(w.OP_READ, 0, 10, 0, 3))  # still usable after a bad read
         status, rid, n = w.RESP.unpack(s.recv(w.RESP.size))
         assert (status, rid, n) == (w.ST_OK, 10, 3)
 
@@ -265,6 +265,7 @@ def test_data_server_survives_garbage() -> None:
     hello = w.hello(None)
     reqs = st.builds(
         w.REQ.pack,
+        st.integers(0, 255),
         st.integers(0, 255),
         st.integers(0, 2**32 - 1),
         st.sampled_from([0, 1, REGION - 1, REGION, 2**63]),

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
@@ -35,6 +35,7 @@ from kvpool.transport.fencing import IDENT
 from kvpool.transport.tcp_conn import DataConn
 
 _U8 = np.dtype(np.uint8)
+_T = TypeVar("_T")
 
 
 class TcpTransport(Transport):
@@ -116,13 +117,14 @@ class TcpTransport(Transport):
         for conn in idle:
             conn.close()
 
-    def _io(self, fn: Callable[..., None], *args: Any) -> None:
+    def _io(self, fn: Callable[..., _T], *args: Any) -> _T:
         """Run ``fn(conn, *args)`` on a borrowed connection, mapping failures to kvpool errors."""
         conn = self._acquire()
         healthy = False
         try:
-            fn(conn, *args)
+            result = fn(conn, *args)
             healthy = True
+            return result
         except KVPoolError:
             raise
         except (TimeoutError, BlockingIOError) as exc:  # BlockingIOError: SO_RCVTIMEO/SNDTIMEO
@@ -135,10 +137,8 @@ class TcpTransport(Transport):
     # --- transfers -----------------------------------------------------------------
 
     def read_into(self, offset: int, out: Any) -> None:
-        if type(out) is np.ndarray and out.dtype == _U8 and out.ndim == 1 and out.flags.writeable:
-            region = out
-        else:
-            region = as_region(out, writable=True, what="output buffer")
+        plain = _plain_host(out)
+        region = out if plain else as_region(out, writable=True, what="output buffer")
         if region_is_device(region):
             self.read_many([(offset, out)])
             return
@@ -175,6 +175,13 @@ class TcpTransport(Transport):
         """Reads that name their block (offset, out, key, block offset): the node
         serves the bytes only while that block holds the range. Per read: True,
         or False (``out`` untouched or partly written) when it does not."""
+        if len(items) == 1 and _plain_host(items[0][1]):  # one block into host memory
+            offset, out, key, block_offset = items[0]
+            check_range(offset, out.nbytes, self.info.size)
+            ok = self._io(DataConn.read_block, offset, out, IDENT.pack(key, block_offset))
+            if ok:
+                self.bytes_read += out.nbytes
+            return [ok]
         plan, devices = [], []
         for offset, out, key, block_offset in items:
             region = as_region(out, writable=True, what="output buffer")
@@ -243,6 +250,18 @@ class TcpTransport(Transport):
         plan = [(offset, self._source(offset, data)) for offset, data in items]
         self._io(DataConn.write_many, plan)
         self.bytes_written += sum(r.nbytes for _, r in plan)
+
+
+def _plain_host(out: Any) -> bool:
+    """A writable, contiguous, flat uint8 numpy array: a host region as it is (the
+    single-read fast paths skip the buffer adapter for it)."""
+    return (
+        type(out) is np.ndarray
+        and out.dtype == _U8
+        and out.ndim == 1
+        and out.flags.writeable
+        and out.flags.c_contiguous
+    )
 
 
 def _raise_transfer_error(node_id: str, exc: BaseException) -> NoReturn:

@@ -4,8 +4,9 @@ A ``DataConn`` is used by one thread at a time (``TcpTransport`` lends it
 out of its pool). Reads land in the caller's buffer through a scatter
 ``recvmsg_into`` (reply header and its alignment pad + payload in one call,
 no copy; the connection counts the bytes it received, which fixes each pad,
-see ``tcp_wire``); writes leave through a gather ``sendmsg`` (request header +
-payload). Any exception leaves the stream position unknown: the owner must
+see ``tcp_wire``); writes leave through a gather ``sendmsg`` (request header,
+its alignment pad + payload; the connection counts the bytes it sent, which
+fixes each write's pad). Any exception leaves the stream position unknown: the owner must
 close the connection.
 
 The socket stays in blocking mode and the inactivity timeout is the kernel's
@@ -28,6 +29,8 @@ import numpy as np
 
 from kvpool.errors import CallTimeoutError, ConnectionLostError, HandshakeRefusedError, RemoteError
 from kvpool.transport import tcp_wire as w
+
+_ZEROS = bytes(w.ALIGN)
 
 
 def set_io_timeout(sock: socket.socket, timeout: float) -> None:
@@ -56,7 +59,8 @@ class DataConn:
         try:
             w.tune(sock)
             set_io_timeout(sock, timeout)
-            sock.sendall(w.hello(token, instance))
+            opening = w.hello(token, instance)
+            sock.sendall(opening)
             head = bytearray(w.HELLO_REPLY.size)
             w.recv_into_exact(sock, memoryview(head))
             magic, status, rlen = w.HELLO_REPLY.unpack(head)
@@ -76,6 +80,7 @@ class DataConn:
         self._resp = bytearray(w.RESP.size + w.ALIGN)  # a header and its largest pad
         self._resp_mv = memoryview(self._resp)
         self._received = w.HELLO_REPLY.size + rlen  # bytes read so far: fixes READ pads
+        self._sent = len(opening)  # bytes sent so far: fixes WRITE pads
 
     def close(self) -> None:
         self.sock.close()
@@ -133,7 +138,8 @@ class DataConn:
 
     def read_one(self, offset: int, region: np.ndarray) -> None:
         rid = self._next_rid()
-        self.sock.sendall(w.REQ.pack(w.OP_READ, rid, offset, region.nbytes))
+        self.sock.sendall(w.REQ.pack(w.OP_READ, 0, rid, offset, region.nbytes))
+        self._sent += w.REQ.size
         self._recv_read(rid, w.byte_view(region))
 
     def read_many(self, plan: list[tuple[int, Any]]) -> None:
@@ -141,23 +147,36 @@ class DataConn:
         rids = [self._next_rid() for _ in plan]
         self.sock.sendall(
             b"".join(
-                w.REQ.pack(w.OP_READ, rid, off, host.nbytes)
+                w.REQ.pack(w.OP_READ, 0, rid, off, host.nbytes)
                 for rid, (off, host) in zip(rids, plan, strict=True)
             )
         )
+        self._sent += w.REQ.size * len(plan)
         for rid, (_, host) in zip(rids, plan, strict=True):
             self._recv_read(rid, w.byte_view(host))
+
+    def read_block(self, offset: int, host: np.ndarray, ident: bytes) -> bool:
+        """One checked read (``read_blocks`` of one, without its lists)."""
+        rid = self._next_rid()
+        request = w.REQ.pack(w.OP_READ_BLOCK, 0, rid, offset, host.nbytes) + ident
+        self.sock.sendall(request)
+        self._sent += len(request)
+        try:
+            self._recv_read(rid, w.byte_view(host))
+        except RemoteError:  # the error reply was read whole: the stream is in sync
+            return False
+        return True
 
     def read_blocks(self, plan: list[tuple[int, Any, bytes]]) -> list[bool]:
         """Checked reads (offset, host region, packed IDENT), pipelined: per read,
         True, or False when the node no longer holds that block there."""
         rids = [self._next_rid() for _ in plan]
-        self.sock.sendall(
-            b"".join(
-                w.REQ.pack(w.OP_READ_BLOCK, rid, off, host.nbytes) + ident
-                for rid, (off, host, ident) in zip(rids, plan, strict=True)
-            )
+        requests = b"".join(
+            w.REQ.pack(w.OP_READ_BLOCK, 0, rid, off, host.nbytes) + ident
+            for rid, (off, host, ident) in zip(rids, plan, strict=True)
         )
+        self.sock.sendall(requests)
+        self._sent += len(requests)
         found = []
         for rid, (_, host, _) in zip(rids, plan, strict=True):
             try:
@@ -176,10 +195,18 @@ class DataConn:
         """Send fenced ops; their request ids, for ``stamped_statuses``."""
         rids = [self._next_rid() for _ in plan]
         for rid, (op, stamp, off, data) in zip(rids, plan, strict=True):
-            n = 0 if data is None else data.nbytes
-            head = w.REQ.pack(op, rid, off, n) + stamp
-            w.send_parts(self.sock, head, None if data is None else w.byte_view(data))
+            self._send_request(op, rid, off, data, stamp)
         return rids
+
+    def _send_request(self, op: int, rid: int, off: int, data: Any, extra: bytes) -> None:
+        """REQ + ``extra`` (a STAMP) [+ pad + payload] in one gather send; a
+        payload-carrying op's pad puts its payload at an aligned stream offset."""
+        payload = None if data is None else w.byte_view(data)
+        n = 0 if payload is None else payload.nbytes
+        pad = w.write_pad(self._sent + w.REQ.size + len(extra)) if op in w.PAYLOAD_OPS else 0
+        head = w.REQ.pack(op, pad, rid, off, n) + extra + _ZEROS[:pad]
+        w.send_parts(self.sock, head, payload)
+        self._sent += len(head) + n
 
     def stamped_statuses(self, rids: list[int]) -> list[int]:
         return [self._read_status(rid) for rid in rids]
@@ -199,7 +226,6 @@ class DataConn:
     def write_many(self, plan: list[tuple[int, np.ndarray]]) -> None:
         rids = [self._next_rid() for _ in plan]
         for rid, (off, data) in zip(rids, plan, strict=True):
-            head = w.REQ.pack(w.OP_WRITE, rid, off, data.nbytes)
-            w.send_parts(self.sock, head, w.byte_view(data))
+            self._send_request(w.OP_WRITE, rid, off, data, b"")
         for rid in rids:
             self._read_resp(rid)

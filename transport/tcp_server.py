@@ -3,7 +3,9 @@
 One thread per client connection. READ sends the range straight from the
 region (``sendmsg`` of a memoryview, no copy into Python objects), after a
 header padded so the payload sits at an aligned stream offset (see
-``tcp_wire``); WRITE receives straight into the region with ``recv_into``.
+``tcp_wire``); WRITE receives its pad and payload straight into the region
+with one scatter ``recvmsg_into`` (the client pads too, so the payload sits
+at an aligned offset of the client's stream).
 The server knows nothing about blocks: the master decides which ranges are
 valid to read or write; this server only refuses ranges outside the region,
 and, given a ``fence`` (kvpool.transport.fencing), passes every stamped op
@@ -121,10 +123,10 @@ class TcpDataServer:
         try:
             w.tune(sock)
             sock.settimeout(self.handshake_timeout)
-            ok, sent = self._handshake(sock, peer)
+            ok, sent, received = self._handshake(sock, peer)
             if ok:
                 sock.settimeout(None)
-                if not self._loop(sock, sent):
+                if not self._loop(sock, sent, received):
                     return
             # Refused, or ended on a protocol error: let the peer read our last reply.
             linger_close(sock)
@@ -137,8 +139,8 @@ class TcpDataServer:
                 self._conns.discard(sock)
             sock.close()
 
-    def _handshake(self, sock: socket.socket, peer: Any) -> tuple[bool, int]:
-        """(accepted, bytes sent: the hello reply)."""
+    def _handshake(self, sock: socket.socket, peer: Any) -> tuple[bool, int, int]:
+        """(accepted, bytes sent: the hello reply, bytes received: the hello)."""
         head = bytearray(w.HELLO_HEAD.size)
         w.recv_into_exact(sock, memoryview(head))
         magic, version = w.HELLO_HEAD.unpack(head)
@@ -153,7 +155,7 @@ class TcpDataServer:
             tlen, ilen = w.HELLO_LENGTHS.unpack(lengths)
             if tlen > w.MAX_HELLO_FIELD or ilen > w.MAX_HELLO_FIELD:
                 log.warning("refused data connection from %s: oversized hello", peer)
-                return False, 0  # nothing read or allocated past the lengths
+                return False, 0, 0  # nothing read or allocated past the lengths
             token, instance = bytearray(tlen), bytearray(ilen)
             w.recv_into_exact(sock, memoryview(token))
             w.recv_into_exact(sock, memoryview(instance))
@@ -167,7 +169,9 @@ class TcpDataServer:
         msg = reason.encode()
         reply = w.HELLO_REPLY.pack(w.MAGIC, status, len(msg)) + msg
         sock.sendall(reply)
-        return status == w.ST_OK, len(reply)
+        if status != w.ST_OK:
+            return False, len(reply), 0
+        return True, len(reply), w.hello_size(len(token), len(instance))
 
     def _error(
         self, sock: socket.socket, status: int, rid: int, message: str, fill: int = 0
@@ -177,26 +181,34 @@ class TcpDataServer:
         sock.sendall(w.RESP.pack(status, rid, len(msg)) + msg)
         return w.RESP.size + len(msg)
 
-    def _loop(self, sock: socket.socket, sent: int) -> bool:
+    def _loop(self, sock: socket.socket, sent: int, received: int) -> bool:
         """Serve requests; False when the peer hung up, True after a fatal protocol error.
 
-        ``sent`` counts every byte sent on the connection: it fixes each READ's pad.
+        ``sent`` counts every byte sent on the connection: it fixes each READ's pad;
+        ``received`` every byte received: it fixes each WRITE's pad.
         """
         head = bytearray(w.REQ.size)
         hview = memoryview(head)
         pads = bytes(w.ALIGN)
+        skip = memoryview(bytearray(w.ALIGN))
         while True:
             try:
                 w.recv_into_exact(sock, hview)
             except ConnectionLostError:
                 return False
-            op, rid, offset, length = w.REQ.unpack(head)
+            op, pad, rid, offset, length = w.REQ.unpack(head)
+            received += w.REQ.size + _request_extra(op)
+            if op in w.PAYLOAD_OPS:
+                if pad != w.write_pad(received):
+                    self._error(sock, w.ST_BAD_OP, rid, "data stream out of sync (write pad)")
+                    return True
+                received += pad + length  # the stream goes on only if all of it is read
             if op == w.OP_PING:
                 sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
                 sent += w.RESP.size
                 continue
             if op in w.STAMPED_OPS:
-                n = self._stamped(sock, op, rid, offset, length, sent)
+                n = self._stamped(sock, op, rid, offset, length, sent, skip[:pad])
                 if n is None:
                     return True
                 sent += n
@@ -225,16 +237,24 @@ class TcpDataServer:
                 sent += len(reply) + length
                 self.bytes_read += length
             else:
-                w.recv_into_exact(sock, span)
+                w.recv_padded(sock, skip[:pad], span)
                 sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
                 sent += w.RESP.size
                 self.bytes_written += length
 
     def _stamped(
-        self, sock: socket.socket, op: int, rid: int, offset: int, length: int, sent: int
+        self,
+        sock: socket.socket,
+        op: int,
+        rid: int,
+        offset: int,
+        length: int,
+        sent: int,
+        pad: memoryview,
     ) -> int | None:
         """One fenced op: the bytes it sent back, or None after a fatal error (the
-        stream is unusable). ``sent`` (bytes sent so far) fixes a checked READ's pad."""
+        stream is unusable). ``sent`` (bytes sent so far) fixes a checked READ's pad;
+        ``pad`` receives a write's pad bytes."""
         if op == w.OP_READ_BLOCK:
             return self._read_block(sock, rid, offset, length, sent)
         raw = bytearray(STAMP.size)
@@ -254,11 +274,11 @@ class TcpDataServer:
             return self._fence_reply(sock, rid, status)
         status = fence.claim(stamp, sock)
         if status != FENCE_OK or op == w.OP_CLAIM:
-            if payload:
-                _drain(sock, payload)
+            if op in w.PAYLOAD_OPS:
+                _drain(sock, pad.nbytes + payload)
             return self._fence_reply(sock, rid, status)
         sock.settimeout(self.write_timeout)  # a stalled writer must not hold its claim forever
-        w.recv_into_exact(sock, self._mv[offset : offset + length])
+        w.recv_padded(sock, pad, self._mv[offset : offset + length])
         sock.settimeout(None)
         status = fence.finish(stamp, sock, ok=True, seal=op == w.OP_WRITE_FINAL)
         self.bytes_written += length
@@ -302,6 +322,13 @@ class TcpDataServer:
         return self._error(
             sock, w.ST_STALE, rid, "stale write: the range belongs to a newer allocation"
         )
+
+
+def _request_extra(op: int) -> int:
+    """Bytes a request carries between its REQ and its pad / payload."""
+    if op == w.OP_READ_BLOCK:
+        return IDENT.size
+    return STAMP.size if op in w.STAMPED_OPS else 0
 
 
 def _drain(sock: socket.socket, n: int) -> None:

@@ -46,6 +46,7 @@ from kvpool.embedded.handles import EmbeddedBlockWriter, EmbeddedLease
 from kvpool.embedded.reservations import Reservations
 from kvpool.embedded.stats import PoolStats
 from kvpool.eviction import make_policy
+from kvpool.index.keys import KEY_BYTES
 from kvpool.layerwise.api import LayerwiseMethods
 from kvpool.storage.ssd_tier import SsdRecord, SsdTier
 
@@ -96,8 +97,10 @@ class Pool(LayerwiseMethods):
         ``replicas`` exists for parity with the distributed pool: an embedded
         pool is one node, so it always keeps one copy.
         """
-        check_key(key)
-        check_parent(parent)
+        if type(key) is not bytes or len(key) != KEY_BYTES:  # inline: ~0.2 us per put
+            check_key(key)
+        if parent is not None:
+            check_parent(parent)
         if _plain_bytes(data):  # already a host region: skip the adapter
             return self._reservations.put(key, data, parent)
         return self._reservations.put(key, data_region(data), parent)
@@ -178,7 +181,8 @@ class Pool(LayerwiseMethods):
         at least that large. Byte ranges let a reader take one layer of a
         block (see ``KVLayout``) without touching the rest.
         """
-        check_key(key)
+        if type(key) is not bytes or len(key) != KEY_BYTES:
+            check_key(key)
         if type(offset) is not int or offset or length is not None:  # skip for whole blocks
             check_read_range(offset, length)
         if _plain_bytes(out) and out.flags.writeable:  # already a host region
@@ -291,8 +295,13 @@ class Pool(LayerwiseMethods):
             entry = self._entry_or_miss(key)
             if entry is None:
                 return None
-            want = block_range(start, length, entry.size)
-            check_out_fits(dst, want)
+            if start or length is not None or type(dst) is not np.ndarray:
+                want = block_range(start, length, entry.size)
+                check_out_fits(dst, want)
+            else:  # the whole block into a host array (the hot case, inlined)
+                want = entry.size
+                if dst.nbytes < want:
+                    check_out_fits(dst, want)  # raises its error
             entry.pins += 1
             self._blocks.active += 1
             entry.tier.policy.on_access(key)

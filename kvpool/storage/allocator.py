@@ -51,9 +51,16 @@ class ExtentAllocator:
         if i == len(self._by_size):
             return None
         free_size, offset = self._by_size[i]
-        self._remove_free(offset)
-        if free_size > need:
-            self._add_free(offset + need, free_size - need)
+        if free_size > need:  # split: the rest keeps the extent's place in offset order
+            rest, rest_size = offset + need, free_size - need
+            del self._free[offset]
+            self._free[rest] = rest_size
+            self._free_ends[offset + free_size] = rest
+            self._free_offsets[bisect.bisect_left(self._free_offsets, offset)] = rest
+            del self._by_size[i]
+            bisect.insort(self._by_size, (rest_size, rest), 0, i)  # smaller: at or before i
+        else:
+            self._remove_free(offset)
         self._used[offset] = need
         self.used_bytes += need
         return offset
@@ -87,6 +94,9 @@ class ExtentAllocator:
         self.used_bytes -= size
         start, end = offset, offset + size
         left = self._free_ends.get(start)
+        if left is None and end in self._free:  # grows the free extent on its right
+            self._grow_left(end, start)
+            return size
         if left is not None:
             start = left
             self._remove_free(left)
@@ -133,6 +143,17 @@ class ExtentAllocator:
         self._free_ends[offset + size] = offset
         bisect.insort(self._free_offsets, offset)
         bisect.insort(self._by_size, (size, offset))
+
+    def _grow_left(self, offset: int, start: int) -> None:
+        """The free extent at ``offset`` now starts at ``start`` (< offset, no free
+        extent in between): it keeps its place in offset order."""
+        size = self._free.pop(offset)
+        end = offset + size
+        self._free[start] = end - start
+        self._free_ends[end] = start
+        self._free_offsets[bisect.bisect_left(self._free_offsets, offset)] = start
+        del self._by_size[bisect.bisect_left(self._by_size, (size, offset))]
+        bisect.insort(self._by_size, (end - start, start))
 
     def _remove_free(self, offset: int) -> None:
         size = self._free.pop(offset)
