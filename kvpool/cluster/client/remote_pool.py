@@ -105,13 +105,12 @@ class RemotePool(LayerwiseMethods):
         holds the block, its master commit answered in the background (default
         True, ``$KVPOOL_PUT_PIPELINE=0`` turns it off; kvpool.cluster.client.commits)."""
         self.token, self.timeout = token, timeout
+        pipelined = pipelined_default(pipelined_puts)  # a bad setting fails before connecting
         self._session = ClientSession(
             master, token=token, timeout=timeout, transport=transport, failover_s=failover_s
         )
         self._reads = LeasedReads(self._session, lease_cache_s, lease_cache_bytes)
-        self._putter = RemotePutter(
-            self._session, grant_budget(put_grant_bytes), pipelined_default(pipelined_puts)
-        )
+        self._putter = RemotePutter(self._session, grant_budget(put_grant_bytes), pipelined)
         self._stop = threading.Event()
         self._janitor = threading.Thread(
             target=self._hand_back_loop, name="kvpool-lease-cache", daemon=True
