@@ -389,8 +389,9 @@ class RemotePutter:
         mine = self._mine
         for key in keys:
             mine[key] = None
-        while len(mine) > MINE_MAX:
-            del mine[next(iter(mine))]
+        while len(mine) > MINE_MAX:  # the oldest go (another thread may race: harmless)
+            with contextlib.suppress(RuntimeError, StopIteration, KeyError):
+                del mine[next(iter(mine))]
 
     def _recover(self, items: list[Acked]) -> list[bool]:
         """Put acknowledged blocks whose commit the master refused again, from the
