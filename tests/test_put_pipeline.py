@@ -19,8 +19,7 @@ from clusterhelpers import Cluster, start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool
-from kvpool.cluster.client.commits import PutCommitError
-from kvpool.cluster.client.puts import pipelined_default
+from kvpool.cluster.client.commits import PutCommitError, pipelined_default
 from kvpool.cluster.wire import REVOKE, IdsRequest
 from kvpool.rpc.client import RpcClient
 

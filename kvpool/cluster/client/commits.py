@@ -40,6 +40,7 @@ janitor thread).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -79,6 +80,19 @@ class Acked:
     offset: int
     size: int
     granted: bool  # a grant (the commit binds the key) or an allocation for the key
+
+
+def pipelined_default(explicit: bool | None = None) -> bool:
+    """Whether puts pipeline their commit: ``explicit``, else ``$KVPOOL_PUT_PIPELINE``
+    (``0``/``1``), else True."""
+    if explicit is not None:
+        return explicit
+    raw = os.environ.get("KVPOOL_PUT_PIPELINE", "").strip()
+    if raw in ("", "1"):
+        return True
+    if raw == "0":
+        return False
+    raise ValueError(f"KVPOOL_PUT_PIPELINE must be 0 or 1, got {raw!r}")
 
 
 #: ``recover(items)``: put the sealed bytes of ``items`` again the classic way;

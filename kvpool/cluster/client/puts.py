@@ -5,37 +5,28 @@ makes the key visible (``COMMIT``); a write that fails is revoked, so a block
 is never visible half-written. Allocation costs a master round trip unless a
 *grant* (space reserved earlier with no key, kvpool.cluster.client.grants) is in stock.
 
-Pipelined commits (the default, kvpool.cluster.client.commits): a put with
-``replicas`` == 1 returns once its node holds the block whole with its key
-(TCP: the stamped write was acknowledged; same host: the copy was sealed),
-which is what makes it outlive a master crash; its ``COMMIT`` is sent on the
-master connection before ``put`` returns and answered in the background. So a
-put with a grant in stock costs the node's round trip only. A put of a key
-this client already put (and did not remove) goes the synchronous way, so it
-answers False exactly like before; a put of a key another client stored
-answers True and the commit keeps the first block (counted as a late
-duplicate). ``pipelined=False`` (or ``replicas`` > 1) commits synchronously:
-the put returns after the master's answer.
+Pipelined commits (the default; kvpool.cluster.client.commits has the rules):
+a put with ``replicas`` == 1 returns once its node holds the block whole with
+its key (what makes it outlive a master crash); its ``COMMIT`` is answered in
+the background, so a put with a grant in stock costs the node's round trip
+only. A put of a key this client already put goes the synchronous way and
+answers exactly; ``pipelined=False`` (or ``replicas`` > 1) commits synchronously.
 
 Invariants:
-- a key's bytes are written (and, same-host, sealed) before ``put`` answers
-  True; its commit is sent before ``put`` returns; a failed write's
-  allocation or grant is revoked, never committed;
+- a key's bytes are written (same-host: and sealed) before ``put`` answers True;
+  its commit is sent (or queued behind the one in flight) before it returns; a
+  failed write's allocation or grant is revoked, never committed;
 - a grant the master no longer knows at a synchronous commit, and any block
   whose write failed (its node died or restarted), is retried once the classic
-  way (allocate, write, commit: the master places it on a live node); only
-  then does ``put`` answer False for it. A pipelined commit the master refuses
-  is settled by ``CommitPipe`` (retry, look-up, recovery from the node's
-  sealed bytes), or raised as ``PutCommitError`` -- never dropped silently;
-- puts with ``replicas`` > 1 always allocate (grants are single placements)
-  and commit synchronously.
+  way; only then does ``put`` answer False for it. A pipelined commit the master
+  refuses is settled by ``CommitPipe`` or raised, never dropped silently;
+- puts with ``replicas`` > 1 allocate (grants are single placements), commit synchronously.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -70,19 +61,6 @@ Writes = dict[str, list[WriteItem]]
 # seals in flight: (node id, batch indices, the call that waits for their statuses)
 Sealing = tuple[str, list[int], Callable[[], list[int]]]
 log = logging.getLogger("kvpool.cluster.client")
-
-
-def pipelined_default(explicit: bool | None = None) -> bool:
-    """Whether puts pipeline their commit: ``explicit``, else ``$KVPOOL_PUT_PIPELINE``
-    (``0``/``1``), else True."""
-    if explicit is not None:
-        return explicit
-    raw = os.environ.get("KVPOOL_PUT_PIPELINE", "").strip()
-    if raw in ("", "1"):
-        return True
-    if raw == "0":
-        return False
-    raise ValueError(f"KVPOOL_PUT_PIPELINE must be 0 or 1, got {raw!r}")
 
 
 class RemotePutter:
@@ -412,7 +390,11 @@ class RemotePutter:
                 keys.append(a.key)
                 bufs.append(staging)
                 parents.append(a.parent)
+            else:
+                log.warning("node %s no longer holds block %s", a.node_id, a.key.hex()[:16])
         if keys:
-            self.put_once(keys, bufs, parents, 1, use_grants=False)
+            stored, full, why = self.put_once(keys, bufs, parents, 1, use_grants=False)
+            if full or not all(stored):
+                log.warning("recovery put: stored %s, no room for %s %s", stored, full, why)
         found = session.rpc.call(EXISTS, KeysRequest([a.key for a in items]))
         return [bool(f) for f in found]

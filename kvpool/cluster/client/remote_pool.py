@@ -38,11 +38,11 @@ from kvpool.args import (
     data_region,
     out_region,
 )
-from kvpool.cluster.client.commits import PutCommitError
+from kvpool.cluster.client.commits import PutCommitError, pipelined_default
 from kvpool.cluster.client.grants import grant_budget
 from kvpool.cluster.client.handles import RemoteBlockWriter, RemoteLease, ReservationTicket
 from kvpool.cluster.client.lease_cache import DEFAULT_HOLD_S, DEFAULT_MAX_BYTES
-from kvpool.cluster.client.puts import RemotePutter, pipelined_default
+from kvpool.cluster.client.puts import RemotePutter
 from kvpool.cluster.client.reads import LeasedReads
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.wire import (
