@@ -95,9 +95,10 @@ def pipelined_default(explicit: bool | None = None) -> bool:
     raise ValueError(f"KVPOOL_PUT_PIPELINE must be 0 or 1, got {raw!r}")
 
 
-#: ``recover(items)``: put the sealed bytes of ``items`` again the classic way;
-#: per item True (visible now, or found already stored) or False (lost).
-Recover = Callable[[list[Acked]], list[bool]]
+#: ``recover(items)``: put the sealed bytes of ``items`` again the classic way; per
+#: item True (visible now, or found already stored), None (read back but not visible
+#: yet: the cluster is still recovering) or False (the node no longer holds them).
+Recover = Callable[[list[Acked]], list[bool | None]]
 
 
 class CommitPipe:
@@ -258,25 +259,35 @@ class CommitPipe:
         )
         if not rest:
             return
-        # 2. After a master restart, the node holding the block re-registers it.
-        try:
-            found = list(self._rpc.call(EXISTS, KeysRequest([a.key for a in rest])))
-        except KVPoolError as exc:
-            self._lost(rest, f"no master answered: {exc}")
-            return
-        rest = [a for a, hit in zip(rest, found, strict=True) if not hit]
-        if not rest:
-            return
-        # 3. Read the sealed bytes back from the node and put them again.
-        try:
-            ok = self._recover(rest)
-        except KVPoolError as exc:
-            self._lost(rest, f"recovery failed: {exc}")
-            return
-        self.recovered += sum(ok)
-        lost = [a for a, good in zip(rest, ok, strict=True) if not good]
-        if lost:
-            self._lost(lost, "the master refused the commit and the node no longer holds the bytes")
+        # 2. After a master restart, the node holding the block re-registers it;
+        # 3. else read the sealed bytes back from the node and put them again. While
+        #    the cluster is still recovering (bytes in hand, not visible yet: nodes
+        #    re-registering), try again, until the failover deadline.
+        give_up, pause = time.monotonic() + self._deadline_s, 0.05
+        while True:
+            try:
+                found = list(self._rpc.call(EXISTS, KeysRequest([a.key for a in rest])))
+                rest = [a for a, hit in zip(rest, found, strict=True) if not hit]
+                if not rest:
+                    return
+                outcome = self._recover(rest)
+            except KVPoolError as exc:
+                self._lost(rest, f"recovery failed: {exc}")
+                return
+            self.recovered += sum(1 for v in outcome if v)
+            gone = [a for a, v in zip(rest, outcome, strict=True) if v is False]
+            if gone:
+                self._lost(
+                    gone, "the master refused the commit and the node no longer holds the bytes"
+                )
+            rest = [a for a, v in zip(rest, outcome, strict=True) if v is None]
+            if not rest:
+                return
+            if time.monotonic() + pause > give_up:
+                self._lost(rest, f"not visible within {self._deadline_s:g} s of recovering")
+                return
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
 
     def _call_commit(self, items: list[Acked]) -> list[bool | None]:
         request = CommitRequest([a.alloc_id for a in items])

@@ -371,13 +371,13 @@ class RemotePutter:
             with contextlib.suppress(RuntimeError, StopIteration, KeyError):
                 del mine[next(iter(mine))]
 
-    def _recover(self, items: list[Acked]) -> list[bool]:
+    def _recover(self, items: list[Acked]) -> list[bool | None]:
         """Put acknowledged blocks whose commit the master refused again, from the
-        bytes their node sealed: a checked read (the node serves them only while
-        that block still holds its range), then a classic put. Per item: whether
-        the key is visible now (put again, or found stored already)."""
+        bytes their node sealed: a checked read (served only while that block still
+        holds its range), then a classic put. Per item (``commits.Recover``): True
+        visible, None read back but not visible yet, False the bytes are gone."""
         session = self._session
-        keys, bufs, parents = [], [], []
+        keys, bufs, parents, held = [], [], [], []
         for a in items:
             staging = np.empty(a.size, np.uint8)
             try:
@@ -390,11 +390,10 @@ class RemotePutter:
                 keys.append(a.key)
                 bufs.append(staging)
                 parents.append(a.parent)
-            else:
-                log.warning("node %s no longer holds block %s", a.node_id, a.key.hex()[:16])
+            held.append(ok)
         if keys:
             stored, full, why = self.put_once(keys, bufs, parents, 1, use_grants=False)
             if full or not all(stored):
-                log.warning("recovery put: stored %s, no room for %s %s", stored, full, why)
+                log.info("recovery put: stored %s, no room for %s %s", stored, full, why)
         found = session.rpc.call(EXISTS, KeysRequest([a.key for a in items]))
-        return [bool(f) for f in found]
+        return [True if f else (None if h else False) for f, h in zip(found, held, strict=True)]
