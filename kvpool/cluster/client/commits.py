@@ -142,10 +142,9 @@ class CommitPipe:
             fut: Future[Any] = self._rpc.submit(COMMIT, request)
         except (KVPoolError, OSError) as exc:  # no master connected now: settle retries
             log.debug("commit not sent (%s); it is retried", exc)
-            with self._cond:
-                self._inflight = None
+            with self._cond:  # unsure first: flush's lock-free check never sees a gap
                 self._unsure += items + self._queue
-                self._queue = []
+                self._inflight, self._queue = None, []
                 self._cond.notify_all()
             return
         self.sent += 1
