@@ -110,6 +110,7 @@ class CommitPipe:
         self._inflight: list[Acked] | None = None  # the one COMMIT awaiting its answer
         self._queue: list[Acked] = []  # acknowledged while it was in flight: sent next
         self._unsure: list[Acked] = []  # unanswered (lost link) or refused: to settle
+        self._busy: list[Acked] = []  # being settled now (flush waits for them too)
         self._failed: list[tuple[list[bytes], str]] = []  # to raise on the next call
         self._withdrawn: set[int] = set()  # alloc ids of puts answered False after all
         self._open: set[int] = set()  # alloc ids whose put has not answered yet
@@ -170,7 +171,7 @@ class CommitPipe:
     def idle(self) -> bool:
         """Nothing in flight, queued or to settle."""
         with self._cond:
-            return self._inflight is None and not self._queue and not self._unsure
+            return self._inflight is None and not (self._queue or self._unsure or self._busy)
 
     def flush(self) -> None:
         """Wait until every commit of a put acknowledged so far is answered and
@@ -178,7 +179,9 @@ class CommitPipe:
         ``PutCommitError`` for what was lost."""
         # Fast path of every read (no lock): this thread's own puts set these
         # before they returned, so a read after them never misses its own writes.
-        if self._inflight is None and not (self._queue or self._unsure or self._failed):
+        if self._inflight is None and not (
+            self._queue or self._unsure or self._busy or self._failed
+        ):
             return
         if self.idle():
             self.check()
@@ -205,11 +208,15 @@ class CommitPipe:
                     for a in self._unsure
                     if a.alloc_id not in self._withdrawn and a.alloc_id not in self._open
                 ]
+                self._busy = items
                 self._unsure = [a for a in self._unsure if a.alloc_id in self._open]
                 if self._inflight is None and not self._queue and not self._unsure:
                     self._withdrawn.clear()  # nothing sent can name them any more
-            if items:
-                self._settle(items)
+            try:
+                if items:
+                    self._settle(items)
+            finally:
+                self._busy = []
 
     def close(self) -> None:
         """Flush (``close`` of the pool): every acknowledged put visible, or raised."""
