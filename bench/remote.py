@@ -187,6 +187,18 @@ class _Buffers:
         )
 
 
+OPS = ("put", "get_into", "get_into_leased", "put_batch", "get_into_batch")
+
+
+def ops_arg(text: str) -> tuple[str, ...]:
+    """``--ops``: a comma list of OPS."""
+    ops = tuple(o.strip() for o in text.split(",") if o.strip())
+    unknown = sorted(set(ops) - set(OPS))
+    if unknown or not ops:
+        raise argparse.ArgumentTypeError(f"unknown op(s) {unknown}; choose from {', '.join(OPS)}")
+    return ops
+
+
 def _kvpool_rows(
     pool: KVStore,
     transport: str,
@@ -194,6 +206,7 @@ def _kvpool_rows(
     raw: RawClient | None,
     batch: int,
     rounds: int,
+    ops: Sequence[str] = OPS,
 ) -> list[RemoteRow]:
     from kvpool.index.keys import Namespace, block_keys
 
@@ -257,23 +270,31 @@ def _kvpool_rows(
 
     rows = []
     remove_all()
-    base, ours = paired(size, b_put, put, count, rounds, remove_all)
-    rows.append(_row("put", transport, size, ours, base, what))
-    base, ours = paired(size, b_get, get, count, rounds)
-    rows.append(_row("get_into", transport, size, ours, base, what))
+    if "put" in ops:
+        base, ours = paired(size, b_put, put, count, rounds, remove_all)
+        rows.append(_row("put", transport, size, ours, base, what))
+    else:  # the reads need the keys stored
+        for i in range(count):
+            put(i)
+    if "get_into" in ops:
+        base, ours = paired(size, b_get, get, count, rounds)
+        rows.append(_row("get_into", transport, size, ours, base, what))
     # The same reads inside one lease held over the whole working set (as a
     # layer-wise reader holds its prefix): no master round trip per call, so
     # this row is the client's data path alone.
-    with pool.lease(keys, prefix=False) as lease:
-        if len(lease.keys) != count:
-            raise RuntimeError("a stored key could not be leased")
-        base, ours = paired(size, b_get, get, count, rounds)
-    rows.append(_row("get_into_leased", transport, size, ours, base, what))
+    if "get_into_leased" in ops:
+        with pool.lease(keys, prefix=False) as lease:
+            if len(lease.keys) != count:
+                raise RuntimeError("a stored key could not be leased")
+            base, ours = paired(size, b_get, get, count, rounds)
+        rows.append(_row("get_into_leased", transport, size, ours, base, what))
     n = len(groups)
-    base, ours = paired(size * batch, b_put_batch, put_batch, n, rounds, remove_all)
-    rows.append(_row("put_batch", transport, size, ours, base, what_put_b, batch))
-    base, ours = paired(size * batch, b_get_batch, get_batch, n, rounds)
-    rows.append(_row("get_into_batch", transport, size, ours, base, what_get_b, batch))
+    if "put_batch" in ops:
+        base, ours = paired(size * batch, b_put_batch, put_batch, n, rounds, remove_all)
+        rows.append(_row("put_batch", transport, size, ours, base, what_put_b, batch))
+    if "get_into_batch" in ops:
+        base, ours = paired(size * batch, b_get_batch, get_batch, n, rounds)
+        rows.append(_row("get_into_batch", transport, size, ours, base, what_get_b, batch))
     remove_all()
     used = pool.stats()["transport"]
     if used != transport:
@@ -334,6 +355,7 @@ def run_remote(
     pin: bool = True,
     peer: str | None = None,
     working_set: int = WORKING_SET,
+    ops: Sequence[str] = OPS,
 ) -> list[RemoteRow]:
     """Start the cluster and the baseline server, measure every (size, transport)."""
     unknown = set(transports) - set(TRANSPORTS)
@@ -361,7 +383,7 @@ def run_remote(
             for size in sizes:
                 bufs = _Buffers.make(size, counts[size])
                 for t in usable:
-                    rows += _kvpool_rows(pools[t], t, bufs, raw, batch, rounds)
+                    rows += _kvpool_rows(pools[t], t, bufs, raw, batch, rounds, ops)
                 del bufs
         finally:
             os.sched_setaffinity(0, saved)
@@ -627,6 +649,9 @@ def register_remote(suites: Any) -> None:
         help="bytes of distinct blocks per size (8-512 blocks)",
     )
     parser.add_argument("--no-pin", action="store_true", help="do not split CPUs between sides")
+    parser.add_argument(
+        "--ops", type=ops_arg, default=OPS, help=f"comma list of {', '.join(OPS)} (default all)"
+    )
     parser.set_defaults(func=_run)
 
 
@@ -640,6 +665,7 @@ def _run(args: argparse.Namespace) -> int:
         not args.no_pin,
         args.peer,
         args.working_set,
+        args.ops,
     )
     print_rows(rows)
     write_json(args.json, [asdict(r) for r in rows])

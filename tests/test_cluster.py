@@ -301,6 +301,7 @@ def test_a_node_restarted_on_the_same_port_never_serves_stale_offsets() -> None:
             out = np.empty(BLOCK, np.uint8)
             for i, key in enumerate(olds):
                 writer.put(key, payload(i))
+                writer.flush()  # visible to other clients (its commit was pipelined)
                 assert reader.get_into(key, out) == BLOCK  # its lease is now cached
             cluster.nodes.pop().kill()
             assert wait_until(lambda: not reader.stats()["nodes"], timeout=10)
@@ -308,6 +309,7 @@ def test_a_node_restarted_on_the_same_port_never_serves_stale_offsets() -> None:
             assert nodes_up(reader, 1)
             for i, key in enumerate(news):  # the fresh arena reuses the same offsets
                 writer.put(key, payload(10 + i))
+            writer.flush()
             # The first read finds the dead connection; later ones connect afresh.
             assert [reader.get_into(key, out) for key in olds] == [None] * 3
             for i, key in enumerate(news):

@@ -71,6 +71,8 @@ class ShmTransport(Transport):
             self._mmap: mmap.mmap | None = mmap.mmap(fd, size) if size else None
         finally:
             os.close(fd)
+        if self._mmap is not None:
+            _populate(self._mmap, size)
         self._arena: np.ndarray | None = (
             np.frombuffer(self._mmap, dtype=np.uint8)
             if self._mmap is not None
@@ -128,6 +130,25 @@ class ShmTransport(Transport):
                 with contextlib.suppress(BufferError):
                     self._mmap.close()
                 self._mmap = None
+
+
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14; absent from Python 3.11's mmap module
+POPULATE_MAX = 4 << 30  # bigger mappings keep first-touch faults (connect stays quick)
+
+
+def _populate(region: mmap.mmap, size: int) -> None:
+    """Fill this process's page tables for the mapping now, so no put or get pays
+    first-touch faults later: 256 per MiB of 4 KiB pages; a fresh 16 MiB range
+    copied in 10-22 ms against 1.4-5.5 ms warm (2026-12-01, under load). The node
+    pre-faulted the arena's pages, so this allocates no memory besides the page
+    tables (2 MiB per GiB mapped); it costs ~0.5 ms per MiB mapped under load,
+    once, at connect -- hence only up to ``POPULATE_MAX``. Older kernels: skipped."""
+    if size > POPULATE_MAX:
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        region.madvise(mmap.MADV_HUGEPAGE)
+    with contextlib.suppress(OSError):
+        region.madvise(_MADV_POPULATE_WRITE, 0, size)
 
 
 def _plain(buf: Any) -> bool:

@@ -9,8 +9,11 @@ a claimed grant then costs the copy + one round trip (seal and master commit
 in parallel). Over TCP nothing is claimed ahead: the stamp rides in the write.
 
 Invariants: a claim is released when its grant is dropped unused (stale,
-its node changed, the client closes), so a later allocation of the range is
-never kept waiting; a claim's connection closing releases it on the node.
+its node changed, the client closes) -- also when the grant was dropped while
+its claim was on the way -- so a later allocation of the range is never kept
+waiting (a leaked claim kept every later claim of the range ``BUSY``: puts
+there failed after 2 s each); a claim's connection closing releases it on
+the node.
 """
 
 from __future__ import annotations
@@ -47,8 +50,11 @@ class GrantClaims:
 
     def release(self, ids: list[int]) -> None:
         """Release the claims of grants dropped unused (best effort)."""
+        self._release(self._grants.claims_of(ids))
+
+    def _release(self, claims: list[tuple[Grant, int]]) -> None:
         by_node: dict[str, list[WriteStamp]] = {}
-        for grant, size in self._grants.claims_of(ids):
+        for grant, size in claims:
             by_node.setdefault(grant.node_id, []).append(grant_stamp(grant, size))
         for node_id, stamps in by_node.items():
             with contextlib.suppress(KVPoolError, *TRANSFER_ERRORS, KeyError):
@@ -73,4 +79,5 @@ class GrantClaims:
                     ok = [st == fenced.OK for st in statuses]
             except (KVPoolError, *TRANSFER_ERRORS) as exc:
                 log.debug("could not claim grants on %s ahead: %s", node_id, exc)
-            self._grants.claimed(items, ok)
+            # grants dropped while their claims were on the way: release them now
+            self._release(self._grants.claimed(items, ok))

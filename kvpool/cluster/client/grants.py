@@ -65,6 +65,7 @@ class GrantStock:
         # same-host put then skips the claim round trip. alloc id -> (grant, size)
         self._claimed: dict[int, tuple[Grant, int]] = {}
         self._claiming: set[int] = set()
+        self._taken_while_claiming: set[int] = set()  # their put claims them itself
 
     def target(self, size: int) -> int:
         """How many grants of ``size`` bytes to keep in stock (0: grants off)."""
@@ -79,6 +80,8 @@ class GrantStock:
                 grant = stock.popleft()
                 if grant.expires > now:
                     self.used += 1
+                    if grant.alloc_id in self._claiming:
+                        self._taken_while_claiming.add(grant.alloc_id)
                     return grant
         return None
 
@@ -138,14 +141,24 @@ class GrantStock:
             self._claiming.update(g.alloc_id for g, _ in found)
         return found
 
-    def claimed(self, grants: list[tuple[Grant, int]], ok: list[bool]) -> None:
-        """Record which claims succeeded (a grant taken meanwhile claimed its own)."""
+    def claimed(self, grants: list[tuple[Grant, int]], ok: list[bool]) -> list[tuple[Grant, int]]:
+        """Record which claims succeeded. Returns the successful claims of grants
+        dropped meanwhile (stale, their node changed, the client closing): the
+        caller must release them, or the node would keep their ranges held from
+        the next allocation there. A grant a put took meanwhile is left to that
+        put: it claims the same allocation itself, and its seal ends both."""
+        orphans = []
         with self._lock:
             stocked = {g.alloc_id for stock in self._stock.values() for g in stock}
             for (grant, size), good in zip(grants, ok, strict=True):
                 self._claiming.discard(grant.alloc_id)
+                taken = grant.alloc_id in self._taken_while_claiming
+                self._taken_while_claiming.discard(grant.alloc_id)
                 if good and grant.alloc_id in stocked:
                     self._claimed[grant.alloc_id] = (grant, size)
+                elif good and not taken:
+                    orphans.append((grant, size))
+        return orphans
 
     def was_claimed(self, alloc_id: int) -> bool:
         """Whether a grant just taken holds its node's claim (then it is the put's)."""

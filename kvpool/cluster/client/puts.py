@@ -3,17 +3,24 @@
 Two-phase by design: bytes land in an allocated range first, then the master
 makes the key visible (``COMMIT``); a write that fails is revoked, so a block
 is never visible half-written. Allocation costs a master round trip unless a
-*grant* (space reserved earlier with no key, kvpool.cluster.client.grants) is in stock:
-then a put is write + one commit round trip, which the key binding rides on.
+*grant* (space reserved earlier with no key, kvpool.cluster.client.grants) is in stock.
+
+Pipelined commits (the default; kvpool.cluster.client.commits has the rules):
+a put with ``replicas`` == 1 returns once its node holds the block whole with
+its key (what makes it outlive a master crash); its ``COMMIT`` is answered in
+the background, so a put with a grant in stock costs the node's round trip
+only. A put of a key this client already put goes the synchronous way and
+answers exactly; ``pipelined=False`` (or ``replicas`` > 1) commits synchronously.
 
 Invariants:
-- a key's bytes are written before its commit is sent; a failed write's
-  allocation or grant is revoked, never committed;
-- a grant the master no longer knows at commit (expired, master restarted),
-  and any block whose write failed (its node died or restarted), is retried
-  once the classic way (allocate, write, commit: the master places it on a
-  live node); only then does ``put`` answer False for it;
-- puts with ``replicas`` > 1 always allocate (grants are single placements).
+- a key's bytes are written (same-host: and sealed) before ``put`` answers True;
+  its commit is sent (or queued behind the one in flight) before it returns; a
+  failed write's allocation or grant is revoked, never committed;
+- a grant the master no longer knows at a synchronous commit, and any block
+  whose write failed (its node died or restarted), is retried once the classic
+  way; only then does ``put`` answer False for it. A pipelined commit the master
+  refuses is settled by ``CommitPipe`` or raised, never dropped silently;
+- puts with ``replicas`` > 1 allocate (grants are single placements), commit synchronously.
 """
 
 from __future__ import annotations
@@ -25,25 +32,31 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
+import numpy as np
+
 from kvpool.bindings.buffers import Region, region_nbytes
 from kvpool.cluster.client import fenced
 from kvpool.cluster.client.claims import GrantClaims
+from kvpool.cluster.client.commits import Acked, CommitPipe
 from kvpool.cluster.client.grants import Grant, GrantStock, use_window
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.wire import (
     ALLOCATE,
     COMMIT,
+    EXISTS,
     REVOKE,
     AllocateReply,
     AllocateRequest,
     CommitRequest,
     IdsRequest,
+    KeysRequest,
 )
 from kvpool.errors import KVPoolError
 from kvpool.transport.fencing import WriteStamp
 
 # (index into the batch, allocation or grant id, offset, master term, claimed ahead)
 WriteItem = tuple[int, int, int, int, bool]
+MINE_MAX = 1 << 16  # keys remembered as put by this client (own duplicates go synchronous)
 Writes = dict[str, list[WriteItem]]
 # seals in flight: (node id, batch indices, the call that waits for their statuses)
 Sealing = tuple[str, list[int], Callable[[], list[int]]]
@@ -53,11 +66,34 @@ log = logging.getLogger("kvpool.cluster.client")
 class RemotePutter:
     """Runs puts for one cluster client's session and keeps its stock of grants."""
 
-    def __init__(self, session: ClientSession, grant_bytes: int) -> None:
+    def __init__(self, session: ClientSession, grant_bytes: int, pipelined: bool = True) -> None:
         self._session = session
+        self.pipelined = pipelined
         self.grants = GrantStock(grant_bytes)
         self._claims = GrantClaims(session, self.grants)
+        self.commits = CommitPipe(session.rpc, self._recover, session.rpc.deadline)
+        self._mine: dict[bytes, None] = {}  # insertion-ordered, bounded by MINE_MAX
         session.on_region_change(self.forget_node)
+
+    def put(
+        self,
+        keys: Sequence[bytes],
+        regions: Sequence[Region],
+        parents: Sequence[bytes | None],
+        replicas: int,
+    ) -> tuple[list[bool], list[int], str]:
+        """``put_once`` with the commit pipelined where it may be (see the module
+        docstring); raises ``PutCommitError`` first for earlier puts known lost."""
+        self.commits.check()
+        pipelined = self.pipelined and replicas == 1
+        if pipelined and any(k in self._mine for k in keys):
+            self.commits.flush()  # its earlier commit decides the exact answer
+            pipelined = False
+        return self.put_once(keys, regions, parents, replicas, pipelined=pipelined)
+
+    def forget_key(self, key: bytes) -> None:
+        """This client removed ``key``: a put of it is no longer an own duplicate."""
+        self._mine.pop(key, None)
 
     def put_once(
         self,
@@ -67,11 +103,13 @@ class RemotePutter:
         replicas: int,
         use_grants: bool = True,
         again: bool = True,
+        pipelined: bool = False,
     ) -> tuple[list[bool], list[int], str]:
         """(stored per key, indices that found no room, the master's reason).
 
         ``again``: retry, once and without grants, what this pass could not
-        finish (a forgotten grant, or a write whose node failed).
+        finish (a forgotten grant, or a write whose node failed). ``pipelined``:
+        send the commit without waiting for it (``replicas`` must be 1).
         """
         if not keys:
             return [], [], ""
@@ -95,8 +133,27 @@ class RemotePutter:
             full, error = self._allocate(keys, sizes, parents, replicas, rest, use_grants, writes)
         written, lost, sealing = self._write(writes, keys, regions, parents, sizes)
         stored = [False] * len(keys)
-        retry = self._commit(keys, parents, written, granted, stored) + lost
-        self._sealed(sealing, stored)
+        acked: list[Acked] = []
+        if pipelined:
+            acked = [
+                self._acked(item, node, keys, parents, sizes, granted) for item, node in written
+            ]
+            self.commits.send(acked)  # overlaps the seals
+            for (i, *_), _node in written:
+                stored[i] = True
+            retry = lost
+        else:
+            retry = self._commit(keys, parents, written, granted, stored) + lost
+        sealed = False
+        try:
+            self._sealed(sealing, stored)
+            sealed = True
+        finally:
+            if pipelined:  # if the seals raised, the put raises: none of it was acked
+                refused = [a for (i, a, *_), _ in written if not (sealed and stored[i])]
+                self.commits.answered(acked, refused)
+        if pipelined:
+            self._remember([keys[i] for i, ok in enumerate(stored) if ok])
         if use_grants and not rest:  # after the commit: the master is not kept from it
             self._top_up(sizes[0])
         if retry and again:
@@ -125,6 +182,14 @@ class RemotePutter:
         self._revoke(stale)
 
     def close(self) -> None:
+        """Flush the pipelined commits (``PutCommitError`` for puts lost), then give
+        back the grants."""
+        try:
+            self.commits.close()
+        finally:
+            self._close_grants()
+
+    def _close_grants(self) -> None:
         self.grants.settle(timeout=1.0)
         self._claims.close()
         unused = self.grants.drain()
@@ -210,7 +275,7 @@ class RemotePutter:
         regions: Sequence[Region],
         parents: Sequence[bytes | None],
         sizes: list[int],
-    ) -> tuple[list[WriteItem], list[int], list[Sealing]]:
+    ) -> tuple[list[tuple[WriteItem, str]], list[int], list[Sealing]]:
         """Write every block, stamped with its allocation and key (one pipelined
         exchange per node): (what was written, indices whose write failed or was
         refused as stale, whose allocations are revoked; seals still in flight,
@@ -231,7 +296,7 @@ class RemotePutter:
                 continue
             for item, status in zip(items, statuses, strict=True):
                 if status == fenced.OK:
-                    written.append(item)
+                    written.append((item, node_id))
                 else:  # stale or busy: that allocation can no longer be filled
                     failed.append(item[1])
                     lost.append(item[0])
@@ -258,21 +323,21 @@ class RemotePutter:
         self,
         keys: Sequence[bytes],
         parents: Sequence[bytes | None],
-        written: list[WriteItem],
+        written: list[tuple[WriteItem, str]],
         granted: set[int],
         stored: list[bool],
     ) -> list[int]:
         """Commit what was written; fills ``stored``; returns grant indices to retry."""
         if not written:
             return []
-        ids = [item[1] for item in written]
+        ids = [item[1] for item, _ in written]
         request = CommitRequest(ids)
         if granted:
-            request.keys = [keys[i] if i in granted else None for i, *_ in written]
-            request.parents = [parents[i] if i in granted else None for i, *_ in written]
+            request.keys = [keys[i] if i in granted else None for (i, *_), _ in written]
+            request.parents = [parents[i] if i in granted else None for (i, *_), _ in written]
         done = self._session.rpc.call(COMMIT, request)
         retry = []
-        for (i, *_), ok in zip(written, done, strict=True):
+        for ((i, *_), _), ok in zip(written, done, strict=True):
             if ok is None and i in granted:
                 retry.append(i)
             else:
@@ -283,3 +348,52 @@ class RemotePutter:
         if ids:
             with contextlib.suppress(KVPoolError):
                 self._session.rpc.submit(REVOKE, IdsRequest(ids))
+
+    # -- pipelined commits -----------------------------------------------------------
+
+    @staticmethod
+    def _acked(
+        item: WriteItem,
+        node_id: str,
+        keys: Sequence[bytes],
+        parents: Sequence[bytes | None],
+        sizes: list[int],
+        granted: set[int],
+    ) -> Acked:
+        i, alloc_id, offset = item[0], item[1], item[2]
+        return Acked(keys[i], parents[i], alloc_id, node_id, offset, sizes[i], i in granted)
+
+    def _remember(self, keys: list[bytes]) -> None:
+        mine = self._mine
+        for key in keys:
+            mine[key] = None
+        while len(mine) > MINE_MAX:  # the oldest go (another thread may race: harmless)
+            with contextlib.suppress(RuntimeError, StopIteration, KeyError):
+                del mine[next(iter(mine))]
+
+    def _recover(self, items: list[Acked]) -> list[bool | None]:
+        """Put acknowledged blocks whose commit the master refused again, from the
+        bytes their node sealed: a checked read (served only while that block still
+        holds its range), then a classic put. Per item (``commits.Recover``): True
+        visible, None read back but not visible yet, False the bytes are gone."""
+        session = self._session
+        keys, bufs, parents, held = [], [], [], []
+        for a in items:
+            staging = np.empty(a.size, np.uint8)
+            try:
+                control = session.control(a.node_id)
+                ok = control.read_blocks([(a.offset, staging, a.key, a.offset)])[0]
+            except (KeyError, KVPoolError, *TRANSFER_ERRORS) as exc:
+                log.warning("could not read back block %s: %s", a.key.hex()[:16], exc)
+                ok = False
+            if ok:
+                keys.append(a.key)
+                bufs.append(staging)
+                parents.append(a.parent)
+            held.append(ok)
+        if keys:
+            stored, full, why = self.put_once(keys, bufs, parents, 1, use_grants=False)
+            if full or not all(stored):
+                log.info("recovery put: stored %s, no room for %s %s", stored, full, why)
+        found = session.rpc.call(EXISTS, KeysRequest([a.key for a in items]))
+        return [True if f else (None if h else False) for f, h in zip(found, held, strict=True)]

@@ -38,6 +38,7 @@ from kvpool.args import (
     data_region,
     out_region,
 )
+from kvpool.cluster.client.commits import PutCommitError, pipelined_default
 from kvpool.cluster.client.grants import grant_budget
 from kvpool.cluster.client.handles import RemoteBlockWriter, RemoteLease, ReservationTicket
 from kvpool.cluster.client.lease_cache import DEFAULT_HOLD_S, DEFAULT_MAX_BYTES
@@ -96,16 +97,20 @@ class RemotePool(LayerwiseMethods):
         lease_cache_bytes: int = DEFAULT_MAX_BYTES,
         put_grant_bytes: int | None = None,
         failover_s: float | None = None,
+        pipelined_puts: bool | None = None,
     ) -> None:
         """``failover_s``: how long a call waits for a master through a restart or
         failover before it raises ``MasterUnavailableError`` (default 10 s,
-        ``$KVPOOL_FAILOVER_S``)."""
+        ``$KVPOOL_FAILOVER_S``). ``pipelined_puts``: a put returns once its node
+        holds the block, its master commit answered in the background (default
+        True, ``$KVPOOL_PUT_PIPELINE=0`` turns it off; kvpool.cluster.client.commits)."""
         self.token, self.timeout = token, timeout
+        pipelined = pipelined_default(pipelined_puts)  # a bad setting fails before connecting
         self._session = ClientSession(
             master, token=token, timeout=timeout, transport=transport, failover_s=failover_s
         )
         self._reads = LeasedReads(self._session, lease_cache_s, lease_cache_bytes)
-        self._putter = RemotePutter(self._session, grant_budget(put_grant_bytes))
+        self._putter = RemotePutter(self._session, grant_budget(put_grant_bytes), pipelined)
         self._stop = threading.Event()
         self._janitor = threading.Thread(
             target=self._hand_back_loop, name="kvpool-lease-cache", daemon=True
@@ -149,7 +154,7 @@ class RemotePool(LayerwiseMethods):
         replicas: int,
     ) -> list[bool]:
         self._session.check_open()
-        stored, full, error = self._putter.put_once(keys, regions, parents, replicas)
+        stored, full, error = self._putter.put(keys, regions, parents, replicas)
         if full and self._reads.release_cached():  # our own cached leases may block it
             again, still, error = self._putter.put_once(
                 [keys[i] for i in full],
@@ -164,6 +169,13 @@ class RemotePool(LayerwiseMethods):
         if full:
             raise PoolFullError(error)
         return stored
+
+    def flush(self) -> None:
+        """Wait until every put this client acknowledged is visible to all clients
+        (its pipelined commit answered); ``PutCommitError`` names puts that could
+        not be made visible. Read-side calls and ``close`` flush first."""
+        self._session.check_open()
+        self._putter.commits.flush()
 
     def reserve(
         self, key: bytes, size: int, *, parent: bytes | None = None, device: bool = False
@@ -211,6 +223,7 @@ class RemotePool(LayerwiseMethods):
     def get(self, key: bytes) -> bytes | None:
         """A copy of the block's bytes, or None on a miss."""
         check_key(key)
+        self.flush()
         with self._reads.reading([key]) as found:
             if key not in found:
                 return None
@@ -225,25 +238,26 @@ class RemotePool(LayerwiseMethods):
         check_key(key)
         dst = out_region(out)
         check_read_range(offset, length)
-        self._session.check_open()
+        self.flush()
         return self._reads.read_into(key, dst, offset, length)
 
     def get_into_batch(self, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[int | None]:
         """``get_into`` for each pair; at most one lease round trip for the whole batch."""
         check_batch(keys, outs, what="outs")
         regions = [out_region(o) for o in outs]
+        self.flush()
         return self._reads.read_batch(keys, regions)
 
     def lease(self, keys: Sequence[bytes], *, prefix: bool = True) -> RemoteLease:
         """Pin the stored prefix of ``keys`` (or every stored key) until released."""
         check_keys(keys)
-        self._session.check_open()
+        self.flush()
         return self._reads.lease(keys, prefix)
 
     def locate(self, keys: Sequence[bytes]) -> list[list[str]]:
         """Node ids holding each key (empty where the key is not stored)."""
         check_keys(keys)
-        self._session.check_open()
+        self.flush()
         return [list(nodes) for nodes in self._session.rpc.call(LOCATE, KeysRequest(list(keys)))]
 
     def replicate(self, keys: Sequence[bytes], node: str | None = None) -> int:
@@ -252,7 +266,7 @@ class RemotePool(LayerwiseMethods):
         prefix next to the prefill worker it routes a request to."""
         check_keys(keys)
         session = self._session
-        session.check_open()
+        self.flush()
         request = ReplicateRequest(list(keys), node or "")
         reply = session.rpc.call(REPLICATE, request, response_type=ReplicateReply)
         session.learn(reply.nodes)
@@ -286,31 +300,36 @@ class RemotePool(LayerwiseMethods):
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """For each key, whether a committed block is stored under it."""
         check_keys(keys)
-        self._session.check_open()
+        self.flush()
         return list(self._session.rpc.call(EXISTS, KeysRequest(list(keys))))
 
     def prefix_match(self, keys: Sequence[bytes]) -> int:
         """Number of leading ``keys`` stored (the reusable prefix, in blocks)."""
         check_keys(keys)
-        self._session.check_open()
+        self.flush()
         return int(self._session.rpc.call(PREFIX, KeysRequest(list(keys))))
 
     def remove(self, key: bytes) -> bool:
         """Forget the block; False if it was not stored."""
         check_key(key)
-        self._session.check_open()
+        self.flush()
+        self._putter.forget_key(key)
         self._reads.forget(key)
         return bool(self._session.rpc.call(REMOVE, KeysRequest([key]))[0])
 
     def stats(self) -> dict[str, Any]:
         """The cluster's counters (from the master) plus this client's own."""
         session = self._session
-        session.check_open()
+        self.flush()
         stats = dict(session.rpc.call(STATS))
+        commits = self._putter.commits
         stats["client"] = {
             **session.counts,
             "put_grants_used": self._putter.grants.used,
             "put_grant_refills": self._putter.grants.refills,
+            "put_commits_pipelined": commits.sent,
+            "put_duplicates_late": commits.duplicates,  # pipelined puts of keys stored already
+            "put_commits_recovered": commits.recovered,
             "master_waits": session.rpc.failovers,  # calls that waited through a failover
         }
         stats["transports"] = session.peers.stats()
@@ -318,16 +337,26 @@ class RemotePool(LayerwiseMethods):
         return stats
 
     def close(self) -> None:
-        """Give back grants and leases, then drop every connection. Idempotent."""
+        """Flush pipelined commits, give back grants and leases, then drop every
+        connection. Idempotent. Raises ``PutCommitError`` (after closing) if
+        acknowledged puts could not be made visible."""
         if self._session.closed:
             return
         self._stop.set()
-        with contextlib.suppress(KVPoolError):
+        lost: PutCommitError | None = None
+        try:
             self._putter.close()  # before the waited release: same connection, in order
+        except PutCommitError as exc:
+            lost = exc
+        except KVPoolError:
+            pass
+        with contextlib.suppress(KVPoolError):
             self._reads.hand_back_due(everything=True)
         self._session.close()
         if self._node is not None:
             self._node.close()
+        if lost is not None:
+            raise lost
 
     def __enter__(self) -> RemotePool:
         return self
@@ -344,6 +373,7 @@ class RemotePool(LayerwiseMethods):
             with contextlib.suppress(KVPoolError, OSError):
                 self._reads.hand_back_due()
                 self._putter.revoke_stale()
+                self._putter.commits.settle()  # refused commits: visible within a tick
 
     def _contribute(self, master: str, dram_bytes: int) -> Any:
         from kvpool.cluster.node import NodeConfig, StorageNode

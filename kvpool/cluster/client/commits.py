@@ -1,0 +1,312 @@
+"""Pipelined commits: a put is acknowledged when its node holds it, not when the master does.
+
+A distributed put has two halves (kvpool.cluster.client.puts): the bytes land
+on a node under the write fence, then the master's ``COMMIT`` makes the key
+visible. The first half is what makes a put *durable*: once the node has the
+block whole with its key (the TCP write carrying its stamp was acknowledged,
+or the same-host copy was sealed), the node reports that block when it
+(re-)registers, so it outlives a master crash at any instant. The second half
+only makes it *visible*. ``CommitPipe`` takes that second round trip off the
+put's critical path: the put sends its ``COMMIT`` on the master connection
+(without waiting) and returns; the reply is handled when it arrives.
+
+Rules (the README's "visibility rule"):
+- read-your-writes: every read-side call of the writer (get*, exists,
+  prefix_match, lease, locate, remove, replicate, stats) first ``flush``-es, i.e.
+  waits for the answers of the commits it sent;
+- other clients see a block once its commit reached the master: the
+  commit is on the wire when ``put`` returns, so within one master round trip
+  when healthy; across a master restart or failover, once the node holding it
+  re-registered (or the retried commit landed);
+- no acknowledged put is lost silently. A commit the master could not apply
+  (its connection was lost; the grant or allocation is unknown: the master
+  restarted, or expired it) is settled by ``settle``: retried on the current
+  master, else looked up (a node that re-registered brought it back), else
+  *recovered* -- the sealed bytes are read back from the node through the
+  fence's checked read (served only while that block still holds the range)
+  and put again the classic way. Only if that fails too does the put become
+  an error: ``PutCommitError``, raised by the next call of the writer that
+  flushes or puts, and by ``close``;
+- a grant is used at most ``grants.MAX_USE_S`` (1 s) after it was granted and
+  its commit is sent at the ack, so in a healthy cluster a commit arrives long
+  before the master could expire the grant (its TTL is at least twice that).
+
+Thread-safety: one condition guards the bookkeeping; replies are handled on the
+RPC reader thread, which only records them (no calls there); retries and
+recoveries run in the caller of ``settle`` (a writer's call, or the client's
+janitor thread).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.cluster.wire import COMMIT, EXISTS, CommitRequest, KeysRequest
+from kvpool.errors import KVPoolError
+
+log = logging.getLogger("kvpool.cluster.client")
+
+
+class PutCommitError(KVPoolError):
+    """Puts were acknowledged, but their blocks could not be made visible (their
+    commit was refused and the bytes could not be recovered from the node)."""
+
+    def __init__(self, keys: Sequence[bytes], why: str) -> None:
+        self.keys = list(keys)
+        shown = ", ".join(k.hex()[:16] for k in self.keys[:4])
+        more = f" and {len(self.keys) - 4} more" if len(self.keys) > 4 else ""
+        super().__init__(
+            f"{len(self.keys)} acknowledged put(s) could not be made visible "
+            f"(keys {shown}{more}): {why}"
+        )
+
+
+@dataclass(frozen=True)
+class Acked:
+    """A put acknowledged to its caller whose commit is on its way: where its
+    sealed bytes are (for a recovery) and what the commit binds."""
+
+    key: bytes
+    parent: bytes | None
+    alloc_id: int
+    node_id: str
+    offset: int
+    size: int
+    granted: bool  # a grant (the commit binds the key) or an allocation for the key
+
+
+def pipelined_default(explicit: bool | None = None) -> bool:
+    """Whether puts pipeline their commit: ``explicit``, else ``$KVPOOL_PUT_PIPELINE``
+    (``0``/``1``), else True."""
+    if explicit is not None:
+        return explicit
+    raw = os.environ.get("KVPOOL_PUT_PIPELINE", "").strip()
+    if raw in ("", "1"):
+        return True
+    if raw == "0":
+        return False
+    raise ValueError(f"KVPOOL_PUT_PIPELINE must be 0 or 1, got {raw!r}")
+
+
+#: ``recover(items)``: put the sealed bytes of ``items`` again the classic way; per
+#: item True (visible now, or found already stored), None (read back but not visible
+#: yet: the cluster is still recovering) or False (the node no longer holds them).
+Recover = Callable[[list[Acked]], list[bool | None]]
+
+
+class CommitPipe:
+    """The commits of one client's acknowledged puts, on their way to the master."""
+
+    def __init__(self, rpc: Any, recover: Recover, deadline_s: float) -> None:
+        self._rpc, self._recover, self._deadline_s = rpc, recover, deadline_s
+        self._cond = threading.Condition()
+        self._inflight: list[Acked] | None = None  # the one COMMIT awaiting its answer
+        self._queue: list[Acked] = []  # acknowledged while it was in flight: sent next
+        self._unsure: list[Acked] = []  # unanswered (lost link) or refused: to settle
+        self._busy: list[Acked] = []  # being settled now (flush waits for them too)
+        self._failed: list[tuple[list[bytes], str]] = []  # to raise on the next call
+        self._withdrawn: set[int] = set()  # alloc ids of puts answered False after all
+        self._open: set[int] = set()  # alloc ids whose put has not answered yet
+        self._settling = threading.Lock()
+        self.sent = self.duplicates = self.recovered = 0
+
+    # -- the put's side -----------------------------------------------------------------
+
+    def send(self, items: list[Acked]) -> None:
+        """Commit ``items`` without waiting: sent now when no commit is in flight,
+        else coalesced into the one sent when the in-flight one is answered (so a
+        stream of puts costs one master round trip per answer, not per put)."""
+        if not items:
+            return
+        with self._cond:
+            self._open.update(a.alloc_id for a in items)
+            if self._inflight is not None:
+                self._queue += items
+                return
+            self._inflight = items
+        self._submit(items)
+
+    def _submit(self, items: list[Acked]) -> None:
+        """Send the in-flight batch ``items`` (``_inflight`` is set to it)."""
+        request = CommitRequest([a.alloc_id for a in items])
+        if any(a.granted for a in items):
+            request.keys = [a.key if a.granted else None for a in items]
+            request.parents = [a.parent if a.granted else None for a in items]
+        try:
+            fut: Future[Any] = self._rpc.submit(COMMIT, request)
+        except (KVPoolError, OSError) as exc:  # no master connected now: settle retries
+            log.debug("commit not sent (%s); it is retried", exc)
+            with self._cond:  # unsure first: flush's lock-free check never sees a gap
+                self._unsure += items + self._queue
+                self._inflight, self._queue = None, []
+                self._cond.notify_all()
+            return
+        self.sent += 1
+        fut.add_done_callback(lambda f: self._answered(items, f))
+
+    def answered(self, items: list[Acked], refused: list[int]) -> None:
+        """The put that sent ``items`` answered; ``refused``: the alloc ids it
+        answered False for after all (their node refused the seal that the commit
+        overlapped), so a refused commit of theirs is no error. Until this call,
+        ``settle`` leaves the put's items alone."""
+        with self._cond:
+            self._open.difference_update(a.alloc_id for a in items)
+            self._withdrawn.update(refused)
+
+    def check(self) -> None:
+        """Raise ``PutCommitError`` for puts already known lost (no waiting)."""
+        with self._cond:
+            failed, self._failed = self._failed, []
+        if failed:
+            keys = [k for ks, _ in failed for k in ks]
+            raise PutCommitError(keys, "; ".join(sorted({why for _, why in failed})))
+
+    def idle(self) -> bool:
+        """Nothing in flight, queued or to settle."""
+        with self._cond:
+            return self._inflight is None and not (self._queue or self._unsure or self._busy)
+
+    def flush(self) -> None:
+        """Wait until every commit of a put acknowledged so far is answered and
+        every refused one settled (bounded by the failover deadline), then raise
+        ``PutCommitError`` for what was lost."""
+        # Fast path of every read (no lock): this thread's own puts set these
+        # before they returned, so a read after them never misses its own writes.
+        if self._inflight is None and not (
+            self._queue or self._unsure or self._busy or self._failed
+        ):
+            return
+        if self.idle():
+            self.check()
+            return
+        give_up = time.monotonic() + self._deadline_s + 1.0
+        with self._cond:
+            while self._inflight is not None or self._queue:
+                left = give_up - time.monotonic()
+                if left <= 0:  # never answered: settle retries them on the current master
+                    self._unsure += (self._inflight or []) + self._queue
+                    self._inflight, self._queue = None, []
+                    break
+                self._cond.wait(min(left, 0.5))
+        self.settle()
+        self.check()
+
+    def settle(self) -> None:
+        """Retry, look up or recover the commits that were not applied (blocking:
+        master calls, reads from nodes). Runs in a writer's call or the janitor."""
+        with self._settling:
+            with self._cond:
+                items = [
+                    a
+                    for a in self._unsure
+                    if a.alloc_id not in self._withdrawn and a.alloc_id not in self._open
+                ]
+                self._busy = items
+                self._unsure = [a for a in self._unsure if a.alloc_id in self._open]
+                if self._inflight is None and not self._queue and not self._unsure:
+                    self._withdrawn.clear()  # nothing sent can name them any more
+            try:
+                if items:
+                    self._settle(items)
+            finally:
+                self._busy = []
+
+    def close(self) -> None:
+        """Flush (``close`` of the pool): every acknowledged put visible, or raised."""
+        self.flush()
+
+    # -- replies and settling -------------------------------------------------------------
+
+    def _answered(self, items: list[Acked], fut: Future[Any]) -> None:
+        """On the RPC reader thread: record the answers (cheap), then send what was
+        queued meanwhile (one small frame on a connection that just answered)."""
+        with self._cond:
+            if self._inflight is not items:  # flush gave up on it: settle owns it now
+                return
+            try:
+                done = list(fut.result(timeout=0))
+            except Exception as exc:  # lost connection, failover: settle retries
+                log.debug("commit unanswered (%s); it is retried", exc)
+                self._unsure += items + self._queue
+                self._inflight, self._queue = None, []
+                self._cond.notify_all()
+                return
+            for item, ok in zip(items, done, strict=False):
+                if ok:
+                    continue
+                if ok is False and item.granted:
+                    self.duplicates += 1  # the key was stored already: the first block stays
+                else:  # unknown grant (None), or an allocation the master no longer has
+                    self._unsure.append(item)
+            following, self._queue = self._queue, []
+            self._inflight = following or None
+            self._cond.notify_all()
+        if following:
+            self._submit(following)
+
+    def _settle(self, items: list[Acked]) -> None:
+        # 1. Retry the commit itself on whichever master leads now (MasterLink rides
+        #    through a failover); a new master answers None/False: it never lent it.
+        try:
+            done = self._call_commit(items)
+        except KVPoolError as exc:
+            self._lost(items, f"no master took the commit: {exc}")
+            return
+        rest = [
+            a
+            for a, ok in zip(items, done, strict=True)
+            if not ok and not (ok is False and a.granted)
+        ]
+        self.duplicates += sum(
+            1 for a, ok in zip(items, done, strict=True) if ok is False and a.granted
+        )
+        if not rest:
+            return
+        # 2. After a master restart, the node holding the block re-registers it;
+        # 3. else read the sealed bytes back from the node and put them again. While
+        #    the cluster is still recovering (bytes in hand, not visible yet: nodes
+        #    re-registering), try again, until the failover deadline.
+        give_up, pause = time.monotonic() + self._deadline_s, 0.05
+        while True:
+            try:
+                found = list(self._rpc.call(EXISTS, KeysRequest([a.key for a in rest])))
+                rest = [a for a, hit in zip(rest, found, strict=True) if not hit]
+                if not rest:
+                    return
+                outcome = self._recover(rest)
+            except KVPoolError as exc:
+                self._lost(rest, f"recovery failed: {exc}")
+                return
+            self.recovered += sum(1 for v in outcome if v)
+            gone = [a for a, v in zip(rest, outcome, strict=True) if v is False]
+            if gone:
+                self._lost(
+                    gone, "the master refused the commit and the node no longer holds the bytes"
+                )
+            rest = [a for a, v in zip(rest, outcome, strict=True) if v is None]
+            if not rest:
+                return
+            if time.monotonic() + pause > give_up:
+                self._lost(rest, f"not visible within {self._deadline_s:g} s of recovering")
+                return
+            time.sleep(pause)
+            pause = min(2 * pause, 0.5)
+
+    def _call_commit(self, items: list[Acked]) -> list[bool | None]:
+        request = CommitRequest([a.alloc_id for a in items])
+        if any(a.granted for a in items):
+            request.keys = [a.key if a.granted else None for a in items]
+            request.parents = [a.parent if a.granted else None for a in items]
+        return list(self._rpc.call(COMMIT, request))
+
+    def _lost(self, items: list[Acked], why: str) -> None:
+        log.error("%d acknowledged put(s) lost: %s", len(items), why)
+        with self._cond:
+            self._failed.append(([a.key for a in items], why))
