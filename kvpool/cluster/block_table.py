@@ -21,6 +21,11 @@ Invariants (all under one lock):
   resumed writer can never put bytes into a range a newer allocation owns;
 - when a new term starts, entries not yet written are aborted: their writes
   end ``STALE`` and the entry goes once nothing is in flight there;
+- heartbeat ``commit`` and ``free`` events name the allocation that filled
+  the range and touch only that allocation's entry: after a remove and a
+  re-put of the same key into the same range, a late commit or free of the
+  old block never marks or drops the new one (0: unknown, matched by range
+  and key, as events of blocks re-registered with this master are);
 - a heartbeat ``free`` drops only a ``COMMITTED`` entry: an entry written for
   a newer allocation of the same range (its commit event comes later in the
   ordered stream) is kept.
@@ -190,24 +195,37 @@ class BlockTable:
                 report.append(entry.wire())
             return report
 
-    def committed(self, key: bytes, offset: int, size: int, parent: bytes | None) -> Entry | None:
-        """The master made ``key`` visible at ``offset``; the entry to checksum, if new."""
+    def committed(
+        self, key: bytes, offset: int, size: int, parent: bytes | None, alloc_id: int = 0
+    ) -> Entry | None:
+        """The master made ``key`` (allocation ``alloc_id`` of this term; 0: unknown)
+        visible at ``offset``; the entry to checksum, if new."""
         with self._cond:
             entry = self._entries.get(offset)
-            if entry is not None and entry.stamp.key == key and entry.stamp.size == size:
-                entry.state = COMMITTED
-                return entry
-            if entry is None and not self._overlapping(offset, size):
+            if entry is not None:
+                mine = self._names(entry, alloc_id) and entry.stamp.key == key
+                if mine and entry.stamp.size == size:
+                    entry.state = COMMITTED
+                    return entry
+                return None  # another (newer) allocation of the range holds it now
+            if not self._overlapping(offset, size):
                 # Bytes the node wrote itself (SSD promotion): no client stamp.
-                entry = Entry(WriteStamp(self.epoch, 0, offset, size, key, parent), COMMITTED)
+                stamp = WriteStamp(self.epoch, alloc_id, offset, size, key, parent)
+                entry = Entry(stamp, COMMITTED)
                 self._insert(entry)
                 return entry
             return None  # a newer allocation of the range already took it over
 
-    def freed(self, offset: int) -> None:
+    def freed(self, offset: int, alloc_id: int = 0) -> None:
+        """The master freed the block of allocation ``alloc_id`` (0: unknown) at ``offset``."""
         with self._cond:
             entry = self._entries.get(offset)
-            if entry is not None and entry.state == COMMITTED and not entry.inflight:
+            if (
+                entry is not None
+                and entry.state == COMMITTED
+                and not entry.inflight
+                and self._names(entry, alloc_id)
+            ):
                 self._remove(entry)
                 self._cond.notify_all()
 
@@ -228,6 +246,16 @@ class BlockTable:
             return None if entry is None else entry.state
 
     # -- helpers (under the lock) -------------------------------------------------------
+
+    def _names(self, entry: Entry, alloc_id: int) -> bool:
+        """Whether a heartbeat event about allocation ``alloc_id`` is about ``entry``.
+
+        Allocation ids are unique within a term; an entry of an older term (a
+        block re-registered with this master) is known to it as 0. Either side
+        0 (unknown: an old master, a restored block) falls back to the range."""
+        if alloc_id == 0 or entry.stamp.alloc_id == 0:
+            return True
+        return entry.stamp.alloc_id == alloc_id and entry.stamp.epoch == self.epoch
 
     def _hold(self, entry: Entry, owner: object) -> None:
         entry.inflight += 1

@@ -187,10 +187,11 @@ class StorageNode:
         each at once (checked reads of it may follow before the next heartbeat)."""
         assert self.ssd is not None
         loaded = self.ssd.load(items)
-        for (key, offset), ok in zip(items, loaded, strict=True):
+        for (key, offset, *rest), ok in zip(items, loaded, strict=True):
             found = self.ssd.describe(key) if ok else None
             if found is not None:
-                self.table.committed(key, offset, found[0], found[1])
+                alloc_id = rest[0] if rest else 0
+                self.table.committed(key, offset, found[0], found[1], alloc_id)
         return loaded
 
     def _rpc(self) -> MasterLink:
@@ -250,12 +251,12 @@ class StorageNode:
         committed = []
         for event in events:
             if event[0] == EVENT_COMMIT:
-                _, key, offset, size, parent = event
-                entry = self.table.committed(key, offset, size, parent)
+                _, key, offset, size, parent, *rest = event  # alloc_id: absent from old masters
+                entry = self.table.committed(key, offset, size, parent, rest[0] if rest else 0)
                 if entry is not None:
                     committed.append(entry)
             elif event[0] == EVENT_FREE:
-                self.table.freed(event[1])
+                self.table.freed(event[1], event[2] if len(event) > 2 else 0)
             elif event[0] == EVENT_SSD_DROP and self.ssd is not None:
                 self.ssd.drop(event[1])
         for entry in committed:
