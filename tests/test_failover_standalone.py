@@ -125,15 +125,17 @@ def _ride_through(cluster: Cluster) -> None:
             assert pool.get_into(key, out) == out.size and np.array_equal(out, payload(i, 64 << 10))
 
 
-def test_a_reader_with_an_outdated_lease_never_gets_another_blocks_bytes() -> None:
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_a_reader_with_an_outdated_lease_never_gets_another_blocks_bytes(transport: str) -> None:
     """A client holds a cached lease on a block; the master restarts, the block is
-    removed and its range reused by another block. The old lease's read (TCP)
-    is refused by the node: a miss, not the other block's bytes."""
+    removed and its range reused by another block. The old lease's read is a
+    miss, not the other block's bytes: over TCP the node refuses it, over shared
+    memory the block's identity record no longer names it."""
     from kvpool.errors import PoolFullError
 
     cluster = start_cluster(["1MiB"])  # one block of room: the range must be reused
     try:
-        reader = kvpool.connect(cluster.url, timeout=5, transport="tcp", lease_cache_s=60)
+        reader = kvpool.connect(cluster.url, timeout=5, transport=transport, lease_cache_s=60)
         other = kvpool.connect(cluster.url, timeout=5)
         k1, k2 = b"\x31" * 16, b"\x32" * 16
         out = np.empty(MIB, np.uint8)
@@ -153,6 +155,7 @@ def test_a_reader_with_an_outdated_lease_never_gets_another_blocks_bytes() -> No
         got = reader.get_into(k1, out)
         assert got is None or np.array_equal(out, payload(1))
         assert not np.array_equal(out, payload(2))
+        assert reader.stats()["transport"] == transport
         assert other.get_into(k2, out) == MIB and np.array_equal(out, payload(2))
         reader.close()
         other.close()

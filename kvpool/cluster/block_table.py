@@ -28,7 +28,11 @@ Invariants (all under one lock):
   and key, as events of blocks re-registered with this master are);
 - a heartbeat ``free`` drops only a ``COMMITTED`` entry: an entry written for
   a newer allocation of the same range (its commit event comes later in the
-  ordered stream) is kept.
+  ordered stream) is kept;
+- same-host readers check the identity records (kvpool.transport.shm_ident):
+  a block's record is published once it is whole (WRITTEN or COMMITTED) and
+  retracted when its entry goes or another entry starts there, always before
+  a claim that lets new bytes into the range is granted.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, FENCE_STALE, WriteStamp
+from kvpool.transport.shm_ident import BlockIdents
 
 CLAIMED, WRITTEN, COMMITTED = "claimed", "written", "committed"
 DEFAULT_CLAIM_WAIT = 2.0  # seconds a newer claim waits for older writes in flight
@@ -65,9 +70,13 @@ class BlockTable:
     """The node's blocks by range and the fence every stamped write passes."""
 
     def __init__(
-        self, checksum: Callable[[int, int], int], claim_wait: float = DEFAULT_CLAIM_WAIT
+        self,
+        checksum: Callable[[int, int], int],
+        claim_wait: float = DEFAULT_CLAIM_WAIT,
+        idents: BlockIdents | None = None,
     ) -> None:
         self._checksum = checksum  # (offset, size) -> xxh3_64 of those arena bytes
+        self._idents = idents  # same-host readers check these (None: not published)
         self.claim_wait = claim_wait
         self.epoch = 0  # the term served now (0: none, every claim is stale)
         self.highest = 0  # the highest term ever served (a lower master is stale)
@@ -119,6 +128,7 @@ class BlockTable:
                 for held in self._owners.values():
                     held.pop(entry, None)
                 entry.inflight, entry.stamp, entry.state = 0, stamp, WRITTEN
+                self._publish(entry)
                 self._cond.notify_all()
                 return FENCE_OK
             if mine:
@@ -213,6 +223,7 @@ class BlockTable:
                 stamp = WriteStamp(self.epoch, alloc_id, offset, size, key, parent)
                 entry = Entry(stamp, COMMITTED)
                 self._insert(entry)
+                self._publish(entry)
                 return entry
             return None  # a newer allocation of the range already took it over
 
@@ -228,6 +239,16 @@ class BlockTable:
             ):
                 self._remove(entry)
                 self._cond.notify_all()
+
+    def take_over(self, offset: int, size: int) -> None:
+        """The node itself is about to write [offset, offset + size) (an SSD load
+        into a range the master chose): whatever the table still holds there is
+        gone (its late free may not have arrived), so no reader takes those bytes
+        for the old block and a stale writer's seal there is refused."""
+        with self._cond:
+            for entry in self._overlapping(offset, size):
+                self._remove(entry)
+            self._cond.notify_all()
 
     def set_checksum(self, entry: Entry) -> int:
         s = entry.stamp
@@ -294,9 +315,18 @@ class BlockTable:
         offset = entry.stamp.offset
         self._entries[offset] = entry
         bisect.insort(self._offsets, offset)
+        if self._idents is not None:
+            self._idents.retract(offset)  # not readable until published
 
     def _remove(self, entry: Entry) -> None:
         offset = entry.stamp.offset
         if self._entries.get(offset) is entry:
             del self._entries[offset]
             del self._offsets[bisect.bisect_left(self._offsets, offset)]
+            if self._idents is not None:
+                self._idents.retract(offset)
+
+    def _publish(self, entry: Entry) -> None:
+        if self._idents is not None:
+            s = entry.stamp
+            self._idents.publish(s.offset, s.size, s.key)
