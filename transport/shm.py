@@ -104,8 +104,15 @@ class ShmTransport(Transport):
         if idents is None:
             self.read_into(block_offset + start, out)
             return True
-        length = out.nbytes if _plain(out) else region_nbytes(as_region(out, writable=True))
-        seq = idents.check_then(key, block_offset, start, length)
+        if _plain(out) and out.flags.writeable:  # fast path, as in read_into
+            length = out.nbytes
+            seq = idents.check_then(key, block_offset, start, length)
+            if seq < 0:
+                return False
+            np.copyto(out, self._span(block_offset + start, length))
+            self.bytes_read += length
+            return idents.still(block_offset, seq)
+        seq = idents.check_then(key, block_offset, start, region_nbytes(as_region(out)))
         if seq < 0:
             return False
         self.read_into(block_offset + start, out)

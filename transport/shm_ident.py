@@ -42,8 +42,6 @@ import mmap
 import os
 import struct
 
-import numpy as np
-
 #: The granule of block starts (the master's allocator aligns every extent to it).
 ALIGN = 4096
 #: seq, size, key
@@ -83,7 +81,9 @@ class BlockIdents:
             self._mmap: mmap.mmap | None = mmap.mmap(fd, size, access=access)
         finally:
             os.close(fd)
-        self._seqs = np.frombuffer(self._mmap, dtype=np.uint64)
+        # The records as u64 words (seq is word 0 of each): one aligned 8-byte load
+        # or store per access, and a plain int back (cheaper than numpy scalars).
+        self._words: memoryview | None = memoryview(self._mmap).cast("Q")
         self._records = size // RECORD.size
 
     # -- the writer (the node, under its table's lock) ---------------------------------
@@ -91,45 +91,52 @@ class BlockIdents:
     def retract(self, offset: int) -> None:
         """No block may be read at ``offset`` any more (odd seq)."""
         slot = self._slot(offset)
-        if slot is not None:
-            seq = int(self._seqs[slot * 4 + _SEQ])
+        if slot is not None and self._words is not None:
+            seq = self._words[slot * 4 + _SEQ]
             if not seq & 1:
-                self._seqs[slot * 4 + _SEQ] = seq + 1
+                self._words[slot * 4 + _SEQ] = seq + 1
 
     def publish(self, offset: int, size: int, key: bytes) -> None:
         """Block ``key`` (``size`` bytes) starts at ``offset`` and is whole."""
         slot = self._slot(offset)
-        if slot is None or len(key) != 16:
+        words = self._words
+        if slot is None or words is None or len(key) != 16:
             return
         assert self._mmap is not None
-        seq = int(self._seqs[slot * 4 + _SEQ])
+        seq = words[slot * 4 + _SEQ]
         if not seq & 1:
             seq += 1
-            self._seqs[slot * 4 + _SEQ] = seq
+            words[slot * 4 + _SEQ] = seq
         _BODY.pack_into(self._mmap, slot * RECORD.size + 8, size, key)
-        self._seqs[slot * 4 + _SEQ] = seq + 1
+        words[slot * 4 + _SEQ] = seq + 1
 
     # -- the reader ---------------------------------------------------------------------
 
     def check_then(self, key: bytes, block_offset: int, start: int, length: int) -> int:
         """Before a copy: the seq to compare afterwards (``still``), or -1 if the
         record does not name block ``key`` covering [start, start + length) now."""
-        slot = self._slot(block_offset)
-        if slot is None or self._mmap is None:
+        words, mm = self._words, self._mmap
+        if block_offset < 0 or block_offset % ALIGN or words is None or mm is None:
             return -1
-        seq, size, found = RECORD.unpack_from(self._mmap, slot * RECORD.size)
-        if seq & 1 or seq == 0 or found != key or start < 0 or start + length > size:
+        slot = block_offset // ALIGN
+        if slot >= self._records:
             return -1
-        return int(seq)
+        at = slot * 4
+        seq = words[at + _SEQ]  # first: the size and key read next belong to it or later
+        if seq & 1 or seq == 0 or start < 0 or start + length > words[at + 1]:
+            return -1
+        found = mm[at * 8 + 16 : at * 8 + 32]
+        return seq if found == key else -1
 
     def still(self, block_offset: int, seq: int) -> bool:
-        """After the copy: nothing touched the block since ``check_then`` returned ``seq``."""
-        slot = self._slot(block_offset)
-        return slot is not None and self._mmap is not None and int(self._seqs[slot * 4]) == seq
+        """After the copy: nothing touched the block since ``check_then`` returned
+        ``seq`` (``block_offset`` is one ``check_then`` accepted)."""
+        words = self._words
+        return words is not None and words[block_offset // ALIGN * 4 + _SEQ] == seq
 
     def seq(self, offset: int) -> int:
         slot = self._slot(offset)
-        return -1 if slot is None else int(self._seqs[slot * 4 + _SEQ])
+        return -1 if slot is None or self._words is None else self._words[slot * 4 + _SEQ]
 
     def _slot(self, offset: int) -> int | None:
         if offset < 0 or offset % ALIGN:
@@ -139,7 +146,9 @@ class BlockIdents:
 
     def close(self) -> None:
         if self._mmap is not None:
-            self._seqs = np.empty(0, np.uint64)
+            if self._words is not None:
+                self._words.release()
+                self._words = None
             with contextlib.suppress(BufferError):
                 self._mmap.close()
             self._mmap = None
