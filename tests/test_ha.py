@@ -160,9 +160,22 @@ def test_leader_killed_under_load(ha: HaCluster, storm: int) -> None:
                 assert np.array_equal(out, client_payload(w, i)), (w, i)
 
 
+def registered_nodes(pool: kvpool.RemotePool) -> int:
+    """How many nodes the serving master has (-1: none answers now)."""
+    try:
+        return len(pool.stats()["nodes"])
+    except (KVPoolError, OSError):
+        return -1
+
+
 def test_zombie_leader_is_fenced(ha: HaCluster) -> None:
     """SIGSTOP the leader past its TTL: a standby takes over and takes writes; the
-    stopped one, resumed, serves nothing, and its term's writes are refused."""
+    stopped one, resumed, serves nothing, and its term's writes are refused.
+
+    Every step waits on its condition with a generous deadline (nothing here
+    depends on how fast a loaded machine runs the failover): the new leader,
+    then all three nodes in its term (a node still calling the stopped leader
+    gives up only after its RPC timeout, 5 s), then the put."""
     with (
         kvpool.connect(ha.url, timeout=5, transport="tcp") as old,
         kvpool.connect(ha.url, timeout=5) as pool,
@@ -175,11 +188,10 @@ def test_zombie_leader_is_fenced(ha: HaCluster) -> None:
         zombie = ha.masters[port]
         zombie.signal_group(signal.SIGSTOP)
         try:
-            assert pool.put(b"\x01" * 16, payload(1))  # served by the new leader
+            assert wait_until(lambda: ha.leader() not in (None, port), 20), "no new leader"
+            assert wait_until(lambda: registered_nodes(pool) == 3, 30), registered_nodes(pool)
             assert epoch(pool) > first
-            # every node joined the new term (one still calling the stopped leader
-            # gives up after its RPC timeout, then follows the new one)
-            assert wait_until(lambda: len(pool.stats()["nodes"]) == 3, 15)
+            assert pool.put(b"\x01" * 16, payload(1))  # served by the new leader
         finally:
             zombie.signal_group(signal.SIGCONT)
         with RpcClient(("127.0.0.1", port), timeout=5) as rpc, pytest.raises(NotLeaderError):
