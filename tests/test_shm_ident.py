@@ -166,3 +166,19 @@ def test_a_node_without_identity_records_is_read_unchecked() -> None:
         reader.close()
     finally:
         region.close()
+
+
+def test_a_commit_that_overtakes_the_seal_publishes_the_block(idents) -> None:
+    """A same-host put seals and commits in parallel: the master's commit event may
+    reach the node first. The bytes are in place by then, so the block is readable."""
+    writer, reader = idents
+    table = BlockTable(lambda offset, size: 1, idents=writer)
+    table.new_term(3)
+    stamp = WriteStamp(3, 10, 0, ALIGN, K1)
+    assert table.claim(stamp, "a") == FENCE_OK
+    assert reader.check_then(K1, 0, 0, ALIGN) == -1
+    assert table.committed(K1, 0, ALIGN, None, 10) is not None
+    seq = reader.check_then(K1, 0, 0, ALIGN)
+    assert seq > 0
+    table.finish(stamp, "a", ok=True, seal=True)  # the seal, late: still the same block
+    assert reader.check_then(K1, 0, 0, ALIGN) > 0

@@ -215,6 +215,10 @@ class BlockTable:
             if entry is not None:
                 mine = self._names(entry, alloc_id) and entry.stamp.key == key
                 if mine and entry.stamp.size == size:
+                    if entry.state == CLAIMED and not entry.aborted:
+                        # committed before its seal arrived: the master commits only
+                        # after the bytes are in place, so same-host readers may read
+                        self._publish(entry)
                     entry.state = COMMITTED
                     return entry
                 return None  # another (newer) allocation of the range holds it now
