@@ -114,3 +114,26 @@ def test_an_event_of_an_older_term_allocation_with_the_same_id_is_not_applied() 
     assert table.state_of(0) == COMMITTED
     table.freed(0, 0)  # the new master frees the restored block (it knows no id)
     assert table.state_of(0) is None
+
+
+def test_a_commit_that_overtakes_a_claimed_ahead_seal_commits_the_block() -> None:
+    """A grant's claim is taken ahead under a placeholder key; the put seals and
+    commits in parallel, and the commit event may reach the node first. The entry
+    is the allocation's (same id): it takes the block's key and is committed, the
+    late seal keeps it committed, and the block's free removes it (before, it
+    stayed WRITTEN forever and came back at the next re-registration)."""
+    table = BlockTable(lambda offset, size: 1)
+    table.new_term(EPOCH)
+    key = make_keys(1)[0]
+    ahead = WriteStamp(EPOCH, 5, 0, PAGE, bytes(16))
+    assert table.claim(ahead, "grants") == FENCE_OK
+    assert table.committed(key, 0, PAGE, None, 5) is not None
+    assert table.state_of(0) == COMMITTED
+    held = table.begin_read(key, 0, 0, PAGE)
+    assert held is not None
+    table.end_read(held)
+    sealed = WriteStamp(EPOCH, 5, 0, PAGE, key)
+    assert table.finish(sealed, "grants", ok=True, seal=True, any_owner=True) == FENCE_OK
+    assert table.state_of(0) == COMMITTED
+    table.freed(0, 5)
+    assert table.state_of(0) is None and table.listing() == []

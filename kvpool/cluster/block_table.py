@@ -38,6 +38,7 @@ Invariants (all under one lock):
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -127,8 +128,11 @@ class BlockTable:
                 # taken ahead on another connection ends too); the seal names its key.
                 for held in self._owners.values():
                     held.pop(entry, None)
-                entry.inflight, entry.stamp, entry.state = 0, stamp, WRITTEN
-                self._publish(entry)
+                was = entry.state  # COMMITTED: the commit event overtook this seal
+                entry.inflight, entry.stamp = 0, stamp
+                entry.state = COMMITTED if was == COMMITTED else WRITTEN
+                if was == CLAIMED:
+                    self._publish(entry)
                 self._cond.notify_all()
                 return FENCE_OK
             if mine:
@@ -213,11 +217,16 @@ class BlockTable:
         with self._cond:
             entry = self._entries.get(offset)
             if entry is not None:
-                mine = self._names(entry, alloc_id) and entry.stamp.key == key
-                if mine and entry.stamp.size == size:
+                s = entry.stamp
+                by_id = alloc_id != 0 and s.alloc_id == alloc_id and s.epoch == self.epoch
+                mine = by_id or (self._names(entry, alloc_id) and s.key == key)
+                if mine and s.size == size:
                     if entry.state == CLAIMED and not entry.aborted:
-                        # committed before its seal arrived: the master commits only
-                        # after the bytes are in place, so same-host readers may read
+                        # Committed before its seal arrived (a same-host put seals and
+                        # commits in parallel; a grant's claim, taken ahead, still has
+                        # its placeholder key): the master commits only once the bytes
+                        # are in place, so the block is whole and readable now.
+                        entry.stamp = dataclasses.replace(s, key=key, parent=parent)
                         self._publish(entry)
                     entry.state = COMMITTED
                     return entry
