@@ -184,12 +184,14 @@ def test_claims_taken_ahead_for_grants_are_released_with_them() -> None:
         cluster.stop()
 
 
-def test_remove_and_re_put_into_the_same_ranges_keeps_every_block() -> None:
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_remove_and_re_put_into_the_same_ranges_keeps_every_block(transport: str) -> None:
     """Rounds of put, remove and put again of the same keys on a node with room
     for exactly those blocks: each key goes back into the range it just left,
     often before the node heard the old block's commit and free (frequent
-    heartbeats split them from the new block's commit). Every checked (TCP)
-    read hits with the round's bytes, and after a kill -9 of the master right
+    heartbeats split them from the new block's commit). Every checked read
+    (TCP: by the node; shm: against the block's identity record) hits with the
+    round's bytes, and after a kill -9 of the master right
     after the last ack the node re-registers every block. (Before events named
     their allocation, this failed within a few rounds; the deterministic
     interleaving is in test_event_allocations.)"""
@@ -200,7 +202,7 @@ def test_remove_and_re_put_into_the_same_ranges_keeps_every_block() -> None:
         keys = [bytes([0x50 + i]) * 16 for i in range(n)]
         out = np.empty(size, np.uint8)
         # no stocked grants: they would take room and make the puts evict
-        with kvpool.connect(cluster.url, timeout=5, transport="tcp", put_grant_bytes=0) as pool:
+        with kvpool.connect(cluster.url, timeout=5, transport=transport, put_grant_bytes=0) as pool:
             round_, deadline = 0, time.monotonic() + 2.0
             while round_ < 2 or time.monotonic() < deadline:
                 round_ += 1
