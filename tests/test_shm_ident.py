@@ -182,3 +182,27 @@ def test_a_commit_that_overtakes_the_seal_publishes_the_block(idents) -> None:
     assert seq > 0
     table.finish(stamp, "a", ok=True, seal=True)  # the seal, late: still the same block
     assert reader.check_then(K1, 0, 0, ALIGN) > 0
+
+
+def test_an_ssd_load_waits_for_a_read_in_flight_on_its_range(idents) -> None:
+    """The node loads an SSD block into a range the master chose while a TCP reader
+    (with an outdated lease) is still being sent the old block there: the load
+    waits for that read; no new read of the old block starts meanwhile."""
+    writer, reader = idents
+    table = BlockTable(lambda offset, size: 1, claim_wait=5.0, idents=writer)
+    table.new_term(3)
+    stamp = WriteStamp(3, 10, 0, ALIGN, K1)
+    assert table.claim(stamp, "a") == FENCE_OK
+    table.finish(stamp, "a", ok=True, seal=True)
+    held = table.begin_read(K1, 0, 0, ALIGN)
+    assert held is not None
+    done = threading.Event()
+    loader = threading.Thread(target=lambda: (table.take_over(0, ALIGN), done.set()))
+    loader.start()
+    time.sleep(0.1)
+    assert not done.is_set()  # waiting for the read in flight
+    assert table.begin_read(K1, 0, 0, ALIGN) is None  # no new reader of the old block
+    table.end_read(held)
+    loader.join(5)
+    assert done.is_set() and table.state_of(0) is None
+    assert reader.check_then(K1, 0, 0, ALIGN) == -1

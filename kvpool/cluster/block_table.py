@@ -256,10 +256,22 @@ class BlockTable:
     def take_over(self, offset: int, size: int) -> None:
         """The node itself is about to write [offset, offset + size) (an SSD load
         into a range the master chose): whatever the table still holds there is
-        gone (its late free may not have arrived), so no reader takes those bytes
-        for the old block and a stale writer's seal there is refused."""
+        gone (its late free may not have arrived). No new read or write of it
+        starts; reads and writes in flight there are waited for (at most
+        ``claim_wait``, as a newer claim waits), so a reader is not sent a mix of
+        old and loaded bytes; then the entries go, and a stale writer's seal
+        there is refused."""
+        deadline = time.monotonic() + self.claim_wait
         with self._cond:
-            for entry in self._overlapping(offset, size):
+            overlapped = self._overlapping(offset, size)
+            for entry in overlapped:
+                entry.aborted = True
+            while any(e.inflight > 0 for e in overlapped):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            for entry in overlapped:
                 self._remove(entry)
             self._cond.notify_all()
 
