@@ -32,6 +32,7 @@ def main(url: str, role: str, ident: int, seconds: float) -> None:
     end = time.monotonic() + seconds
     report: dict[str, list] = {"acked": [], "done": [], "errors": [], "wrong": []}
     out = np.empty(BLOCK, np.uint8)
+    rng = random.Random(ident)  # the same reads every run
     with kvpool.connect(url, timeout=5) as pool:
         i = 0
         while time.monotonic() < end:
@@ -42,7 +43,7 @@ def main(url: str, role: str, ident: int, seconds: float) -> None:
                     report["done"].append(time.monotonic())
                     i += 1
                 else:
-                    w, j = random.randrange(2), random.randrange(max(1, i))
+                    w, j = rng.randrange(2), rng.randrange(max(1, i))
                     if pool.get_into(key_of(w, j), out) == BLOCK:
                         if not np.array_equal(out, payload(w, j)):
                             report["wrong"].append([w, j])

@@ -150,8 +150,10 @@ def test_node_events_and_restore_after_master_restart() -> None:
     assert [type(e) for e in events] == [BlockCommitted] * 3 + [RangeFreed]
     assert cat.drain_events("a") == [] and cat.drain_events("nobody") == []  # handed out once
     held = {e.offset: e for e in events if isinstance(e, BlockCommitted)}
+    assert len({e.alloc_id for e in held.values()}) == 3 and all(e.alloc_id for e in held.values())
     for event in events:
         if isinstance(event, RangeFreed):
+            assert event.alloc_id == held[event.offset].alloc_id  # names the block it frees
             del held[event.offset]
     # A fresh master learns the node's blocks back from the node.
     fresh, _ = catalog({"a": 4})
@@ -161,6 +163,11 @@ def test_node_events_and_restore_after_master_restart() -> None:
     assert fresh.exists(keys) == [True, False, True]
     assert fresh.blocks[keys[0]].checksum == 123
     assert fresh.drain_events("a") == []
+    # Restored replicas name no allocation of this term: their events say 0 (unknown).
+    first = fresh.blocks[keys[0]].replicas[0]
+    assert first.alloc_id == 0
+    assert fresh.remove(keys[0])
+    assert fresh.drain_events("a") == [RangeFreed(first.offset, 0)]
 
 
 def test_ids_of_a_restarted_master_never_collide_with_the_old_ones() -> None:
@@ -187,7 +194,9 @@ def test_a_grant_holds_space_invisibly_until_bound_to_a_key() -> None:
     assert cat.exists([key]) == [True] and cat.blocks[key].parent == parent
     assert cat.blocks[key].replicas[0].offset == grants[0].offset
     assert cat.granted_bytes == 2 * PAGE
-    assert cat.drain_events("b")[-1] == BlockCommitted(key, grants[0].offset, PAGE, parent)
+    assert cat.drain_events("b")[-1] == BlockCommitted(
+        key, grants[0].offset, PAGE, parent, grants[0].alloc_id
+    )
     assert cat.commit_grant(grants[0].alloc_id, key, None) is None  # used up
 
 
@@ -480,7 +489,9 @@ def test_ssd_copies_turn_evictions_into_demotions() -> None:
     assert alloc is not None  # evicted 2 to make room
     cat.ssd_tier.finish_promotion(block, alloc, ok=True)
     assert not cat.ssd_tier.ssd_only(block) and cat.ssd_tier.dram_offset(block, "a") == alloc.offset
-    assert cat.drain_events("a")[-1] == BlockCommitted(keys[0], alloc.offset, PAGE, None)
+    assert cat.drain_events("a")[-1] == BlockCommitted(
+        keys[0], alloc.offset, PAGE, None, alloc.alloc_id
+    )
     cat.release(lease_id)
     cat.nodes["a"].allocator.check()
 
@@ -506,8 +517,10 @@ def test_ssd_loss_and_remove() -> None:
     cat.ssd_tier.ssd_stored("a", [], [], [keys[1]])  # the node's SSD evicted it
     assert cat.exists(keys) == [False, False, True]
     cat.ssd_tier.ssd_stored("a", cat.ssd_tier.pick_for_ssd("a", PAGE), [keys[2]], [])
+    filled_by = cat.blocks[keys[2]].replicas[0].alloc_id
+    assert filled_by > 0
     assert cat.remove(keys[2])
-    assert cat.drain_events("a")[-2:] == [SsdCopyDropped(keys[2]), RangeFreed(0)]
+    assert cat.drain_events("a")[-2:] == [SsdCopyDropped(keys[2]), RangeFreed(0, filled_by)]
 
 
 def test_restore_ssd_blocks_after_a_master_restart() -> None:

@@ -1,8 +1,8 @@
 """The master's heartbeat replies carry the catalog's node events in their wire form.
 
 The catalog queues typed events; nodes (and nodes of older releases) read
-plain lists: ["commit", key, offset, size, parent], ["free", offset],
-["ssd_drop", key]. This pins that wire shape.
+plain lists: ["commit", key, offset, size, parent, alloc_id],
+["free", offset, alloc_id], ["ssd_drop", key]. This pins that wire shape.
 """
 
 from __future__ import annotations
@@ -37,8 +37,9 @@ PAGE = 4096
 
 def test_each_event_has_its_wire_list() -> None:
     key, parent = make_keys(2)
-    assert event_wire(BlockCommitted(key, 8192, 100, parent)) == ["commit", key, 8192, 100, parent]
-    assert event_wire(RangeFreed(4096)) == ["free", 4096]
+    committed = BlockCommitted(key, 8192, 100, parent, 77)
+    assert event_wire(committed) == ["commit", key, 8192, 100, parent, 77]
+    assert event_wire(RangeFreed(4096, 77)) == ["free", 4096, 77]
     assert event_wire(SsdCopyDropped(key)) == ["ssd_drop", key]
 
 
@@ -66,9 +67,9 @@ def test_heartbeats_replay_commits_and_frees_once_in_order(master: Master) -> No
         beat = rpc.call(HEARTBEAT, Heartbeat("n1"), response_type=HeartbeatReply)
         assert beat.known
         assert beat.events == [
-            ["commit", keys[0], offsets[0], PAGE, None],
-            ["commit", keys[1], offsets[1], PAGE, keys[0]],
-            ["free", offsets[0]],
+            ["commit", keys[0], offsets[0], PAGE, None, ids[0]],
+            ["commit", keys[1], offsets[1], PAGE, keys[0], ids[1]],
+            ["free", offsets[0], ids[0]],
         ]
         again = rpc.call(HEARTBEAT, Heartbeat("n1"), response_type=HeartbeatReply)
         assert again.known and again.events == []

@@ -12,6 +12,14 @@ pageable copy. It is lazy so that a client moving only host buffers never
 creates a CUDA context; ``page_lock_status`` (in ``PeerTransports.stats()``)
 reports the outcome, or that no GPU copy has happened yet.
 
+Checked reads (``read_block``): the node publishes each block's identity
+beside the arena (kvpool.transport.shm_ident); a read names its block (key,
+block offset) and copies only while the record names that block, checking
+it again after the copy: a reader with an outdated lease (the range now
+holds another block, or is being rewritten) gets ``False`` (a miss), never
+another block's bytes. A node without identity records (an older release)
+is read unchecked (``checked`` is False).
+
 Invariants: the mapping is exactly ``RegionInfo.size`` bytes (a file of
 another size is refused, so a stale or foreign file is never used); every
 range is checked against it before copying; ``close`` unregisters the
@@ -32,6 +40,7 @@ from kvpool.bindings.buffers import as_region, copy_region, region_is_device, re
 from kvpool.errors import PoolClosedError, TransportUnavailableError
 from kvpool.storage.page_lock import PageLock, page_lock
 from kvpool.transport.base import RegionInfo, Transport, check_range, host_identity
+from kvpool.transport.shm_ident import BlockIdents, ident_name
 
 SHM_DIR = "/dev/shm"
 
@@ -80,6 +89,41 @@ class ShmTransport(Transport):
         )
         self._lock = threading.Lock()
         self._page_lock: PageLock | None = None  # set by the first GPU copy
+        self._idents: BlockIdents | None = None
+        with contextlib.suppress(OSError, ValueError):  # absent: a node that publishes none
+            self._idents = BlockIdents(shm_path(ident_name(info.shm_name)), info.size, create=False)
+
+    @property
+    def checked(self) -> bool:
+        """Whether reads verify their block (the node publishes identities)."""
+        return self._idents is not None
+
+    def read_block(self, block_offset: int, start: int, out: Any, key: bytes) -> bool:
+        """Bytes [start, start + len(out)) of block ``key`` at ``block_offset`` into
+        ``out``; False (``out`` holds no meaningful bytes) if the range does not hold
+        that block, whole, for the whole copy."""
+        idents = self._idents
+        if idents is None:
+            self.read_into(block_offset + start, out)
+            return True
+        if _plain(out) and out.flags.writeable:  # fast path, as in read_into
+            length = out.nbytes
+            seq = idents.check_then(key, block_offset, start, length)
+            if seq < 0:
+                return False
+            np.copyto(out, self._span(block_offset + start, length))
+            self.bytes_read += length
+            return idents.still(block_offset, seq)
+        seq = idents.check_then(key, block_offset, start, region_nbytes(as_region(out)))
+        if seq < 0:
+            return False
+        self.read_into(block_offset + start, out)
+        return idents.still(block_offset, seq)
+
+    def read_blocks(self, plan: list[tuple[int, Any, bytes, int]]) -> list[bool]:
+        """``read_block`` for each (offset, out, key, block offset), as TCP's
+        ``read_blocks`` takes them."""
+        return [self.read_block(b, offset - b, out, key) for offset, out, key, b in plan]
 
     @property
     def page_lock_status(self) -> str:
@@ -123,6 +167,9 @@ class ShmTransport(Transport):
     def close(self) -> None:
         with self._lock:
             self._arena = None
+            if self._idents is not None:
+                self._idents.close()
+                self._idents = None
             if self._page_lock is not None:
                 self._page_lock.release()  # before unmapping: CUDA must not keep the pages
             if self._mmap is not None:

@@ -232,7 +232,9 @@ class BlockCatalog(CatalogState):
         if alloc.extra and alloc.key not in self.blocks:  # removed meanwhile
             self.nodes[alloc.node_id].allocator.free(alloc.offset)
             return None
-        replica = Replica(alloc.node_id, alloc.offset, alloc.size, primary=not alloc.extra)
+        replica = Replica(
+            alloc.node_id, alloc.offset, alloc.size, primary=not alloc.extra, alloc_id=alloc_id
+        )
         self.add_replica(alloc.key, alloc.size, alloc.parent, replica)
         return alloc
 
@@ -253,7 +255,8 @@ class BlockCatalog(CatalogState):
             node.allocator.free(alloc.offset)
             return False
         alloc.key, alloc.parent = key, parent
-        self.add_replica(key, alloc.size, parent, Replica(alloc.node_id, alloc.offset, alloc.size))
+        replica = Replica(alloc.node_id, alloc.offset, alloc.size, alloc_id=alloc_id)
+        self.add_replica(key, alloc.size, parent, replica)
         return True
 
     def revoke(self, alloc_id: int) -> None:

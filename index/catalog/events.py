@@ -11,6 +11,11 @@ Invariants:
 - a ``RangeFreed`` only ever follows the ``BlockCommitted`` (or restored
   block) that filled the range; a range is never reused before its free is
   queued, so a node replaying in order never forgets a live block;
+- each ``BlockCommitted`` / ``RangeFreed`` names the allocation that filled
+  the range (0: unknown, a re-registered block): a node applies it only to
+  that allocation's entry, so a late event about a block that was removed
+  and re-put into the same range (same key, same offset) never touches the
+  newer block (kvpool.cluster.block_table);
 - events carry no wire format: the master turns them into the heartbeat
   payload in one place (kvpool.cluster.master.nodes.event_wire).
 """
@@ -28,6 +33,7 @@ class BlockCommitted:
     offset: int
     size: int
     parent: bytes | None
+    alloc_id: int = 0  # the allocation that filled the range (0: unknown)
 
 
 @dataclass(frozen=True)
@@ -35,6 +41,7 @@ class RangeFreed:
     """The block at ``offset`` is gone from the node's DRAM: its range may be reused."""
 
     offset: int
+    alloc_id: int = 0  # the allocation whose block is gone (0: unknown)
 
 
 @dataclass(frozen=True)

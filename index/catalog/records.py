@@ -28,6 +28,10 @@ class Replica:
     size: int
     primary: bool = True
     tier: str = "dram"  # "ssd": bytes only in the node's SSD tier (offset meaningless)
+    # The allocation that filled this DRAM range (this master term's id; 0: unknown,
+    # a block the node re-registered). Events about the range name it, so a node
+    # never applies a late event to a newer allocation of the same range.
+    alloc_id: int = 0
 
 
 @dataclass(eq=False)

@@ -125,6 +125,8 @@ class SsdTier:
             if not ok:
                 state.forget_ssd_copy(node, block.key)
             return
-        replica.tier, replica.offset = "dram", alloc.offset
+        replica.tier, replica.offset, replica.alloc_id = "dram", alloc.offset, alloc.alloc_id
         state.policy_of(replica).on_insert(block.key, block.parent)
-        node.events.append(BlockCommitted(block.key, alloc.offset, block.size, block.parent))
+        node.events.append(
+            BlockCommitted(block.key, alloc.offset, block.size, block.parent, alloc.alloc_id)
+        )

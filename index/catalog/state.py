@@ -113,7 +113,7 @@ class CatalogState:
             for replica in block.replicas:
                 if replica.node_id == node.node_id and replica.tier == "dram":
                     self.free_replica(node, replica)
-                    replica.tier, replica.offset = "ssd", -1
+                    replica.tier, replica.offset, replica.alloc_id = "ssd", -1, 0
                     if not replica.primary:  # extras do not linger on SSD
                         self.forget_ssd_copy(node, key, tell_node=True)
             return
@@ -193,7 +193,7 @@ class CatalogState:
         if not replica.primary:
             self.with_extras.add(key)
         if tell_node:
-            node.events.append(BlockCommitted(key, replica.offset, size, parent))
+            node.events.append(BlockCommitted(key, replica.offset, size, parent, replica.alloc_id))
 
     def policy_of(self, replica: Replica) -> EvictionPolicy:
         node = self.nodes[replica.node_id]
@@ -202,7 +202,7 @@ class CatalogState:
     def free_replica(self, node: NodeSpace, replica: Replica) -> None:
         """Give a DRAM replica's range back to ``node`` (and tell the node)."""
         node.allocator.free(replica.offset)
-        node.events.append(RangeFreed(replica.offset))
+        node.events.append(RangeFreed(replica.offset, replica.alloc_id))
 
     def after_replica_loss(self, block: BlockMeta) -> bool:
         """A block just lost replicas: forget it if none is left, else make sure one is

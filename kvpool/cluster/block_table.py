@@ -21,14 +21,24 @@ Invariants (all under one lock):
   resumed writer can never put bytes into a range a newer allocation owns;
 - when a new term starts, entries not yet written are aborted: their writes
   end ``STALE`` and the entry goes once nothing is in flight there;
+- heartbeat ``commit`` and ``free`` events name the allocation that filled
+  the range and touch only that allocation's entry: after a remove and a
+  re-put of the same key into the same range, a late commit or free of the
+  old block never marks or drops the new one (0: unknown, matched by range
+  and key, as events of blocks re-registered with this master are);
 - a heartbeat ``free`` drops only a ``COMMITTED`` entry: an entry written for
   a newer allocation of the same range (its commit event comes later in the
-  ordered stream) is kept.
+  ordered stream) is kept;
+- same-host readers check the identity records (kvpool.transport.shm_ident):
+  a block's record is published once it is whole (WRITTEN or COMMITTED) and
+  retracted when its entry goes or another entry starts there, always before
+  a claim that lets new bytes into the range is granted.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import threading
 import time
 from collections import Counter
@@ -37,6 +47,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, FENCE_STALE, WriteStamp
+from kvpool.transport.shm_ident import BlockIdents
 
 CLAIMED, WRITTEN, COMMITTED = "claimed", "written", "committed"
 DEFAULT_CLAIM_WAIT = 2.0  # seconds a newer claim waits for older writes in flight
@@ -60,9 +71,13 @@ class BlockTable:
     """The node's blocks by range and the fence every stamped write passes."""
 
     def __init__(
-        self, checksum: Callable[[int, int], int], claim_wait: float = DEFAULT_CLAIM_WAIT
+        self,
+        checksum: Callable[[int, int], int],
+        claim_wait: float = DEFAULT_CLAIM_WAIT,
+        idents: BlockIdents | None = None,
     ) -> None:
         self._checksum = checksum  # (offset, size) -> xxh3_64 of those arena bytes
+        self._idents = idents  # same-host readers check these (None: not published)
         self.claim_wait = claim_wait
         self.epoch = 0  # the term served now (0: none, every claim is stale)
         self.highest = 0  # the highest term ever served (a lower master is stale)
@@ -113,7 +128,11 @@ class BlockTable:
                 # taken ahead on another connection ends too); the seal names its key.
                 for held in self._owners.values():
                     held.pop(entry, None)
-                entry.inflight, entry.stamp, entry.state = 0, stamp, WRITTEN
+                was = entry.state  # COMMITTED: the commit event overtook this seal
+                entry.inflight, entry.stamp = 0, stamp
+                entry.state = COMMITTED if was == COMMITTED else WRITTEN
+                if was == CLAIMED:
+                    self._publish(entry)
                 self._cond.notify_all()
                 return FENCE_OK
             if mine:
@@ -190,26 +209,71 @@ class BlockTable:
                 report.append(entry.wire())
             return report
 
-    def committed(self, key: bytes, offset: int, size: int, parent: bytes | None) -> Entry | None:
-        """The master made ``key`` visible at ``offset``; the entry to checksum, if new."""
+    def committed(
+        self, key: bytes, offset: int, size: int, parent: bytes | None, alloc_id: int = 0
+    ) -> Entry | None:
+        """The master made ``key`` (allocation ``alloc_id`` of this term; 0: unknown)
+        visible at ``offset``; the entry to checksum, if new."""
         with self._cond:
             entry = self._entries.get(offset)
-            if entry is not None and entry.stamp.key == key and entry.stamp.size == size:
-                entry.state = COMMITTED
-                return entry
-            if entry is None and not self._overlapping(offset, size):
+            if entry is not None:
+                s = entry.stamp
+                by_id = alloc_id != 0 and s.alloc_id == alloc_id and s.epoch == self.epoch
+                mine = by_id or (self._names(entry, alloc_id) and s.key == key)
+                if mine and s.size == size:
+                    if entry.state == CLAIMED and not entry.aborted:
+                        # Committed before its seal arrived (a same-host put seals and
+                        # commits in parallel; a grant's claim, taken ahead, still has
+                        # its placeholder key): the master commits only once the bytes
+                        # are in place, so the block is whole and readable now.
+                        entry.stamp = dataclasses.replace(s, key=key, parent=parent)
+                        self._publish(entry)
+                    entry.state = COMMITTED
+                    return entry
+                return None  # another (newer) allocation of the range holds it now
+            if not self._overlapping(offset, size):
                 # Bytes the node wrote itself (SSD promotion): no client stamp.
-                entry = Entry(WriteStamp(self.epoch, 0, offset, size, key, parent), COMMITTED)
+                stamp = WriteStamp(self.epoch, alloc_id, offset, size, key, parent)
+                entry = Entry(stamp, COMMITTED)
                 self._insert(entry)
+                self._publish(entry)
                 return entry
             return None  # a newer allocation of the range already took it over
 
-    def freed(self, offset: int) -> None:
+    def freed(self, offset: int, alloc_id: int = 0) -> None:
+        """The master freed the block of allocation ``alloc_id`` (0: unknown) at ``offset``."""
         with self._cond:
             entry = self._entries.get(offset)
-            if entry is not None and entry.state == COMMITTED and not entry.inflight:
+            if (
+                entry is not None
+                and entry.state == COMMITTED
+                and not entry.inflight
+                and self._names(entry, alloc_id)
+            ):
                 self._remove(entry)
                 self._cond.notify_all()
+
+    def take_over(self, offset: int, size: int) -> None:
+        """The node itself is about to write [offset, offset + size) (an SSD load
+        into a range the master chose): whatever the table still holds there is
+        gone (its late free may not have arrived). No new read or write of it
+        starts; reads and writes in flight there are waited for (at most
+        ``claim_wait``, as a newer claim waits), so a reader is not sent a mix of
+        old and loaded bytes; then the entries go, and a stale writer's seal
+        there is refused."""
+        deadline = time.monotonic() + self.claim_wait
+        with self._cond:
+            overlapped = self._overlapping(offset, size)
+            for entry in overlapped:
+                entry.aborted = True
+            while any(e.inflight > 0 for e in overlapped):
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    break
+                self._cond.wait(left)
+            for entry in overlapped:
+                self._remove(entry)
+            self._cond.notify_all()
 
     def set_checksum(self, entry: Entry) -> int:
         s = entry.stamp
@@ -228,6 +292,16 @@ class BlockTable:
             return None if entry is None else entry.state
 
     # -- helpers (under the lock) -------------------------------------------------------
+
+    def _names(self, entry: Entry, alloc_id: int) -> bool:
+        """Whether a heartbeat event about allocation ``alloc_id`` is about ``entry``.
+
+        Allocation ids are unique within a term; an entry of an older term (a
+        block re-registered with this master) is known to it as 0. Either side
+        0 (unknown: an old master, a restored block) falls back to the range."""
+        if alloc_id == 0 or entry.stamp.alloc_id == 0:
+            return True
+        return entry.stamp.alloc_id == alloc_id and entry.stamp.epoch == self.epoch
 
     def _hold(self, entry: Entry, owner: object) -> None:
         entry.inflight += 1
@@ -266,9 +340,18 @@ class BlockTable:
         offset = entry.stamp.offset
         self._entries[offset] = entry
         bisect.insort(self._offsets, offset)
+        if self._idents is not None:
+            self._idents.retract(offset)  # not readable until published
 
     def _remove(self, entry: Entry) -> None:
         offset = entry.stamp.offset
         if self._entries.get(offset) is entry:
             del self._entries[offset]
             del self._offsets[bisect.bisect_left(self._offsets, offset)]
+            if self._idents is not None:
+                self._idents.retract(offset)
+
+    def _publish(self, entry: Entry) -> None:
+        if self._idents is not None:
+            s = entry.stamp
+            self._idents.publish(s.offset, s.size, s.key)

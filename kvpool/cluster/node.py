@@ -59,6 +59,8 @@ from kvpool.rpc.server import RpcServer, ServerConfig
 from kvpool.storage.arena import SharedArena
 from kvpool.transport.base import RegionInfo
 from kvpool.transport.peers import expose_region
+from kvpool.transport.shm import shm_path
+from kvpool.transport.shm_ident import ALIGN, BlockIdents, ident_name
 
 log = logging.getLogger("kvpool.cluster.node")
 
@@ -87,7 +89,14 @@ class StorageNode:
             config.node_id or f"{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(3)}"
         )
         self.arena = SharedArena(config.dram_bytes)
-        self.table = BlockTable(self._checksum)
+        try:  # published beside the arena: same-host readers check their block there
+            self.idents = BlockIdents(
+                shm_path(ident_name(self.arena.name)), self.arena.size, create=True
+            )
+        except BaseException:
+            self.arena.close()
+            raise
+        self.table = BlockTable(self._checksum, idents=self.idents)
         try:
             self.exposed = expose_region(
                 self.arena.view,
@@ -99,6 +108,7 @@ class StorageNode:
                 fence=self.table,
             )
         except BaseException:
+            self.idents.close()
             self.arena.close()
             raise
         try:
@@ -112,6 +122,7 @@ class StorageNode:
             )
         except BaseException:
             self.exposed.close()
+            self.idents.close()
             self.arena.close()
             raise
         if self.ssd is not None:
@@ -152,6 +163,7 @@ class StorageNode:
         if self.ssd is not None:
             self.ssd.close()
         self.metrics.close()
+        self.idents.close()
         self.arena.close()
 
     # -- the loop ---------------------------------------------------------------
@@ -186,11 +198,16 @@ class StorageNode:
         """Promote SSD blocks into the DRAM ranges the master chose; the table learns
         each at once (checked reads of it may follow before the next heartbeat)."""
         assert self.ssd is not None
+        for key, offset, *_ in items:  # the master chose these ranges: nothing else is there
+            found = self.ssd.describe(key)
+            if found is not None:  # the load writes whole pages
+                self.table.take_over(offset, -(-found[0] // ALIGN) * ALIGN)
         loaded = self.ssd.load(items)
-        for (key, offset), ok in zip(items, loaded, strict=True):
+        for (key, offset, *rest), ok in zip(items, loaded, strict=True):
             found = self.ssd.describe(key) if ok else None
             if found is not None:
-                self.table.committed(key, offset, found[0], found[1])
+                alloc_id = rest[0] if rest else 0
+                self.table.committed(key, offset, found[0], found[1], alloc_id)
         return loaded
 
     def _rpc(self) -> MasterLink:
@@ -250,12 +267,12 @@ class StorageNode:
         committed = []
         for event in events:
             if event[0] == EVENT_COMMIT:
-                _, key, offset, size, parent = event
-                entry = self.table.committed(key, offset, size, parent)
+                _, key, offset, size, parent, *rest = event  # alloc_id: absent from old masters
+                entry = self.table.committed(key, offset, size, parent, rest[0] if rest else 0)
                 if entry is not None:
                     committed.append(entry)
             elif event[0] == EVENT_FREE:
-                self.table.freed(event[1])
+                self.table.freed(event[1], event[2] if len(event) > 2 else 0)
             elif event[0] == EVENT_SSD_DROP and self.ssd is not None:
                 self.ssd.drop(event[1])
         for entry in committed:

@@ -54,7 +54,7 @@ class NodeSsd:
         its checksum fails."""
         results = []
         with self._lock:
-            for key, offset in items:
+            for key, offset, *_ in items:  # [key, offset, alloc_id]
                 record = self._records.get(key)
                 if record is None:
                     results.append(False)

@@ -33,11 +33,13 @@ LOCATE = "keys.locate"
 STATS = "stats"
 # Node RPC method names (the master calls these on nodes with an SSD tier).
 SSD_STORE = "ssd.store"  # [[key, offset, size, parent]] -> {"stored": [...], "dropped": [...]}
-SSD_LOAD = "ssd.load"  # [[key, offset]] -> [ok, ...]
+SSD_LOAD = "ssd.load"  # [[key, offset, alloc_id]] -> [ok, ...]
 # What a heartbeat reply tells a node about its own region, in order (the
 # master turns the catalog's typed events into these lists):
-EVENT_COMMIT = "commit"  # [EVENT_COMMIT, key, offset, size, parent]: a block is now there
-EVENT_FREE = "free"  # [EVENT_FREE, offset]: the block at offset is gone, its range reusable
+# alloc_id names the allocation that filled the range (0: unknown, e.g. a
+# re-registered block); a node applies the event only to that allocation's entry.
+EVENT_COMMIT = "commit"  # [EVENT_COMMIT, key, offset, size, parent, alloc_id]: a block is there
+EVENT_FREE = "free"  # [EVENT_FREE, offset, alloc_id]: that block is gone, its range reusable
 EVENT_SSD_DROP = "ssd_drop"  # [EVENT_SSD_DROP, key]: drop the SSD copy of key
 
 

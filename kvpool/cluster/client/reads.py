@@ -40,8 +40,9 @@ from kvpool.cluster.wire import (
     LeaseRequest,
     ReleaseRequest,
 )
-from kvpool.errors import KVPoolError
+from kvpool.errors import KVPoolError, StaleReadError
 from kvpool.transport.fencing import WriteStamp
+from kvpool.transport.shm import ShmTransport
 
 #: A replica order from a lease: (allocation id, target, lease id, master term)
 Order = tuple[int, Placement, int, int]
@@ -102,7 +103,7 @@ class LeasedReads:
                     for i in items
                 ]
                 try:  # one pipelined exchange per node
-                    self._session.read_many(node_id, plan)
+                    self._read_many(node_id, plan)
                     self._session.counts["hits"] += len(items)
                 except TRANSFER_ERRORS:  # that node failed: each block tries its other replicas
                     for i in items:
@@ -262,13 +263,25 @@ class LeasedReads:
             ordered = sorted(placements, key=lambda p: p is not first)
         for placement in ordered:
             try:
-                session.read(placement, start, dst, key)
+                self._read_many(placement.node_id, [(placement.offset, start, dst, key)])
             except TRANSFER_ERRORS:
                 continue
             session.counts["hits"] += 1
             return want
         session.counts["misses"] += 1
         return None
+
+    def _read_many(self, node_id: str, items: list[tuple[int, int, Region, bytes]]) -> None:
+        """(block offset, start, destination, key) reads from one node; a same-host
+        copy checks the block's identity record (kvpool.transport.shm_ident) the way
+        the node checks a TCP read: ``StaleReadError`` if a block is not there."""
+        transport = self._session.transport(node_id)
+        if isinstance(transport, ShmTransport):
+            for block, start, dst, key in items:
+                if not transport.read_block(block, start, dst, key):
+                    raise StaleReadError(f"node {node_id} holds other blocks there now")
+        else:
+            self._session.read_many(node_id, items)
 
     def _fulfil_order(self, key: bytes, order: Order, block: Region) -> None:
         """Copy a just-read hot block to the replica the master asked for (or give it back)."""

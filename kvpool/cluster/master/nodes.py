@@ -34,10 +34,10 @@ log = logging.getLogger("kvpool.cluster.master")
 def event_wire(event: NodeEvent) -> list[Any]:
     """A catalog event as a heartbeat reply carries it (see kvpool.cluster.node)."""
     match event:
-        case BlockCommitted(key, offset, size, parent):
-            return [EVENT_COMMIT, key, offset, size, parent]
-        case RangeFreed(offset):
-            return [EVENT_FREE, offset]
+        case BlockCommitted(key, offset, size, parent, alloc_id):
+            return [EVENT_COMMIT, key, offset, size, parent, alloc_id]
+        case RangeFreed(offset, alloc_id):
+            return [EVENT_FREE, offset, alloc_id]
         case SsdCopyDropped(key):
             return [EVENT_SSD_DROP, key]
     raise TypeError(f"not a node event: {event!r}")

@@ -98,7 +98,8 @@ class ReadHandlers:
                 by_node.setdefault(alloc.node_id, []).append((block, alloc))
         for node_id, items in by_node.items():
             try:
-                loaded = self.links.call(node_id, SSD_LOAD, [[b.key, a.offset] for b, a in items])
+                wanted = [[b.key, a.offset, a.alloc_id] for b, a in items]
+                loaded = self.links.call(node_id, SSD_LOAD, wanted)
             except (KVPoolError, OSError) as exc:
                 log.warning("node %s could not load from SSD: %s", node_id, exc)
                 loaded = [False] * len(items)
