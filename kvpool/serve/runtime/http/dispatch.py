@@ -15,6 +15,10 @@ as after a single-worker prefill. A member that dies fails the request with
 
 The router is told what was measured (``Router.observe``, when it has one)
 after every prefill and at the end of every request.
+
+A request with ``n > 1`` runs as ``n`` choices (``begin_all``): each is routed,
+prefilled and decoded on its own, with its own seed; a stream interleaves
+their chunks (each names its ``index``), a whole answer waits for all.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from starlette.concurrency import run_in_threadpool
 from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.errors import KVPoolError
 from kvpool.index.keys import block_keys
-from kvpool.serve.runtime.http.chat import chat_body, chat_chunk
+from kvpool.serve.runtime.http.chat import chat_body, chat_choice, chat_chunk, chat_logprobs
 from kvpool.serve.runtime.http.fleet import WorkerFleet
 from kvpool.serve.runtime.http.metrics import ServeMetrics
 from kvpool.serve.runtime.http.openai import (
@@ -40,6 +44,7 @@ from kvpool.serve.runtime.http.openai import (
     CompletionRequest,
     choice,
     completion_body,
+    completion_logprobs,
     extras,
     finish_reason,
     sse,
@@ -48,6 +53,7 @@ from kvpool.serve.runtime.http.openai import (
 )
 from kvpool.serve.runtime.http.state import ServeRequest, ServeSettings, WorkerHandle
 from kvpool.serve.runtime.http.stopping import StopState
+from kvpool.serve.runtime.sampling import TokenLogprobs
 from kvpool.serve.sched.router_api import DECODE, PREFILL, Observation, RouteDecision, Router
 
 if TYPE_CHECKING:
@@ -103,10 +109,34 @@ class Dispatcher:
             raise ApiError(500, f"router chose unknown workers {decision}", "server_error")
         return [p], d, None
 
-    async def begin(self, fields: CompletionRequest, chat: bool = False) -> ServeRequest:
-        """Route, prefill and hand to decode; errors are ApiError with a status."""
+    async def begin_all(self, fields: CompletionRequest, chat: bool = False) -> list[ServeRequest]:
+        """``begin`` each of the request's ``n`` choices: the first alone, then the
+        others at once (their prompt's full blocks are in the pool by then). If one
+        fails, the ones begun are abandoned and its ApiError raised."""
+        first = await self.begin(fields, chat)
+        if fields.n == 1:
+            return [first]
+        rest = await asyncio.gather(
+            *(self.begin(fields, chat, i, first.id) for i in range(1, fields.n)),
+            return_exceptions=True,
+        )
+        reqs = [first, *(r for r in rest if isinstance(r, ServeRequest))]
+        errors = [r for r in rest if isinstance(r, BaseException)]
+        if errors:
+            for req in reqs:
+                req.error = str(errors[0])
+                self._end(req)
+            raise errors[0]
+        return reqs
+
+    async def begin(
+        self, fields: CompletionRequest, chat: bool = False, index: int = 0, response_id: str = ""
+    ) -> ServeRequest:
+        """Route, prefill and hand to decode choice ``index`` of the request (its id
+        towards the workers: ``response_id-index``); errors are ApiError with a status."""
+        rid = f"{response_id}-{index}" if index else f"cmpl-{uuid.uuid4().hex[:24]}"
         req = ServeRequest(
-            id=f"cmpl-{uuid.uuid4().hex[:24]}",
+            id=rid,
             tokens=fields.tokens,
             max_tokens=fields.max_tokens,
             eos_id=fields.eos_id,
@@ -116,7 +146,9 @@ class Dispatcher:
             loop=asyncio.get_running_loop(),
             stopper=StopState(self.tokenizer, fields.eos_id, fields.stop, fields.stop_token_ids),
             chat=chat,
-            sampling=fields.sampling,
+            sampling=fields.sampling.for_choice(index),
+            index=index,
+            response_id=response_id,
         )
         self.metrics.inflight.inc()
         try:
@@ -226,6 +258,7 @@ class Dispatcher:
         token = int(result["first_token"])
         now = time.perf_counter()
         req.output.append(token)
+        req.logprobs.append(result.get("first_logprobs"))
         req.times.append(now)
         self.metrics.ttft.observe(now - req.arrival)
         self.metrics.generated.inc()
@@ -264,22 +297,26 @@ class Dispatcher:
             with contextlib.suppress(Exception):
                 self.pool.remove(tail)
 
-    async def tokens(self, req: ServeRequest) -> AsyncIterator[tuple[int, bool]]:
-        """(token, finished) in order, the prefill's first token included; ApiError on failure."""
+    async def tokens(
+        self, req: ServeRequest
+    ) -> AsyncIterator[tuple[int, bool, TokenLogprobs | None]]:
+        """(token, finished, logprobs) in order, the prefill's first token included;
+        ApiError on failure."""
         try:
-            yield req.output[0], req.finished
+            yield req.output[0], req.finished, req.logprobs[0]
             while not req.finished:
                 item = await req.queue.get()
                 if item[0] == "err":
                     req.error = str(item[2])
                     raise ApiError(int(item[1]), str(item[2]), "server_error")
-                _, token, index, finished = item
+                _, token, index, finished, lp = item
                 if index == 0:  # decode re-emits the prefill's token at admission
                     req.finished = finished
                     continue
                 now = time.perf_counter()
                 self.metrics.tbt.observe(now - req.times[-1])
                 req.output.append(token)
+                req.logprobs.append(lp)
                 req.times.append(now)
                 self.metrics.generated.inc()
                 req.finished = finished
@@ -287,7 +324,7 @@ class Dispatcher:
                 if req.stopper.feed(token, last=finished) and not finished:
                     req.finished = True  # a stop token or string: the decode worker stops now
                     self._cancel(req)
-                yield token, req.finished
+                yield token, req.finished, lp
         finally:
             self._end(req)
 
@@ -331,54 +368,122 @@ class Dispatcher:
 
     # -- answers ----------------------------------------------------------------
 
-    async def stream(self, req: ServeRequest) -> AsyncIterator[str]:
+    def _logprobs(self, req: ServeRequest, start: int, end: int, offset: int = 0) -> Any:
+        """The logprobs object of ``req``'s output tokens ``start:end`` (None: not asked
+        for); ``offset``: the text offset of token ``start`` (completions)."""
+        if req.sampling.logprobs is None:
+            return None
+        tokens, lps = req.output[start:end], req.logprobs[start:end]
+        if req.chat:
+            return chat_logprobs(self.tokenizer, tokens, lps)
+        return completion_logprobs(self.tokenizer, tokens, lps, offset)
+
+    async def _chunks(self, req: ServeRequest) -> AsyncIterator[str]:
+        """The stream events of one choice (ApiError on failure)."""
         stopper = req.stopper
         name = self.settings.served_name
         assert stopper is not None
-        first = True
+        first, offset = True, 0
+        async for token, finished, _ in self.tokens(req):
+            text = stopper.pending(finished)
+            reason = finish_reason(req) if finished else None
+            at = len(req.output) - 1
+            lp = self._logprobs(req, at, at + 1, offset)
+            if lp is not None and not req.chat:
+                offset += len(lp["tokens"][0])
+            if req.chat:
+                yield chat_chunk(req, name, text, reason, first=first, logprobs=lp)
+                first = False
+            else:
+                yield stream_chunk(req, name, text, token, reason, lp)
+
+    async def stream(self, reqs: list[ServeRequest]) -> AsyncIterator[str]:
+        """Server-sent events of every choice, interleaved as they are produced,
+        then the usage chunk (when asked) and ``[DONE]``."""
+        req = reqs[0]
+        name = self.settings.served_name
         try:
-            async for token, finished in self.tokens(req):
-                text = stopper.pending(finished)
-                if req.chat:
-                    reason = finish_reason(req) if finished else None
-                    yield chat_chunk(req, name, text, reason, first=first)
-                    first = False
-                    continue
-                yield stream_chunk(
-                    req,
-                    self.settings.served_name,
-                    text,
-                    token,
-                    finish_reason(req) if finished else None,
-                )
+            async for chunk in _merge([self._chunks(r) for r in reqs]):
+                yield chunk
             if req.include_usage and req.chat:
-                yield chat_chunk(req, name, None, None, usage=usage(req))
+                yield chat_chunk(req, name, None, None, usage=usage(reqs))
             elif req.include_usage:
-                yield sse(
-                    completion_body(
-                        req, self.settings.served_name, [], usage=usage(req), kvpool=extras(req)
-                    )
-                )
+                more = {"usage": usage(reqs), "kvpool": self._extras(reqs)}
+                yield sse(completion_body(req, name, [], **more))
             self.metrics.requests.labels("200").inc()
         except ApiError as exc:
             self.metrics.requests.labels(str(exc.status)).inc()
             yield sse(exc.body())
         yield "data: [DONE]\n\n"
 
-    async def complete(self, req: ServeRequest) -> dict[str, Any]:
+    async def _drain(self, req: ServeRequest) -> None:
         async for _ in self.tokens(req):
             pass
-        assert req.stopper is not None
-        text = req.stopper.text
-        if req.chat:
-            name = self.settings.served_name
-            return chat_body(
-                req, name, text, finish_reason(req), usage=usage(req), kvpool=extras(req)
-            )
-        return completion_body(
-            req,
-            self.settings.served_name,
-            [choice(text, finish_reason(req), list(req.output))],
-            usage=usage(req),
-            kvpool=extras(req),
-        )
+
+    async def complete(self, reqs: list[ServeRequest]) -> dict[str, Any]:
+        """The whole answer once every choice has finished (ApiError if one failed)."""
+        if len(reqs) == 1:
+            await self._drain(reqs[0])
+        else:
+            tasks = [asyncio.ensure_future(self._drain(r)) for r in reqs]
+            try:
+                await asyncio.gather(*tasks)
+            finally:
+                for t in tasks:  # one failed, or the client left: stop the others
+                    t.cancel()
+        name, first = self.settings.served_name, reqs[0]
+        choices = []
+        for req in reqs:
+            assert req.stopper is not None
+            text, reason = req.stopper.text, finish_reason(req)
+            lp = self._logprobs(req, 0, len(req.output))
+            if req.chat:
+                choices.append(chat_choice(req, text, reason, lp))
+            else:
+                choices.append(choice(text, reason, list(req.output), req.index, lp))
+        more = {"usage": usage(reqs), "kvpool": self._extras(reqs)}
+        if first.chat:
+            return chat_body(first, name, choices, **more)
+        return completion_body(first, name, choices, **more)
+
+    @staticmethod
+    def _extras(reqs: list[ServeRequest]) -> dict[str, Any]:
+        """The first choice's ``kvpool`` field (with every choice's under ``choices``)."""
+        out = extras(reqs[0])
+        if len(reqs) > 1:
+            out["choices"] = [extras(r) for r in reqs]
+        return out
+
+
+async def _merge(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+    """The items of ``streams`` as each produces them; the first error is raised
+    (the other streams cancelled), and so are they when the consumer stops early."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield item
+        return
+    queue: asyncio.Queue[tuple[str | None, BaseException | None]] = asyncio.Queue()
+
+    async def pump(stream: AsyncIterator[str]) -> None:
+        try:
+            async for item in stream:
+                await queue.put((item, None))
+        except Exception as exc:
+            await queue.put((None, exc))
+        else:
+            await queue.put((None, None))
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in streams]
+    try:
+        running = len(tasks)
+        while running:
+            got, error = await queue.get()
+            if error is not None:
+                raise error
+            if got is None:
+                running -= 1
+            else:
+                yield got
+    finally:
+        for t in tasks:
+            t.cancel()

@@ -88,14 +88,14 @@ def build_app(
                 fields = parse_chat(body, s, dispatch.tokenizer, dispatch.chat_template)
             else:
                 fields = parse_completion(body, s, dispatch.tokenizer)
-            req = await dispatch.begin(fields, chat=chat)
-            if req.stream:
+            reqs = await dispatch.begin_all(fields, chat=chat)
+            if fields.stream:
                 return StreamingResponse(
-                    dispatch.stream(req),
+                    dispatch.stream(reqs),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache"},
                 )
-            result = await dispatch.complete(req)
+            result = await dispatch.complete(reqs)
         except ApiError as exc:
             metrics.requests.labels(str(exc.status)).inc()
             return exc.response()
