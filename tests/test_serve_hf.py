@@ -667,7 +667,7 @@ def test_served_logprobs_equal_transformers(
     for i, t in enumerate(out):
         assert lp["token_logprobs"][i] == pytest.approx(float(want[i, t]), abs=1e-5)
         top = torch.topk(want[i], 3)
-        expected = {tok.decode([j]): float(v) for j, v in zip(top.indices, top.values)}
+        expected = {tok.decode([j]): float(v) for j, v in zip(top.indices, top.values, strict=True)}
         assert lp["top_logprobs"][i] == pytest.approx(expected, abs=1e-5)
     assert lp["text_offset"][0] == 0
     # streamed: each chunk carries its token's logprobs, the same values
