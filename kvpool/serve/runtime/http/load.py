@@ -73,13 +73,16 @@ def make_prompts(count: int, prompt_tokens: int, shared: int, seed: int = 0) -> 
     ]
 
 
-async def _one(client: Any, url: str, prompt: Any, max_tokens: int) -> RequestStats:
+async def _one(
+    client: Any, url: str, prompt: Any, max_tokens: int, extra: dict[str, Any] | None = None
+) -> RequestStats:
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
         "stream": True,
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     start = time.perf_counter()
     times: list[float] = []
@@ -111,7 +114,11 @@ async def _one(client: Any, url: str, prompt: Any, max_tokens: int) -> RequestSt
 
 
 async def _load(
-    url: str, prompts: list[Any], concurrency: int, max_tokens: int
+    url: str,
+    prompts: list[Any],
+    concurrency: int,
+    max_tokens: int,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[RequestStats], float]:
     import httpx
 
@@ -129,7 +136,7 @@ async def _load(
                 except asyncio.QueueEmpty:
                     return
                 try:
-                    out.append(await _one(client, url, prompt, max_tokens))
+                    out.append(await _one(client, url, prompt, max_tokens, extra))
                 except httpx.HTTPError as exc:
                     out.append(RequestStats(0.0, [], 0, 0, f"{type(exc).__name__}: {exc}"))
 
@@ -149,14 +156,17 @@ def run_load(
     shared_prefix: int = 128,
     prompts: list[Any] | None = None,
     seed: int = 0,
+    extra_body: dict[str, Any] | None = None,
 ) -> LoadResult:
+    """``extra_body``: more request fields (another server's own, e.g. vLLM's
+    ``return_token_ids``, so its chunks carry ``token_ids`` as kvpool's do)."""
     url = url.rstrip("/")
     if prompts is None:
         prompts = make_prompts(requests, prompt_tokens, shared_prefix, seed)
     else:  # describe the given prompts (token-id lists)
         prompt_tokens = round(sum(len(p) for p in prompts) / max(len(prompts), 1))
         shared_prefix = common_prefix(prompts) if len(prompts) > 1 else 0
-    stats, wall = asyncio.run(_load(url, prompts, concurrency, max_tokens))
+    stats, wall = asyncio.run(_load(url, prompts, concurrency, max_tokens, extra_body))
     ok = [s for s in stats if s.error is None]
     tokens = sum(s.tokens for s in ok)
     return LoadResult(
