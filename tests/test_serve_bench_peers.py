@@ -36,3 +36,22 @@ def test_unknown_peer_is_refused() -> None:
     cmd = [sys.executable, "-m", "kvpool", "bench", "serve", "--checkpoint", "tiny"]
     proc = subprocess.run([*cmd, "--peers", "kvpool,tgi"], capture_output=True, text=True)
     assert proc.returncode != 0 and "unknown peers ['tgi']" in proc.stderr
+
+
+def test_event_lines_split_at_newlines_only() -> None:
+    """vLLM writes U+2028 / U+0085 unescaped inside JSON strings: they are not line ends."""
+    import asyncio
+
+    from kvpool.serve.runtime.http.load import _sse_lines
+
+    class Response:
+        async def aiter_text(self):  # type: ignore[no-untyped-def]
+            for part in ('data: {"t": "x\u2028y\x85', 'z"}\r\n\ndata: [DO', "NE]\n\n"):
+                yield part
+
+    async def lines() -> list[str]:
+        return [line async for line in _sse_lines(Response())]
+
+    got = asyncio.run(lines())
+    assert got == ['data: {"t": "x\u2028y\x85z"}', "", "data: [DONE]", ""]
+    assert json.loads(got[0][6:]) == {"t": "x\u2028y\x85z"}

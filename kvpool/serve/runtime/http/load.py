@@ -17,6 +17,7 @@ import itertools
 import json
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,6 +74,20 @@ def make_prompts(count: int, prompt_tokens: int, shared: int, seed: int = 0) -> 
     ]
 
 
+async def _sse_lines(resp: Any) -> AsyncIterator[str]:
+    """The event stream's lines, split at ``\n`` only: a server that writes JSON
+    without escaping non-ASCII (vLLM) may send U+2028 or U+0085 inside a string,
+    where ``aiter_lines`` (``str.splitlines``) would cut the event."""
+    pending = ""
+    async for text in resp.aiter_text():
+        pending += text
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if pending:
+        yield pending
+
+
 async def _one(
     client: Any, url: str, prompt: Any, max_tokens: int, extra: dict[str, Any] | None = None
 ) -> RequestStats:
@@ -92,13 +107,17 @@ async def _one(
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")
             return RequestStats(0.0, [], 0, 0, f"HTTP {resp.status_code}: {text[:200]}")
-        async for line in resp.aiter_lines():
+        async for line in _sse_lines(resp):
             if not line.startswith("data: "):
                 continue
             data = line[6:]
             if data == "[DONE]":
                 break
-            event = json.loads(data)
+            try:
+                event = json.loads(data)
+            except json.JSONDecodeError as exc:
+                error = f"malformed event {data[:80]!r}: {exc}"
+                continue
             if "error" in event:
                 error = str(event["error"].get("message"))
                 continue
