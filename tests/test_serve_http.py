@@ -266,8 +266,9 @@ def _health(url: str) -> dict[str, dict[str, object]]:
     return {w["id"]: w for w in httpx.get(f"{url}/health", timeout=5).json()["workers"]}
 
 
-def test_client_leaving_a_stream_cancels_its_decode(server: Server) -> None:
-    body = {"prompt": [9] * 20, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_leaving_a_stream_cancels_its_decode(server: Server, n: int) -> None:
+    body = {"prompt": [9] * 20, "max_tokens": 1000, "ignore_eos": True, "stream": True, "n": n}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         for n, _line in enumerate(r.iter_lines()):  # until the worker reports it running
             if n % 20 == 19 and _health(server.url)["d0"]["running"]:

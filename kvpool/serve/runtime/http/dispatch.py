@@ -28,7 +28,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 from starlette.concurrency import run_in_threadpool
@@ -378,7 +378,7 @@ class Dispatcher:
             return chat_logprobs(self.tokenizer, tokens, lps)
         return completion_logprobs(self.tokenizer, tokens, lps, offset)
 
-    async def _chunks(self, req: ServeRequest) -> AsyncIterator[str]:
+    async def _chunks(self, req: ServeRequest) -> AsyncGenerator[str, None]:
         """The stream events of one choice (ApiError on failure)."""
         stopper = req.stopper
         name = self.settings.served_name
@@ -403,8 +403,10 @@ class Dispatcher:
         req = reqs[0]
         name = self.settings.served_name
         try:
-            async for chunk in _merge([self._chunks(r) for r in reqs]):
-                yield chunk
+            # closed at once when the client leaves: each choice's decode is cancelled
+            async with contextlib.aclosing(_merge([self._chunks(r) for r in reqs])) as chunks:
+                async for chunk in chunks:
+                    yield chunk
             if req.include_usage and req.chat:
                 yield chat_chunk(req, name, None, None, usage=usage(reqs))
             elif req.include_usage:
@@ -455,16 +457,17 @@ class Dispatcher:
         return out
 
 
-async def _merge(streams: list[AsyncIterator[str]]) -> AsyncIterator[str]:
+async def _merge(streams: list[AsyncGenerator[str, None]]) -> AsyncGenerator[str, None]:
     """The items of ``streams`` as each produces them; the first error is raised
     (the other streams cancelled), and so are they when the consumer stops early."""
     if len(streams) == 1:
-        async for item in streams[0]:
-            yield item
+        async with contextlib.aclosing(streams[0]) as only:
+            async for item in only:
+                yield item
         return
     queue: asyncio.Queue[tuple[str | None, BaseException | None]] = asyncio.Queue()
 
-    async def pump(stream: AsyncIterator[str]) -> None:
+    async def pump(stream: AsyncGenerator[str, None]) -> None:
         try:
             async for item in stream:
                 await queue.put((item, None))
