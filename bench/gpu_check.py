@@ -83,7 +83,7 @@ SECTIONS: dict[str, Spec] = {
     "layerwise": Spec(45, _bench("gpu_layerwise", "run_layerwise"), ("layer_tokens",)),
     "serve": Spec(120, _bench("gpu_serve", "run_serve"), ("long_tokens",)),
     "serve_cli": Spec(90, _bench("gpu_serve", "run_serve_cli")),
-    "checkpoint": Spec(45, _bench("gpu_checkpoint", "run_checkpoint")),
+    "checkpoint": Spec(60, _bench("gpu_checkpoint", "run_checkpoint")),
 }
 # Sections mostly end well inside their budgets. With the start-up (~1.5 min) one device
 # call of timeout_s=450 leaves ~6 minutes of the 15 for a rerun of the failing sections.

@@ -19,8 +19,8 @@ Compared, CUDA against CPU:
    the first token differs (a rounding difference may flip a close call);
 3. decode tokens/s on CUDA at batch 1 and 8 (figures).
 
-Dry run: the CPU run against a second CPU run (tokens and logprobs equal),
-the CUDA parts named as skipped.
+Dry run: a 2-layer checkpoint, short prompts, the CPU run against a second
+CPU run (tokens equal, logprobs within 1e-4), the CUDA parts named as skipped.
 """
 
 from __future__ import annotations
@@ -37,19 +37,24 @@ NEW_TOKENS = 16
 
 
 def run_checkpoint(s: Section) -> None:
-    from kvpool.bench.tiny_checkpoint import write_tiny_checkpoint
+    from kvpool.bench.tiny_checkpoint import TinyShape, write_tiny_checkpoint
 
+    # the dry run only walks the code: 2 layers, short prompts (bf16 is slow on a CPU)
+    shape = TinyShape(layers=2) if s.dry_run else TinyShape()
     for dtype in ("float32", "bfloat16"):
         s.check_time(f"the {dtype} checkpoint")
-        path = write_tiny_checkpoint(Path(s.scratch) / f"kvpool-tiny-{dtype}", dtype=dtype)
+        path = write_tiny_checkpoint(
+            Path(s.scratch) / f"kvpool-tiny-{dtype}", dtype=dtype, shape=shape
+        )
         _compare(s, path, dtype)
 
 
-def _prompts() -> list[list[int]]:
+def _prompts(dry_run: bool) -> list[list[int]]:
     import torch
 
     gen = torch.Generator().manual_seed(7)
-    return [torch.randint(2, 258, (n,), generator=gen).tolist() for n in (40, 300, 700)]
+    lengths = (20, 50, 90) if dry_run else (40, 300, 700)
+    return [torch.randint(2, 258, (n,), generator=gen).tolist() for n in lengths]
 
 
 def _generate(model: Any, prompts: list[list[int]], new_tokens: int) -> tuple[list, list]:
@@ -101,12 +106,13 @@ def _first_divergence(a: list[list[int]], b: list[list[int]]) -> list[int | None
 def _compare(s: Section, path: Path, dtype: str) -> None:
     from kvpool.serve.runtime.model import build_model
 
-    prompts = _prompts()
+    prompts = _prompts(s.dry_run)
+    new_tokens = 6 if s.dry_run else NEW_TOKENS
     cpu = build_model(str(path))
-    want, want_lp = _generate(cpu, prompts, NEW_TOKENS)
+    want, want_lp = _generate(cpu, prompts, new_tokens)
     if not s.cuda:
         s.skip(f"{dtype} checkpoint CUDA vs CPU", "needs CUDA; the CPU run against a second one")
-        got, got_lp = _generate(cpu, prompts, NEW_TOKENS)
+        got, got_lp = _generate(cpu, prompts, new_tokens)
         s.check(f"{dtype} checkpoint greedy tokens reproducible on CPU", got == want)
         # the batch's composition (when each load finishes) changes the float sums a little
         s.check(
@@ -114,7 +120,7 @@ def _compare(s: Section, path: Path, dtype: str) -> None:
             _lp_diff(got_lp, want_lp) <= 1e-4,
             {"max_abs_diff": _lp_diff(got_lp, want_lp)},
         )
-        s.figure(f"{dtype}_cpu_decode_tokens_per_s_batch2", _tokens_per_s(cpu, 2, 8))
+        s.figure(f"{dtype}_cpu_decode_tokens_per_s_batch2", _tokens_per_s(cpu, 2, 4, 32))
         return
     import torch
 
@@ -126,7 +132,7 @@ def _compare(s: Section, path: Path, dtype: str) -> None:
         diff <= TOLERANCE[dtype],
         {"max_abs_diff": diff},
     )
-    got, got_lp = _generate(gpu, prompts, NEW_TOKENS)
+    got, got_lp = _generate(gpu, prompts, new_tokens)
     divergence = _first_divergence(got, want)
     detail = {"first_divergence": divergence}
     if dtype == "float32":
@@ -150,13 +156,13 @@ def _compare(s: Section, path: Path, dtype: str) -> None:
     torch.cuda.empty_cache()
 
 
-def _tokens_per_s(model: Any, batch: int, new_tokens: int = 64) -> float:
+def _tokens_per_s(model: Any, batch: int, new_tokens: int = 64, prompt_tokens: int = 128) -> float:
     """Output tokens/s of ``batch`` requests decoded together (prefill excluded)."""
     from kvpool.embedded.pool import Pool
     from kvpool.serve.runtime.decode import DecodeEngine
     from kvpool.serve.runtime.prefill import PrefillWorker
 
-    prompts = [[2 + (i * 31 + j) % 256 for j in range(128)] for i in range(batch)]
+    prompts = [[2 + (i * 31 + j) % 256 for j in range(prompt_tokens)] for i in range(batch)]
     with (
         Pool.embedded(dram_bytes=64 << 20) as pool,
         PrefillWorker(model, pool) as pw,
