@@ -166,12 +166,16 @@ def _tokens_per_s(model: Any, batch: int, new_tokens: int = 64, prompt_tokens: i
     with (
         Pool.embedded(dram_bytes=64 << 20) as pool,
         PrefillWorker(model, pool) as pw,
-        DecodeEngine(model, pool, num_pages=batch * 16 + 8, max_batch=batch) as engine,
+        # loads in the step that admits them: the whole batch starts decoding together
+        DecodeEngine(
+            model, pool, num_pages=batch * 16 + 8, max_batch=batch, overlap_loads=False
+        ) as engine,
     ):
         for p in prompts:
             engine.submit(pw.prefill(p), new_tokens)
-        while len(engine.running) < batch:
-            engine.step()
+        engine.step()
+        if len(engine.running) != batch:
+            raise RuntimeError(f"{len(engine.running)} of {batch} requests joined the batch")
         sync(str(model.device.type))
         start, emitted = time.perf_counter(), 0
         while not engine.idle:
