@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvpool.serve.runtime.http.answers import Answers
 from kvpool.serve.runtime.http.chat import parse_chat
 from kvpool.serve.runtime.http.dispatch import Dispatcher
 from kvpool.serve.runtime.http.fleet import WorkerFleet
@@ -43,6 +44,7 @@ def build_app(
 ) -> Starlette:
     """The ASGI app over one front end's parts (``created``: the model's timestamp)."""
     s = settings
+    answers = Answers(dispatch)
 
     def authorize(request: Request) -> None:
         if s.api_key is None:
@@ -91,11 +93,11 @@ def build_app(
             reqs = await dispatch.begin_all(fields, chat=chat)
             if fields.stream:
                 return StreamingResponse(
-                    dispatch.stream(reqs),
+                    answers.stream(reqs),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache"},
                 )
-            result = await dispatch.complete(reqs)
+            result = await answers.complete(reqs)
         except ApiError as exc:
             metrics.requests.labels(str(exc.status)).inc()
             return exc.response()
