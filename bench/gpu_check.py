@@ -19,6 +19,8 @@ serve       tiny greedy CUDA == CPU; llama2-7b TTFT 4k/16k,      gpu_serve
             prefix reuse, TBT batch 1/16 (in process)
 serve_cli   kvpool serve --device cuda --model llama2-7b         gpu_serve
             (master, node, workers) under a short HTTP load
+checkpoint  a tiny HF checkpoint (fp32, bf16) on CUDA vs the CPU:   gpu_checkpoint
+            logits, greedy tokens + logprobs, decode tokens/s
 ==========  ===================================================  =============
 
 Isolation and budgets: each section runs in its own process
@@ -81,6 +83,7 @@ SECTIONS: dict[str, Spec] = {
     "layerwise": Spec(45, _bench("gpu_layerwise", "run_layerwise"), ("layer_tokens",)),
     "serve": Spec(120, _bench("gpu_serve", "run_serve"), ("long_tokens",)),
     "serve_cli": Spec(90, _bench("gpu_serve", "run_serve_cli")),
+    "checkpoint": Spec(60, _bench("gpu_checkpoint", "run_checkpoint")),
 }
 # Sections mostly end well inside their budgets. With the start-up (~1.5 min) one device
 # call of timeout_s=450 leaves ~6 minutes of the 15 for a rerun of the failing sections.

@@ -16,6 +16,10 @@ and the cached prompt tokens the server reported.
 Without ``--url`` it starts ``kvpool serve`` itself (``--model``,
 ``--prefill``, ``--decode``, ``--block-tokens`` ...) on a free port and stops
 it afterwards.
+
+``--checkpoint PATH`` (or ``tiny``) measures something else: kvpool serve
+against ``transformers`` and vLLM on one Hugging Face checkpoint
+(``kvpool.bench.serve_peers``).
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from typing import Any
 from kvpool import procs
 from kvpool.args import non_negative_int, positive_int
 from kvpool.bench.common import write_json
+from kvpool.bench.serve_peers import ENGINE_PYTHON
 from kvpool.serve.runtime.http.load import (
     LoadResult,
     RequestStats,
@@ -155,10 +160,12 @@ def register_serve(suites: Any) -> None:
     p = suites.add_parser("serve", help="concurrent streaming completions against kvpool serve")
     p.add_argument("--url", default=None, help="a running server (default: start one)")
     p.add_argument("--concurrency", type=positive_int, default=8)
-    p.add_argument("--requests", type=positive_int, default=64)
+    p.add_argument("--requests", type=positive_int, default=None, help="64 (--checkpoint: 8)")
     p.add_argument("--max-tokens", type=positive_int, default=32)
     p.add_argument("--prompt-tokens", type=positive_int, default=256)
-    p.add_argument("--shared-prefix", type=non_negative_int, default=128)
+    p.add_argument(
+        "--shared-prefix", type=non_negative_int, default=None, help="128 (--checkpoint: 1024)"
+    )
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--model", default="tiny", help="(own server) model preset")
     p.add_argument("--prefill", type=positive_int, default=1, help="(own server) prefill workers")
@@ -171,11 +178,37 @@ def register_serve(suites: Any) -> None:
         action="store_true",
         help="skip the same-run in-process colocated baseline (same prompts, one process)",
     )
+    peers = p.add_argument_group(
+        "peers on a checkpoint (--checkpoint): kvpool serve vs transformers generate vs vLLM"
+    )
+    peers.add_argument(
+        "--checkpoint",
+        default=None,
+        metavar="PATH",
+        help="a Hugging Face checkpoint directory, or 'tiny' (written to a temp dir): "
+        "compare the peers on it instead of loading one server",
+    )
+    peers.add_argument("--peers", default="kvpool,transformers,vllm", help="comma list")
+    peers.add_argument("--levels", default="1,4", help="concurrencies (comma list)")
+    peers.add_argument("--rounds", type=positive_int, default=2, help="interleaved rounds")
+    peers.add_argument("--unique-tokens", type=positive_int, default=64, help="after the prefix")
+    peers.add_argument(
+        "--threads", type=positive_int, default=None, help="transformers' torch threads (1)"
+    )
+    peers.add_argument(
+        "--vllm-python", default=str(ENGINE_PYTHON), help="a python with vllm (the engine venv)"
+    )
     p.add_argument("--json", default=None, metavar="F")
     p.set_defaults(func=_run)
 
 
 def _run(args: argparse.Namespace) -> int:
+    if args.checkpoint is not None:
+        from kvpool.bench.serve_peers import run_peers
+
+        return run_peers(args)
+    args.requests = args.requests or 64
+    args.shared_prefix = 128 if args.shared_prefix is None else args.shared_prefix
     prompts = make_prompts(args.requests, args.prompt_tokens, args.shared_prefix, args.seed)
     base = None
     if not args.no_baseline:  # before our own server starts, so it has the machine alone

@@ -38,7 +38,8 @@ def test_dry_run_runs_every_section(tmp_path: Path) -> None:
             assert part["part"] and part["reason"], (name, part)
             skipped[part["part"]] = part["reason"]
     # Every CUDA-only part is named with its reason, never dropped silently.
-    for part in ("GPU tier", "pinned baselines", "CUDA side streams", "tiny greedy CUDA vs CPU"):
+    cuda_parts = ("GPU tier", "pinned baselines", "CUDA side streams", "tiny greedy CUDA vs CPU")
+    for part in (*cuda_parts, "float32 checkpoint CUDA vs CPU", "bfloat16 checkpoint CUDA vs CPU"):
         assert "CUDA" in skipped[part], skipped
     # What does run on the CPU ran and checked its bytes.
     checks = [c["name"] for e in report["sections"].values() for c in e["checks"]]
@@ -46,8 +47,11 @@ def test_dry_run_runs_every_section(tmp_path: Path) -> None:
     assert "tcp torch cpu 4 MiB write+read exact (arena too)" in checks
     assert "layer-wise store+load exact bytes, every layer" in checks
     assert "kvpool serve answered every request" in checks
+    for dtype in ("float32", "bfloat16"):
+        assert f"{dtype} checkpoint greedy tokens reproducible on CPU" in checks
+        assert f"{dtype} checkpoint logprobs reproducible on CPU" in checks
     assert report["sections"]["pinned"]["figures"]["page_lock_status"]
-    assert "done: 7 sections, problems none" in log
+    assert "done: 8 sections, problems none" in log
 
 
 def test_bad_arguments_are_refused(tmp_path: Path) -> None:

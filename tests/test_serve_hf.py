@@ -343,8 +343,11 @@ def test_stop_strings_and_stop_token_ids_end_the_completion(server: Server) -> N
         ("top_p", 0),
         ("top_k", "x"),
         ("seed", 1.5),
-        ("logprobs", 2),
-        ("n", 2),
+        ("logprobs", 21),
+        ("logprobs", True),
+        ("top_logprobs", 2),
+        ("n", 0),
+        ("n", 17),
         ("echo", True),
         ("presence_penalty", 0.5),
         ("frobnicate", 1),
@@ -426,7 +429,10 @@ def test_chat_renders_the_checkpoints_template_like_transformers(
         ({"messages": []}, "messages"),
         ({"messages": [{"role": "user"}]}, "messages"),
         ({"messages": MESSAGES, "prompt": "x"}, "prompt"),
-        ({"messages": MESSAGES, "n": 3}, "n"),
+        ({"messages": MESSAGES, "n": 0}, "n"),
+        ({"messages": MESSAGES, "logprobs": 3}, "logprobs"),
+        ({"messages": MESSAGES, "top_logprobs": 3}, "top_logprobs"),
+        ({"messages": MESSAGES, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ],
 )
 def test_bad_chat_requests_answer_400(server: Server, body: dict[str, Any], param: str) -> None:
@@ -594,3 +600,151 @@ def test_every_eos_id_of_the_checkpoint_stops_a_request(
         {"prompt": [7, 8], "ignore_eos": True}, settings, settings.tokenizer()
     )
     assert fields.eos_id is None and fields.stop_token_ids == frozenset()
+
+
+# -- logprobs and n ------------------------------------------------------------------
+
+
+def ref_logprobs(ref: Any, ids: list[int], out: list[int]) -> torch.Tensor:
+    """transformers' log_softmax of its logits at each output position ``[len(out), vocab]``."""
+    with torch.no_grad():
+        logits = ref(torch.tensor([ids + out])).logits[0, len(ids) - 1 : -1]
+    return torch.log_softmax(logits.float(), -1)
+
+
+def test_logprobs_through_prefill_pool_decode_equal_transformers(
+    ckpts: dict[str, pathlib.Path], llama: Transformer
+) -> None:
+    from kvpool.serve.runtime.sampling import SamplingParams
+
+    ref = reference(ckpts["llama3-rope-tied"])
+    params = SamplingParams(logprobs=5)  # greedy
+    shared = prompt(80, seed=21)
+    with (
+        Pool.embedded(dram_bytes=32 << 20) as pool,
+        PrefillWorker(llama, pool, chunk_tokens=32, native_layerwise=False) as pw,
+    ):
+        for suffix_seed, cached in ((22, False), (23, True)):
+            ids = shared + prompt(21, seed=suffix_seed)
+            result = pw.prefill(ids, sampling=params)
+            assert (result.cached_tokens > 0) == cached
+            engine = DecodeEngine(llama, pool, num_pages=64, page_tokens=8, native_layerwise=False)
+            engine.submit(result, 10, sampling=params)
+            events = []
+            while not engine.idle:
+                events.extend(engine.step())
+            out = [e.token for e in events]
+            assert out == ref_generate(ref, ids, 10)
+            want = ref_logprobs(ref, ids, out)
+            for i, e in enumerate(events):
+                assert e.logprobs is not None
+                lp, alts = e.logprobs
+                assert lp == pytest.approx(float(want[i, e.token]), abs=1e-5)
+                top = torch.topk(want[i], 5)
+                assert [a for a, _ in alts] == top.indices.tolist()
+                torch.testing.assert_close(
+                    torch.tensor([v for _, v in alts]), top.values, rtol=0, atol=1e-5
+                )
+                assert alts[0][0] == e.token  # greedy: the sampled token is the most likely
+
+
+@pytest.mark.parametrize("length", [60, 200])  # one prefill worker; the pipeline group
+def test_served_logprobs_equal_transformers(
+    server: Server, ckpts: dict[str, pathlib.Path], length: int
+) -> None:
+    path = ckpts["llama3-rope-tied"]
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ids = prompt(length, seed=30 + length)
+    r = _post(server, prompt=ids, max_tokens=6, ignore_eos=True, logprobs=3)
+    assert r.status_code == 200, r.text
+    c = r.json()["choices"][0]
+    out = c["token_ids"]
+    ref = reference(path)
+    assert out == ref_generate(ref, ids, 6)
+    want = ref_logprobs(ref, ids, out)
+    lp = c["logprobs"]
+    assert lp["tokens"] == [tok.decode([t]) for t in out]
+    for i, t in enumerate(out):
+        assert lp["token_logprobs"][i] == pytest.approx(float(want[i, t]), abs=1e-5)
+        top = torch.topk(want[i], 3)
+        expected = {tok.decode([j]): float(v) for j, v in zip(top.indices, top.values, strict=True)}
+        assert lp["top_logprobs"][i] == pytest.approx(expected, abs=1e-5)
+    assert lp["text_offset"][0] == 0
+    # streamed: each chunk carries its token's logprobs, the same values
+    streamed: list[float] = []
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        json={"prompt": ids, "max_tokens": 6, "ignore_eos": True, "logprobs": 3, "stream": True},
+        timeout=120,
+        headers=AUTH,
+    ) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                for ch in json.loads(line[6:])["choices"]:
+                    streamed += ch["logprobs"]["token_logprobs"]
+    assert streamed == pytest.approx(lp["token_logprobs"], abs=1e-6)
+
+
+def test_chat_logprobs(server: Server, ckpts: dict[str, pathlib.Path]) -> None:
+    path = ckpts["llama3-rope-tied"]
+    tok = transformers.AutoTokenizer.from_pretrained(path)
+    ids = list(tok.apply_chat_template(MESSAGES, add_generation_prompt=True, tokenize=True))
+    body = {"messages": MESSAGES, "max_tokens": 5, "ignore_eos": True}
+    body |= {"logprobs": True, "top_logprobs": 2}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=120, headers=AUTH)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    ref = reference(path)
+    out = ref_generate(ref, ids, 5)
+    want = ref_logprobs(ref, ids, out)
+    assert [e["token"] for e in content] == [tok.decode([t]) for t in out]
+    for i, (e, t) in enumerate(zip(content, out, strict=True)):
+        assert e["logprob"] == pytest.approx(float(want[i, t]), abs=1e-5)
+        assert e["bytes"] == list(e["token"].encode())
+        assert len(e["top_logprobs"]) == 2 and e["top_logprobs"][0]["token"] == e["token"]
+    off = httpx.post(
+        f"{server.url}/v1/chat/completions",
+        json={"messages": MESSAGES, "max_tokens": 2, "logprobs": False},
+        timeout=120,
+        headers=AUTH,
+    )
+    assert off.status_code == 200 and off.json()["choices"][0]["logprobs"] is None
+
+
+def test_n_completions_differ_reproducibly_and_stream_interleaved(server: Server) -> None:
+    ids = prompt(60, seed=40)
+    body = {"prompt": ids, "max_tokens": 8, "ignore_eos": True, "temperature": 1.0, "seed": 5}
+    r = _post(server, n=3, **body)
+    assert r.status_code == 200, r.text
+    out = r.json()
+    choices = out["choices"]
+    assert [c["index"] for c in choices] == [0, 1, 2]
+    tokens = [c["token_ids"] for c in choices]
+    assert len({tuple(t) for t in tokens}) == 3  # each choice has its own seed
+    assert out["usage"]["completion_tokens"] == 24 and out["usage"]["prompt_tokens"] == 60
+    again = _post(server, n=3, **body).json()
+    assert [c["token_ids"] for c in again["choices"]] == tokens  # same seed, same choices
+    single = _post(server, **body).json()
+    assert single["choices"][0]["token_ids"] == tokens[0]  # choice 0 keeps the seed
+    # streamed: chunks of every choice, each naming its index, the same tokens
+    got: dict[int, list[int]] = {0: [], 1: [], 2: []}
+    order, usage, chunk_ids = [], None, set()
+    with httpx.stream(
+        "POST",
+        f"{server.url}/v1/completions",
+        json={**body, "n": 3, "stream": True, "stream_options": {"include_usage": True}},
+        timeout=120,
+        headers=AUTH,
+    ) as resp:
+        for line in resp.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                chunk_ids.add(chunk["id"])
+                usage = chunk.get("usage") or usage
+                for ch in chunk["choices"]:
+                    got[ch["index"]] += ch["token_ids"]
+                    order.append(ch["index"])
+    assert [got[i] for i in range(3)] == tokens
+    assert usage is not None and usage["completion_tokens"] == 24
+    assert sorted(set(order)) == [0, 1, 2] and len(chunk_ids) == 1  # one response id

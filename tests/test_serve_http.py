@@ -202,7 +202,13 @@ def test_concurrent_requests_are_batched_and_exact(server: Server, model: Transf
         (b'{"prompt": "hi", "max_tokens": 0}', 400, "max_tokens"),
         (b'{"prompt": "hi", "max_tokens": 100000}', 400, "max_tokens"),
         (b'{"prompt": "hi", "max_tokens": "ten"}', 400, "max_tokens"),
-        (b'{"prompt": "hi", "n": 2}', 400, "n"),
+        (b'{"prompt": "hi", "n": 0}', 400, "n"),
+        (b'{"prompt": "hi", "n": 17}', 400, "n"),
+        (b'{"prompt": "hi", "n": 1.5}', 400, "n"),
+        (b'{"prompt": "hi", "logprobs": 21}', 400, "logprobs"),
+        (b'{"prompt": "hi", "logprobs": -1}', 400, "logprobs"),
+        (b'{"prompt": "hi", "logprobs": true}', 400, "logprobs"),
+        (b'{"prompt": "hi", "top_logprobs": 2}', 400, "top_logprobs"),
         (b'{"prompt": "hi", "stream": "yes"}', 400, "stream"),
         (b'{"prompt": "hi", "model": "gpt-4"}', 404, "model"),
     ],
@@ -260,8 +266,9 @@ def _health(url: str) -> dict[str, dict[str, object]]:
     return {w["id"]: w for w in httpx.get(f"{url}/health", timeout=5).json()["workers"]}
 
 
-def test_client_leaving_a_stream_cancels_its_decode(server: Server) -> None:
-    body = {"prompt": [9] * 20, "max_tokens": 1000, "ignore_eos": True, "stream": True}
+@pytest.mark.parametrize("n", [1, 3])
+def test_client_leaving_a_stream_cancels_its_decode(server: Server, n: int) -> None:
+    body = {"prompt": [9] * 20, "max_tokens": 1000, "ignore_eos": True, "stream": True, "n": n}
     with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as r:
         for n, _line in enumerate(r.iter_lines()):  # until the worker reports it running
             if n % 20 == 19 and _health(server.url)["d0"]["running"]:

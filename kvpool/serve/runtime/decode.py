@@ -45,7 +45,13 @@ from kvpool.index.keys import Namespace
 from kvpool.serve.runtime.kv_io import BlockLayerLoader, tail_layout
 from kvpool.serve.runtime.model import Transformer
 from kvpool.serve.runtime.prefill import PrefillResult
-from kvpool.serve.runtime.sampling import GREEDY, SamplingParams, sample_batch
+from kvpool.serve.runtime.sampling import (
+    GREEDY,
+    SamplingParams,
+    TokenLogprobs,
+    batch_logprobs,
+    sample_batch,
+)
 
 
 class PagedKVCache:
@@ -138,6 +144,7 @@ class TokenEvent:
     index: int  # 0 for the prefill's first token
     finished: bool
     error: str | None = None  # a failed request's last event (token -1)
+    logprobs: TokenLogprobs | None = None  # when the request asked (``runtime.sampling``)
 
 
 class DecodeEngine:
@@ -257,12 +264,16 @@ class DecodeEngine:
             self._finish(req)
         return reqs
 
-    def _emit(self, req: DecodeRequest, token: int) -> TokenEvent:
+    def _emit(
+        self, req: DecodeRequest, token: int, logprobs: TokenLogprobs | None = None
+    ) -> TokenEvent:
         req.output.append(token)
         req.token_times.append(time.perf_counter())
         if len(req.output) >= req.max_new_tokens or token == req.eos_id:
             req.finished = True
-        return TokenEvent(req.request_id, token, len(req.output) - 1, req.finished)
+        return TokenEvent(
+            req.request_id, token, len(req.output) - 1, req.finished, logprobs=logprobs
+        )
 
     def _finish(self, req: DecodeRequest) -> None:
         self.cache.free(req.pages)
@@ -277,7 +288,7 @@ class DecodeEngine:
     def _activate(self, req: DecodeRequest, events: list[TokenEvent]) -> None:
         req.admitted_at = time.perf_counter()
         self.running.append(req)
-        events.append(self._emit(req, req.handoff.first_token))
+        events.append(self._emit(req, req.handoff.first_token, req.handoff.first_logprobs))
 
     def _admit(self) -> list[TokenEvent]:
         events: list[TokenEvent] = []
@@ -287,7 +298,7 @@ class DecodeEngine:
             h = req.handoff
             if req.max_new_tokens == 1 or h.first_token == req.eos_id:
                 self.waiting.popleft()  # done with prefill's token alone: no KV needed
-                events.append(self._emit(req, h.first_token))
+                events.append(self._emit(req, h.first_token, h.first_logprobs))
                 req.finished = True
                 self._drop_tail(h)
                 continue
@@ -372,13 +383,14 @@ class DecodeEngine:
             k_all, v_all = cache.gather(layer, tables)
             attn = model.attention(q, k_all, v_all, allowed[:, None])
             h = model.layer_out(layer, h, attn)
-        next_tokens = sample_batch(
-            model.logits(h[:, 0]), [r.sampling for r in batch], [len(r.output) for r in batch]
-        )
+        logits = model.logits(h[:, 0])
+        params = [r.sampling for r in batch]
+        next_tokens = sample_batch(logits, params, [len(r.output) for r in batch])
+        logprobs = batch_logprobs(logits, next_tokens, params)
         events = []
-        for req, token in zip(batch, next_tokens, strict=True):
+        for req, token, lp in zip(batch, next_tokens, logprobs, strict=True):
             req.length += 1
-            events.append(self._emit(req, int(token)))
+            events.append(self._emit(req, int(token), lp))
         for req in [r for r in batch if r.finished]:
             self._finish(req)
         self.running = [r for r in batch if not r.finished]

@@ -150,7 +150,10 @@ class DecodeService:
                 continue
             start = time.perf_counter()
             try:
-                events = [[e.request_id, e.token, e.index, e.finished, e.error] for e in eng.step()]
+                events = [
+                    [e.request_id, e.token, e.index, e.finished, e.error, e.logprobs]
+                    for e in eng.step()
+                ]
             except Exception as exc:  # the batch is lost; fail it, keep serving
                 log.exception("decode step failed")
                 events = self._fail_everything(exc)
@@ -164,7 +167,7 @@ class DecodeService:
             try:
                 self.engine.submit(handoff, max_new, eos_id=eos, sampling=sampling)
             except ValueError as exc:
-                failed.append([handoff.request_id, -1, 0, True, f"ValueError: {exc}"])
+                failed.append([handoff.request_id, -1, 0, True, f"ValueError: {exc}", None])
         return failed
 
     def _drop_cancelled(self) -> None:
@@ -179,7 +182,7 @@ class DecodeService:
     def _fail_everything(self, exc: BaseException) -> list[list[Any]]:
         reqs = self.engine.abandon()
         msg = f"{type(exc).__name__}: {exc}"
-        return [[r.request_id, -1, len(r.output), True, msg] for r in reqs]
+        return [[r.request_id, -1, len(r.output), True, msg, None] for r in reqs]
 
     def _publish(self, events: list[list[Any]]) -> None:
         if not events:

@@ -296,6 +296,7 @@ def pipeline_prefill(
         request_id=rid,
         tokens=[int(t) for t in ids],
         first_token=int(first),
+        first_logprobs=results[-1].get("first_logprobs"),
         block_keys=keys,
         tail_key=None if tail is None else tail.key,
         cached_tokens=cached,

@@ -48,7 +48,13 @@ from kvpool.cluster.client.handles import RemoteBlockWriter, ReservationTicket
 from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.rpc import RpcClient, RpcServer, ServerConfig
 from kvpool.serve.runtime.model import Transformer, build_model
-from kvpool.serve.runtime.sampling import GREEDY, SamplingParams, sample
+from kvpool.serve.runtime.sampling import (
+    GREEDY,
+    SamplingParams,
+    TokenLogprobs,
+    sample,
+    token_logprobs,
+)
 
 READY_PREFIX = "kvpool cpp stage ready on"
 MAX_FRAME = 256 * 1024 * 1024
@@ -77,6 +83,7 @@ class _Request:
     done: threading.Event = field(default_factory=threading.Event)
     error: str = ""
     first_token: int | None = None
+    first_logprobs: TokenLogprobs | None = None
     sampling: SamplingParams = GREEDY  # how the last stage picks the first token
     busy_s: float = 0.0
     t_first: float = 0.0  # wall clock (time.time) when the first chunk started here
@@ -175,6 +182,7 @@ class Stage:
         return {
             "error": req.error,
             "first_token": req.first_token,
+            "first_logprobs": req.first_logprobs,
             "busy_s": req.busy_s,
             "t_first": req.t_first,
             "t_last": req.t_last,
@@ -270,7 +278,12 @@ class Stage:
         last_chunk = end == req.total
         if self.is_last:
             if last_chunk:
-                req.first_token = sample(self.model.logits(h[-1]), req.sampling, 0)
+                logits = self.model.logits(h[-1])
+                req.first_token = sample(logits, req.sampling, 0)
+                if req.sampling.logprobs is not None:
+                    req.first_logprobs = token_logprobs(
+                        logits, req.first_token, req.sampling.logprobs
+                    )
         else:
             assert self.next is not None
             payload = {

@@ -13,7 +13,8 @@ For a prompt of T tokens:
    its layers are written;
 4. the partial tail block is stored under a request-private key so decode
    can take the whole prompt's KV from the pool;
-5. the first output token is the argmax of the last position's logits.
+5. the first output token is sampled from the last position's logits
+   (``runtime.sampling``; its logprobs too when the request asks).
 
 When every token of the prompt is cached (T a multiple of the block size and
 all blocks hit), the last token is recomputed (its logits are needed), so at
@@ -37,7 +38,13 @@ from kvpool.api import KVStore
 from kvpool.index.keys import Namespace, block_keys, root_key, token_array
 from kvpool.serve.runtime.kv_io import BlockLayerLoader, BlockLayerWriter, tail_key, tail_layout
 from kvpool.serve.runtime.model import Transformer
-from kvpool.serve.runtime.sampling import GREEDY, SamplingParams, sample
+from kvpool.serve.runtime.sampling import (
+    GREEDY,
+    SamplingParams,
+    TokenLogprobs,
+    sample,
+    token_logprobs,
+)
 
 
 @dataclass
@@ -54,6 +61,7 @@ class PrefillResult:
     cached_blocks: int
     stored_blocks: int  # new full blocks written to the pool
     timings: dict[str, float] = field(default_factory=dict)
+    first_logprobs: TokenLogprobs | None = None  # when the request asked for logprobs
     last_logits: Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -73,6 +81,7 @@ class PrefillResult:
             "cached_blocks": self.cached_blocks,
             "stored_blocks": self.stored_blocks,
             "timings": self.timings,
+            "first_logprobs": self.first_logprobs,
         }
 
     @classmethod
@@ -180,6 +189,11 @@ class PrefillWorker:
             assert h is not None
             logits = model.logits(h[-1])
             first = sample(logits, sampling, 0)
+            first_lp = (
+                None
+                if sampling.logprobs is None
+                else token_logprobs(logits, first, sampling.logprobs)
+            )
             t_stored = time.perf_counter()
             for w in writers:
                 w.wait()
@@ -206,6 +220,7 @@ class PrefillWorker:
                 "store_wait_s": t_end - t_stored,
                 "total_s": t_end - t0,
             },
+            first_logprobs=first_lp,
             last_logits=logits,
         )
 

@@ -23,7 +23,8 @@ Decode worker methods (every reply goes to the connection that asked):
   queues a prefilled request for the continuous-batching loop (checked
   first: a request that can never fit is refused with an error reply);
 - ``decode.events`` ``EventsCall(wait_s)`` -> ``{"events": [[rid, token, index,
-  finished, error], ...]}``: a long poll: every token event of requests this
+  finished, error, logprobs], ...]}`` (``logprobs``: ``[logprob, [[id, logprob],
+  ...]]`` when the request asked, else null): a long poll: every token event of requests this
   connection submitted, waiting up to ``wait_s`` for the first one. The
   front end keeps one such call outstanding per decode worker, so tokens
   stream back as the loop emits them;

@@ -15,6 +15,11 @@ as after a single-worker prefill. A member that dies fails the request with
 
 The router is told what was measured (``Router.observe``, when it has one)
 after every prefill and at the end of every request.
+
+A request with ``n > 1`` runs as ``n`` choices (``begin_all``): each is routed,
+prefilled and decoded on its own, with its own seed. ``tokens`` yields a
+choice's tokens as they come; ``answers.Answers`` shapes them into the API's
+answers.
 """
 
 from __future__ import annotations
@@ -32,22 +37,15 @@ from starlette.concurrency import run_in_threadpool
 from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.errors import KVPoolError
 from kvpool.index.keys import block_keys
-from kvpool.serve.runtime.http.chat import chat_body, chat_chunk
 from kvpool.serve.runtime.http.fleet import WorkerFleet
 from kvpool.serve.runtime.http.metrics import ServeMetrics
 from kvpool.serve.runtime.http.openai import (
     ApiError,
     CompletionRequest,
-    choice,
-    completion_body,
-    extras,
-    finish_reason,
-    sse,
-    stream_chunk,
-    usage,
 )
 from kvpool.serve.runtime.http.state import ServeRequest, ServeSettings, WorkerHandle
 from kvpool.serve.runtime.http.stopping import StopState
+from kvpool.serve.runtime.sampling import TokenLogprobs
 from kvpool.serve.sched.router_api import DECODE, PREFILL, Observation, RouteDecision, Router
 
 if TYPE_CHECKING:
@@ -103,10 +101,34 @@ class Dispatcher:
             raise ApiError(500, f"router chose unknown workers {decision}", "server_error")
         return [p], d, None
 
-    async def begin(self, fields: CompletionRequest, chat: bool = False) -> ServeRequest:
-        """Route, prefill and hand to decode; errors are ApiError with a status."""
+    async def begin_all(self, fields: CompletionRequest, chat: bool = False) -> list[ServeRequest]:
+        """``begin`` each of the request's ``n`` choices: the first alone, then the
+        others at once (their prompt's full blocks are in the pool by then). If one
+        fails, the ones begun are abandoned and its ApiError raised."""
+        first = await self.begin(fields, chat)
+        if fields.n == 1:
+            return [first]
+        rest = await asyncio.gather(
+            *(self.begin(fields, chat, i, first.id) for i in range(1, fields.n)),
+            return_exceptions=True,
+        )
+        reqs = [first, *(r for r in rest if isinstance(r, ServeRequest))]
+        errors = [r for r in rest if isinstance(r, BaseException)]
+        if errors:
+            for req in reqs:
+                req.error = str(errors[0])
+                self._end(req)
+            raise errors[0]
+        return reqs
+
+    async def begin(
+        self, fields: CompletionRequest, chat: bool = False, index: int = 0, response_id: str = ""
+    ) -> ServeRequest:
+        """Route, prefill and hand to decode choice ``index`` of the request (its id
+        towards the workers: ``response_id-index``); errors are ApiError with a status."""
+        rid = f"{response_id}-{index}" if index else f"cmpl-{uuid.uuid4().hex[:24]}"
         req = ServeRequest(
-            id=f"cmpl-{uuid.uuid4().hex[:24]}",
+            id=rid,
             tokens=fields.tokens,
             max_tokens=fields.max_tokens,
             eos_id=fields.eos_id,
@@ -116,7 +138,9 @@ class Dispatcher:
             loop=asyncio.get_running_loop(),
             stopper=StopState(self.tokenizer, fields.eos_id, fields.stop, fields.stop_token_ids),
             chat=chat,
-            sampling=fields.sampling,
+            sampling=fields.sampling.for_choice(index),
+            index=index,
+            response_id=response_id,
         )
         self.metrics.inflight.inc()
         try:
@@ -226,6 +250,7 @@ class Dispatcher:
         token = int(result["first_token"])
         now = time.perf_counter()
         req.output.append(token)
+        req.logprobs.append(result.get("first_logprobs"))
         req.times.append(now)
         self.metrics.ttft.observe(now - req.arrival)
         self.metrics.generated.inc()
@@ -264,22 +289,26 @@ class Dispatcher:
             with contextlib.suppress(Exception):
                 self.pool.remove(tail)
 
-    async def tokens(self, req: ServeRequest) -> AsyncIterator[tuple[int, bool]]:
-        """(token, finished) in order, the prefill's first token included; ApiError on failure."""
+    async def tokens(
+        self, req: ServeRequest
+    ) -> AsyncIterator[tuple[int, bool, TokenLogprobs | None]]:
+        """(token, finished, logprobs) in order, the prefill's first token included;
+        ApiError on failure."""
         try:
-            yield req.output[0], req.finished
+            yield req.output[0], req.finished, req.logprobs[0]
             while not req.finished:
                 item = await req.queue.get()
                 if item[0] == "err":
                     req.error = str(item[2])
                     raise ApiError(int(item[1]), str(item[2]), "server_error")
-                _, token, index, finished = item
+                _, token, index, finished, lp = item
                 if index == 0:  # decode re-emits the prefill's token at admission
                     req.finished = finished
                     continue
                 now = time.perf_counter()
                 self.metrics.tbt.observe(now - req.times[-1])
                 req.output.append(token)
+                req.logprobs.append(lp)
                 req.times.append(now)
                 self.metrics.generated.inc()
                 req.finished = finished
@@ -287,7 +316,7 @@ class Dispatcher:
                 if req.stopper.feed(token, last=finished) and not finished:
                     req.finished = True  # a stop token or string: the decode worker stops now
                     self._cancel(req)
-                yield token, req.finished
+                yield token, req.finished, lp
         finally:
             self._end(req)
 
@@ -328,57 +357,3 @@ class Dispatcher:
                 observe(obs)
             except Exception:
                 log.exception("router.observe failed")
-
-    # -- answers ----------------------------------------------------------------
-
-    async def stream(self, req: ServeRequest) -> AsyncIterator[str]:
-        stopper = req.stopper
-        name = self.settings.served_name
-        assert stopper is not None
-        first = True
-        try:
-            async for token, finished in self.tokens(req):
-                text = stopper.pending(finished)
-                if req.chat:
-                    reason = finish_reason(req) if finished else None
-                    yield chat_chunk(req, name, text, reason, first=first)
-                    first = False
-                    continue
-                yield stream_chunk(
-                    req,
-                    self.settings.served_name,
-                    text,
-                    token,
-                    finish_reason(req) if finished else None,
-                )
-            if req.include_usage and req.chat:
-                yield chat_chunk(req, name, None, None, usage=usage(req))
-            elif req.include_usage:
-                yield sse(
-                    completion_body(
-                        req, self.settings.served_name, [], usage=usage(req), kvpool=extras(req)
-                    )
-                )
-            self.metrics.requests.labels("200").inc()
-        except ApiError as exc:
-            self.metrics.requests.labels(str(exc.status)).inc()
-            yield sse(exc.body())
-        yield "data: [DONE]\n\n"
-
-    async def complete(self, req: ServeRequest) -> dict[str, Any]:
-        async for _ in self.tokens(req):
-            pass
-        assert req.stopper is not None
-        text = req.stopper.text
-        if req.chat:
-            name = self.settings.served_name
-            return chat_body(
-                req, name, text, finish_reason(req), usage=usage(req), kvpool=extras(req)
-            )
-        return completion_body(
-            req,
-            self.settings.served_name,
-            [choice(text, finish_reason(req), list(req.output))],
-            usage=usage(req),
-            kvpool=extras(req),
-        )

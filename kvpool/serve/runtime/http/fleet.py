@@ -147,7 +147,7 @@ class WorkerFleet:
                 if not self._stop.is_set():
                     self._mark_down(handle, generation, str(exc))
                 return
-            for rid, token, index, finished, error in reply["events"]:
+            for rid, token, index, finished, error, logprobs in reply["events"]:
                 with self.lock:
                     req = handle.inflight.get(rid)
                     if req is not None and finished:
@@ -157,7 +157,7 @@ class WorkerFleet:
                 if error:
                     req.push(("err", 500, f"decode failed: {error}"))
                 else:
-                    req.push(("tok", int(token), int(index), bool(finished)))
+                    req.push(("tok", int(token), int(index), bool(finished), logprobs))
 
     def _supervise(self) -> None:
         """Mark dead workers down and restart them; a worker that keeps dying soon

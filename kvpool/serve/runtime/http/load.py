@@ -17,6 +17,7 @@ import itertools
 import json
 import random
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -73,13 +74,30 @@ def make_prompts(count: int, prompt_tokens: int, shared: int, seed: int = 0) -> 
     ]
 
 
-async def _one(client: Any, url: str, prompt: Any, max_tokens: int) -> RequestStats:
+async def _sse_lines(resp: Any) -> AsyncIterator[str]:
+    """The event stream's lines, split at ``\n`` only: a server that writes JSON
+    without escaping non-ASCII (vLLM) may send U+2028 or U+0085 inside a string,
+    where ``aiter_lines`` (``str.splitlines``) would cut the event."""
+    pending = ""
+    async for text in resp.aiter_text():
+        pending += text
+        *lines, pending = pending.split("\n")
+        for line in lines:
+            yield line.rstrip("\r")
+    if pending:
+        yield pending
+
+
+async def _one(
+    client: Any, url: str, prompt: Any, max_tokens: int, extra: dict[str, Any] | None = None
+) -> RequestStats:
     body = {
         "prompt": prompt,
         "max_tokens": max_tokens,
         "stream": True,
         "ignore_eos": True,
         "stream_options": {"include_usage": True},
+        **(extra or {}),
     }
     start = time.perf_counter()
     times: list[float] = []
@@ -89,13 +107,17 @@ async def _one(client: Any, url: str, prompt: Any, max_tokens: int) -> RequestSt
         if resp.status_code != 200:
             text = (await resp.aread()).decode(errors="replace")
             return RequestStats(0.0, [], 0, 0, f"HTTP {resp.status_code}: {text[:200]}")
-        async for line in resp.aiter_lines():
+        async for line in _sse_lines(resp):
             if not line.startswith("data: "):
                 continue
             data = line[6:]
             if data == "[DONE]":
                 break
-            event = json.loads(data)
+            try:
+                event = json.loads(data)
+            except json.JSONDecodeError as exc:
+                error = f"malformed event {data[:80]!r}: {exc}"
+                continue
             if "error" in event:
                 error = str(event["error"].get("message"))
                 continue
@@ -111,7 +133,11 @@ async def _one(client: Any, url: str, prompt: Any, max_tokens: int) -> RequestSt
 
 
 async def _load(
-    url: str, prompts: list[Any], concurrency: int, max_tokens: int
+    url: str,
+    prompts: list[Any],
+    concurrency: int,
+    max_tokens: int,
+    extra: dict[str, Any] | None = None,
 ) -> tuple[list[RequestStats], float]:
     import httpx
 
@@ -129,7 +155,7 @@ async def _load(
                 except asyncio.QueueEmpty:
                     return
                 try:
-                    out.append(await _one(client, url, prompt, max_tokens))
+                    out.append(await _one(client, url, prompt, max_tokens, extra))
                 except httpx.HTTPError as exc:
                     out.append(RequestStats(0.0, [], 0, 0, f"{type(exc).__name__}: {exc}"))
 
@@ -149,14 +175,17 @@ def run_load(
     shared_prefix: int = 128,
     prompts: list[Any] | None = None,
     seed: int = 0,
+    extra_body: dict[str, Any] | None = None,
 ) -> LoadResult:
+    """``extra_body``: more request fields (another server's own, e.g. vLLM's
+    ``return_token_ids``, so its chunks carry ``token_ids`` as kvpool's do)."""
     url = url.rstrip("/")
     if prompts is None:
         prompts = make_prompts(requests, prompt_tokens, shared_prefix, seed)
     else:  # describe the given prompts (token-id lists)
         prompt_tokens = round(sum(len(p) for p in prompts) / max(len(prompts), 1))
         shared_prefix = common_prefix(prompts) if len(prompts) > 1 else 0
-    stats, wall = asyncio.run(_load(url, prompts, concurrency, max_tokens))
+    stats, wall = asyncio.run(_load(url, prompts, concurrency, max_tokens, extra_body))
     ok = [s for s in stats if s.error is None]
     tokens = sum(s.tokens for s in ok)
     return LoadResult(

@@ -9,12 +9,17 @@ Accepted fields: ``prompt`` (text, tokenized by the model's tokenizer, or a
 list of token ids; a batch of one is unwrapped), ``max_tokens`` (default
 16), ``stream``, ``stream_options.include_usage``, ``ignore_eos``, ``stop``
 and ``stop_token_ids`` (``stopping``), ``model`` (must be the served name
-when given), ``user``, and sampling: ``temperature`` (default 0: greedy),
+when given), ``user``, sampling: ``temperature`` (default 0: greedy),
 ``top_p``, ``top_k`` and ``seed`` (``runtime.sampling``: the same seed gives
-the same tokens; without one each request draws its own). The other scoring
-parameters are accepted only at their neutral values (``NEUTRAL``: ``n`` 1,
-``logprobs`` null, penalties 0, ...); any other value, and any unknown field,
-answers 400 naming it, never silently ignored.
+the same tokens; without one each request draws its own), ``n`` (1 to
+``MAX_N`` completions, choice ``i`` sampled with its own seed derived from
+the request's) and ``logprobs`` (0 to ``MAX_LOGPROBS``: the sampled token's
+log-probability and that many alternatives per token; in chat,
+``logprobs: true`` and ``top_logprobs``). Log-probabilities are the model's
+(log-softmax of the raw logits, before temperature/top-k/top-p). The other
+scoring parameters are accepted only at their neutral values (``NEUTRAL``:
+``best_of`` 1, ``echo`` false, penalties 0, ...); any other value, and any
+unknown field, answers 400 naming it, never silently ignored.
 """
 
 from __future__ import annotations
@@ -29,16 +34,13 @@ from starlette.responses import JSONResponse
 
 from kvpool.serve.runtime.http.state import ServeRequest, ServeSettings
 from kvpool.serve.runtime.http.stopping import parse_stop
-from kvpool.serve.runtime.sampling import GREEDY, SamplingParams
+from kvpool.serve.runtime.sampling import GREEDY, MAX_LOGPROBS, SamplingParams, TokenLogprobs
 from kvpool.serve.runtime.tokenizer import TextTokenizer
 
 DEFAULT_MAX_TOKENS = 16
 #: Parameters not implemented here, accepted only at these (no-op) values.
 NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "n": (None, 1),
     "best_of": (None, 1),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
     "echo": (None, False),
     "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0),
@@ -49,7 +51,9 @@ NEUTRAL: dict[str, tuple[Any, ...]] = {
 }
 #: Parameters implemented here (``user`` is only an identifier).
 ACCEPTED = {"model", "prompt", "max_tokens", "stream", "stream_options", "ignore_eos", "stop"}
-ACCEPTED |= {"stop_token_ids", "user", "seed", "temperature", "top_p", "top_k"}
+ACCEPTED |= {"stop_token_ids", "user", "seed", "temperature", "top_p", "top_k", "n", "logprobs"}
+#: The most completions one request may ask for (``n``).
+MAX_N = 16
 
 
 class ApiError(Exception):
@@ -99,10 +103,11 @@ class CompletionRequest:
     eos_id: int | None  # None with ignore_eos (or a model without the byte vocabulary)
     stop: tuple[str, ...] = ()
     stop_token_ids: frozenset[int] = frozenset()
-    sampling: SamplingParams = GREEDY
+    sampling: SamplingParams = GREEDY  # its ``logprobs``: alternatives per token, None: off
+    n: int = 1  # completions to generate (choice i samples with ``sampling.for_choice(i)``)
 
 
-def check_parameters(body: dict[str, Any]) -> None:
+def check_parameters(body: dict[str, Any], chat: bool = False) -> None:
     """ApiError(400) naming the first parameter this server would otherwise ignore."""
     for name, value in body.items():
         if name in NEUTRAL:
@@ -115,16 +120,23 @@ def check_parameters(body: dict[str, Any]) -> None:
                     param=name,
                     code="unsupported_parameter",
                 )
-        elif name not in ACCEPTED:
+        elif name == "top_logprobs" and not chat:
+            raise ApiError(
+                400,
+                "'top_logprobs' is a chat parameter: completions take 'logprobs' (an integer)",
+                param=name,
+                code="unsupported_parameter",
+            )
+        elif name not in ACCEPTED and not (chat and name == "top_logprobs"):
             raise ApiError(
                 400, f"unknown parameter {name!r}", param=name, code="unsupported_parameter"
             )
 
 
 def parse_completion(
-    body: Any, settings: ServeSettings, tokenizer: TextTokenizer
+    body: Any, settings: ServeSettings, tokenizer: TextTokenizer, *, chat: bool = False
 ) -> CompletionRequest:
-    """Validated request fields, or ApiError (4xx)."""
+    """Validated request fields, or ApiError (4xx) (``chat``: chat's ``logprobs`` form)."""
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object")
     model = body.get("model")
@@ -132,7 +144,7 @@ def parse_completion(
         raise ApiError(
             404, f"model {model!r} is not served here", param="model", code="model_not_found"
         )
-    check_parameters(body)
+    check_parameters(body, chat)
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required", param="prompt")
     tokens = _prompt_tokens(body["prompt"], settings.model.vocab_size, tokenizer)
@@ -177,11 +189,12 @@ def parse_completion(
         stop=stop,
         # a checkpoint's other EOS ids (Llama 3 has several) stop it too
         stop_token_ids=stop_ids if ignore_eos else stop_ids | settings.eos_ids,
-        sampling=parse_sampling(body),
+        sampling=parse_sampling(body, chat),
+        n=parse_n(body),
     )
 
 
-def _number(body: dict[str, Any], name: str, default: float, kind: type = float) -> Any:
+def _number(body: dict[str, Any], name: str, default: float | None, kind: type = float) -> Any:
     value = body.get(name)
     if value is None:
         return default
@@ -190,8 +203,34 @@ def _number(body: dict[str, Any], name: str, default: float, kind: type = float)
     return value
 
 
-def parse_sampling(body: dict[str, Any]) -> SamplingParams:
-    """``temperature``, ``top_p``, ``top_k`` (-1 or 0: off), ``seed`` (None: a fresh one)."""
+def parse_n(body: dict[str, Any]) -> int:
+    n = _number(body, "n", 1, int)
+    if not 1 <= n <= MAX_N:
+        raise ApiError(400, f"'n' must be between 1 and {MAX_N}", param="n")
+    return int(n)
+
+
+def parse_logprobs(body: dict[str, Any], chat: bool) -> int | None:
+    """Alternatives per token, or None: completions' ``logprobs`` (an integer), or
+    chat's ``logprobs`` (a boolean) with ``top_logprobs`` (an integer, needs it true)."""
+    if chat:
+        on = body.get("logprobs")
+        if on is not None and not isinstance(on, bool):
+            raise ApiError(400, "'logprobs' must be a boolean in chat", param="logprobs")
+        top = body.get("top_logprobs")
+        if top is not None and not on:
+            raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
+        name, k = "top_logprobs", (_number(body, "top_logprobs", 0, int) if on else None)
+    else:
+        name, k = "logprobs", _number(body, "logprobs", None, int)
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise ApiError(400, f"'{name}' must be between 0 and {MAX_LOGPROBS}", param=name)
+    return None if k is None else int(k)
+
+
+def parse_sampling(body: dict[str, Any], chat: bool = False) -> SamplingParams:
+    """``temperature``, ``top_p``, ``top_k`` (-1 or 0: off), ``seed`` (None: a fresh one),
+    logprobs (``parse_logprobs``)."""
     temperature = float(_number(body, "temperature", 0.0))
     top_p = float(_number(body, "top_p", 1.0))
     top_k = int(_number(body, "top_k", 0, int))
@@ -203,7 +242,8 @@ def parse_sampling(body: dict[str, Any]) -> SamplingParams:
     ):
         if not ok:
             raise ApiError(400, f"'{name}' is out of range", param=name)
-    return SamplingParams(temperature, top_p, max(0, top_k), seed)
+    logprobs = parse_logprobs(body, chat)
+    return SamplingParams(temperature, top_p, max(0, top_k), seed, logprobs)
 
 
 def _prompt_tokens(prompt: Any, vocab: int, tokenizer: TextTokenizer) -> list[int]:
@@ -238,12 +278,16 @@ def finish_reason(req: ServeRequest) -> str:
     return "stop" if req.output and req.output[-1] == req.eos_id else "length"
 
 
-def usage(req: ServeRequest) -> dict[str, Any]:
+def usage(reqs: list[ServeRequest]) -> dict[str, Any]:
+    """Over every choice: the prompt once, the completions' tokens summed, and the
+    prompt tokens the first choice found in the pool."""
+    generated = sum(len(r.output) for r in reqs)
+    prompt = len(reqs[0].tokens)
     return {
-        "prompt_tokens": len(req.tokens),
-        "completion_tokens": len(req.output),
-        "total_tokens": len(req.tokens) + len(req.output),
-        "prompt_tokens_details": {"cached_tokens": req.cached_tokens},
+        "prompt_tokens": prompt,
+        "completion_tokens": generated,
+        "total_tokens": prompt + generated,
+        "prompt_tokens_details": {"cached_tokens": reqs[0].cached_tokens},
     }
 
 
@@ -266,7 +310,7 @@ def completion_body(
 ) -> dict[str, Any]:
     """A text_completion object (a whole response or one stream chunk)."""
     return {
-        "id": req.id,
+        "id": req.response_id,
         "object": "text_completion",
         "created": int(time.time()),
         "model": model,
@@ -275,14 +319,48 @@ def completion_body(
     }
 
 
-def choice(text: str, finish: str | None, token_ids: list[int]) -> dict[str, Any]:
+def choice(
+    text: str,
+    finish: str | None,
+    token_ids: list[int],
+    index: int = 0,
+    logprobs: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     return {
-        "index": 0,
+        "index": index,
         "text": text,
-        "logprobs": None,
+        "logprobs": logprobs,
         "finish_reason": finish,
         "token_ids": token_ids,
     }
+
+
+def completion_logprobs(
+    tokenizer: TextTokenizer,
+    tokens: list[int],
+    lps: list[TokenLogprobs | None],
+    offset: int = 0,
+) -> dict[str, Any]:
+    """The completions API's ``logprobs`` object for ``tokens`` (text offsets from
+    ``offset``). ``top_logprobs`` maps each alternative's text to its logprob, the
+    sampled token included (so up to k + 1 entries, as OpenAI)."""
+    texts = [tokenizer.decode([t]) for t in tokens]
+    offsets, at = [], offset
+    for t in texts:
+        offsets.append(at)
+        at += len(t)
+    top: list[dict[str, float] | None] = []
+    values: list[float | None] = []
+    for text, lp in zip(texts, lps, strict=True):
+        if lp is None:
+            values.append(None)
+            top.append(None)
+            continue
+        alts = {tokenizer.decode([int(i)]): float(v) for i, v in lp[1]}
+        alts.setdefault(text, float(lp[0]))
+        values.append(float(lp[0]))
+        top.append(alts)
+    return {"tokens": texts, "token_logprobs": values, "top_logprobs": top, "text_offset": offsets}
 
 
 def sse(body: dict[str, Any]) -> str:
@@ -291,8 +369,13 @@ def sse(body: dict[str, Any]) -> str:
 
 
 def stream_chunk(
-    req: ServeRequest, model: str, text: str, token: int | None, finish: str | None
+    req: ServeRequest,
+    model: str,
+    text: str,
+    token: int | None,
+    finish: str | None,
+    logprobs: dict[str, Any] | None = None,
 ) -> str:
-    return sse(
-        completion_body(req, model, [choice(text, finish, [] if token is None else [token])])
-    )
+    """One event of choice ``req.index`` (its id: the response's, ``req.response_id``)."""
+    ids = [] if token is None else [token]
+    return sse(completion_body(req, model, [choice(text, finish, ids, req.index, logprobs)]))

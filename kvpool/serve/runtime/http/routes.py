@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from kvpool.serve.runtime.http.answers import Answers
 from kvpool.serve.runtime.http.chat import parse_chat
 from kvpool.serve.runtime.http.dispatch import Dispatcher
 from kvpool.serve.runtime.http.fleet import WorkerFleet
@@ -43,6 +44,7 @@ def build_app(
 ) -> Starlette:
     """The ASGI app over one front end's parts (``created``: the model's timestamp)."""
     s = settings
+    answers = Answers(dispatch)
 
     def authorize(request: Request) -> None:
         if s.api_key is None:
@@ -88,14 +90,14 @@ def build_app(
                 fields = parse_chat(body, s, dispatch.tokenizer, dispatch.chat_template)
             else:
                 fields = parse_completion(body, s, dispatch.tokenizer)
-            req = await dispatch.begin(fields, chat=chat)
-            if req.stream:
+            reqs = await dispatch.begin_all(fields, chat=chat)
+            if fields.stream:
                 return StreamingResponse(
-                    dispatch.stream(req),
+                    answers.stream(reqs),
                     media_type="text/event-stream",
                     headers={"Cache-Control": "no-cache"},
                 )
-            result = await dispatch.complete(req)
+            result = await answers.complete(reqs)
         except ApiError as exc:
             metrics.requests.labels(str(exc.status)).inc()
             return exc.response()

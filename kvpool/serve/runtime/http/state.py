@@ -18,7 +18,7 @@ from kvpool.rpc.client import RpcClient
 from kvpool.serve.runtime.checkpoint.chat import ChatTemplate
 from kvpool.serve.runtime.checkpoint.config import Checkpoint
 from kvpool.serve.runtime.http.stopping import StopState
-from kvpool.serve.runtime.sampling import GREEDY, SamplingParams
+from kvpool.serve.runtime.sampling import GREEDY, SamplingParams, TokenLogprobs
 from kvpool.serve.runtime.tokenizer import EOS, VOCAB_SIZE, ByteTokenizer, TextTokenizer
 from kvpool.serve.sched.presets import ModelConfig
 
@@ -90,7 +90,10 @@ class WorkerHandle:
 
 @dataclass
 class ServeRequest:
-    """One completion in flight: its tokens, timings and the events for its coroutine."""
+    """One completion in flight: its tokens, timings and the events for its coroutine.
+
+    A request with ``n > 1`` is ``n`` of these (``index`` 0..n-1, each with its
+    own ``id`` towards the workers and the answer's ``response_id``)."""
 
     id: str
     tokens: list[int]
@@ -114,6 +117,12 @@ class ServeRequest:
     stopper: StopState | None = None  # the text and stop conditions
     chat: bool = False  # answered as chat.completion(.chunk)
     sampling: SamplingParams = GREEDY
+    index: int = 0  # the choice this is of an ``n > 1`` request
+    response_id: str = ""  # the id of the answer (choice 0's ``id``; "": ``id``)
+    logprobs: list[TokenLogprobs | None] = field(default_factory=list)  # per output token
+
+    def __post_init__(self) -> None:
+        self.response_id = self.response_id or self.id
 
     def push(self, item: tuple[Any, ...]) -> None:
         """Thread-safe: hand an event to the request's coroutine."""
