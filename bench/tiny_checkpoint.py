@@ -26,6 +26,10 @@ from __future__ import annotations
 import json
 import pathlib
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from tokenizers import Tokenizer
 
 VOCAB = 272  # 2 specials + 256 bytes, rounded up to a multiple of 16
 
@@ -75,7 +79,10 @@ def _tensors(shape: TinyShape, tie: bool, seed: int, dtype: str) -> dict[str, ob
     return {k: v.to(to).contiguous() for k, v in out.items()}
 
 
-def _tokenizer(path: pathlib.Path) -> None:
+def byte_bpe_tokenizer() -> Tokenizer:
+    """Byte-level BPE without merges: ``<s>`` = 0, ``</s>`` = 1, then the 256
+    byte tokens; BOS added by the post-processor (tests/hf_checkpoints.py wraps
+    the same tokenizer for ``transformers``)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -85,6 +92,11 @@ def _tokenizer(path: pathlib.Path) -> None:
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(["<s>", "</s>"])
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    return tok
+
+
+def _tokenizer(path: pathlib.Path) -> None:
+    tok = byte_bpe_tokenizer()
     tok.save(str(path / "tokenizer.json"))
     special = {"bos_token": "<s>", "eos_token": "</s>"}
     (path / "special_tokens_map.json").write_text(json.dumps(special))

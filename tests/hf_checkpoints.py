@@ -13,16 +13,11 @@ CHAT_TEMPLATE = (
 
 def byte_tokenizer(chat_template: str | None = None) -> Any:
     """A byte-level BPE tokenizer (no merges) with ``<s>``/``</s>`` and BOS added."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {"<s>": 0, "</s>": 1} | {ch: i + 2 for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>"])
-    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 0)])
+    from kvpool.bench.tiny_checkpoint import byte_bpe_tokenizer
+
+    tok = byte_bpe_tokenizer()
     return PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", chat_template=chat_template
     )
