@@ -132,7 +132,12 @@ class KVStore(Protocol):
     def put(
         self, key: bytes, data: Buffer, *, parent: bytes | None = None, replicas: int = 1
     ) -> bool:
-        """Store ``data`` under ``key``; False if the key is already stored."""
+        """Store ``data`` under ``key``; False if the key is already stored.
+
+        Either way the key then holds exactly one immutable block. A cluster
+        client with pipelined commits answers False only for keys it put
+        itself; another client's earlier block answers True (and is kept).
+        """
         ...
 
     def put_batch(
