@@ -75,10 +75,30 @@ class LeasedReads:
                     return None
                 return self.read_range(key, found[key], dst, start, length)
         try:
+            if start == 0 and length is None and self._read_whole(key, hit, dst):
+                return hit[1]
             return self.read_range(key, hit, dst, start, length)
         finally:
             with self._lock:
                 self.cache.unpin(hit[2])
+
+    def _read_whole(self, key: bytes, hit: Found, dst: Region) -> bool:
+        """The common read in one step: a whole cached block with one replica into a
+        buffer of exactly its size, no replica order pending. False (nothing counted,
+        ``dst`` holds no meaningful bytes) when it does not apply or the read failed:
+        the caller then takes the general path, which tries again, falls back to other
+        replicas and counts the miss. Same checks as the general path: the transport
+        verifies the block's identity (same host) or the node does (TCP)."""
+        placements, size, _ = hit
+        if len(placements) != 1 or region_nbytes(dst) != size or key in self._orders:
+            return False  # (a racy ``in``: an order seen late is fulfilled by a later read)
+        placement = placements[0]
+        try:
+            self._read_many(placement.node_id, [(placement.offset, 0, dst, key)])
+        except TRANSFER_ERRORS:
+            return False
+        self._session.counts["hits"] += 1
+        return True
 
     def read_batch(self, keys: Sequence[bytes], regions: list[Region]) -> list[int | None]:
         """``get_into_batch``: one pipelined exchange per node, replicas on failure."""
