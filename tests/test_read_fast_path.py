@@ -55,6 +55,17 @@ def test_whole_block_reads_match_the_general_path(cluster, transport: str) -> No
         # a buffer too small is refused with a clear error, as before
         with pytest.raises(kvpool.KVPoolError):
             pool.get_into(keys[0], np.zeros(BLOCK - 1, np.uint8))
+        # other buffer kinds take the general view and get the same bytes
+        for other in (bytearray(BLOCK), np.zeros((16, BLOCK // 16), np.uint8)):
+            assert pool.get_into(keys[1], other) == BLOCK
+            assert np.array_equal(np.frombuffer(bytes(other), np.uint8), payload(1))
+        read_only = np.zeros(BLOCK, np.uint8)
+        read_only.setflags(write=False)
+        with pytest.raises(kvpool.KVPoolError, match="read-only"):
+            pool.get_into(keys[1], read_only)
+        for bad in (True, -1, 1.0):  # the range check still runs for non-default offsets
+            with pytest.raises(kvpool.KVPoolError):
+                pool.get_into(keys[1], np.zeros(BLOCK, np.uint8), offset=bad)
         # removed by this client: a miss at once
         assert pool.remove(keys[0])
         assert pool.get_into(keys[0], np.zeros(BLOCK, np.uint8)) is None

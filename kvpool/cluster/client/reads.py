@@ -94,7 +94,12 @@ class LeasedReads:
             return False  # (a racy ``in``: an order seen late is fulfilled by a later read)
         placement = placements[0]
         try:
-            self._read_many(placement.node_id, [(placement.offset, 0, dst, key)])
+            transport = self._session.transport(placement.node_id)
+            if isinstance(transport, ShmTransport):  # identity-checked copy
+                if not transport.read_block(placement.offset, 0, dst, key):
+                    return False
+            else:  # the node checks the block (kvpool.transport.fencing)
+                self._session.read_many(placement.node_id, [(placement.offset, 0, dst, key)])
         except TRANSFER_ERRORS:
             return False
         self._session.counts["hits"] += 1
@@ -107,20 +112,23 @@ class LeasedReads:
             for size, region in zip(sizes, regions, strict=True):
                 if size is not None:
                     check_out_fits(region, size)
-            by_node: dict[str, list[int]] = {}
+            # node -> (index, block offset) of the blocks read from it
+            by_node: dict[str, list[tuple[int, int]]] = {}
+            preferred = self._session.preferred
             for i, key in enumerate(keys):
                 if key in found:
-                    node_id = self._session.preferred(found[key][0]).node_id
-                    by_node.setdefault(node_id, []).append(i)
-            for node_id, items in by_node.items():
+                    placement = preferred(found[key][0])
+                    by_node.setdefault(placement.node_id, []).append((i, placement.offset))
+            for node_id, located in by_node.items():
+                items = [i for i, _ in located]
                 plan = [
                     (
-                        self._session.preferred(found[keys[i]][0]).offset,
+                        offset,
                         0,
                         regions[i][: sizes[i]],
                         keys[i],
                     )
-                    for i in items
+                    for i, offset in located
                 ]
                 try:  # one pipelined exchange per node
                     self._read_many(node_id, plan)
