@@ -106,7 +106,7 @@ class ShmTransport(Transport):
         if idents is None:
             self.read_into(block_offset + start, out)
             return True
-        if _plain(out) and out.flags.writeable:  # fast path, as in read_into
+        if plain_writable(out):  # fast path, as in read_into
             length = out.nbytes
             seq = idents.check_then(key, block_offset, start, length)
             if seq < 0:
@@ -137,13 +137,16 @@ class ShmTransport(Transport):
                 self._page_lock = page_lock(self._arena.ctypes.data, self._arena.size)
 
     def _span(self, offset: int, length: int) -> np.ndarray:
-        if self._arena is None:
+        arena = self._arena
+        if arena is None:
             raise PoolClosedError("shared-memory transport is closed")
-        check_range(offset, length, self.info.size)
-        return self._arena[offset : offset + length]
+        end = offset + length
+        if offset < 0 or length < 0 or end > arena.size:  # the arena is info.size bytes
+            check_range(offset, length, self.info.size)  # raises the usual error
+        return arena[offset:end]
 
     def read_into(self, offset: int, out: Any) -> None:
-        if _plain(out) and out.flags.writeable:  # fast path: one np.copyto, nothing else
+        if plain_writable(out):  # fast path: one np.copyto, nothing else
             np.copyto(out, self._span(offset, out.nbytes))
             self.bytes_read += out.nbytes
             return
@@ -198,11 +201,23 @@ def _populate(region: mmap.mmap, size: int) -> None:
         region.madvise(_MADV_POPULATE_WRITE, 0, size)
 
 
+_U8 = np.dtype(np.uint8)  # numpy's builtin dtypes are singletons: ``is`` compares them
+
+
 def _plain(buf: Any) -> bool:
     """A flat contiguous uint8 numpy array (what tiers and engines mostly pass)."""
     return (
         type(buf) is np.ndarray
-        and buf.dtype == np.uint8
+        and buf.dtype is _U8
         and buf.ndim == 1
         and bool(buf.flags.c_contiguous)
     )
+
+
+def plain_writable(buf: Any) -> bool:
+    """``_plain`` and writable: a buffer a read may copy into as it is (~0.16 us,
+    against ~1 us for ``as_region``'s general view)."""
+    if type(buf) is not np.ndarray or buf.dtype is not _U8 or buf.ndim != 1:
+        return False
+    flags = buf.flags
+    return bool(flags.c_contiguous and flags.writeable)

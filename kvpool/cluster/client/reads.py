@@ -75,10 +75,35 @@ class LeasedReads:
                     return None
                 return self.read_range(key, found[key], dst, start, length)
         try:
+            if start == 0 and length is None and self._read_whole(key, hit, dst):
+                return hit[1]
             return self.read_range(key, hit, dst, start, length)
         finally:
             with self._lock:
                 self.cache.unpin(hit[2])
+
+    def _read_whole(self, key: bytes, hit: Found, dst: Region) -> bool:
+        """The common read in one step: a whole cached block with one replica into a
+        buffer of exactly its size, no replica order pending. False (nothing counted,
+        ``dst`` holds no meaningful bytes) when it does not apply or the read failed:
+        the caller then takes the general path, which tries again, falls back to other
+        replicas and counts the miss. Same checks as the general path: the transport
+        verifies the block's identity (same host) or the node does (TCP)."""
+        placements, size, _ = hit
+        if len(placements) != 1 or region_nbytes(dst) != size or key in self._orders:
+            return False  # (a racy ``in``: an order seen late is fulfilled by a later read)
+        placement = placements[0]
+        try:
+            transport = self._session.transport(placement.node_id)
+            if isinstance(transport, ShmTransport):  # identity-checked copy
+                if not transport.read_block(placement.offset, 0, dst, key):
+                    return False
+            else:  # the node checks the block (kvpool.transport.fencing)
+                self._session.read_many(placement.node_id, [(placement.offset, 0, dst, key)])
+        except TRANSFER_ERRORS:
+            return False
+        self._session.counts["hits"] += 1
+        return True
 
     def read_batch(self, keys: Sequence[bytes], regions: list[Region]) -> list[int | None]:
         """``get_into_batch``: one pipelined exchange per node, replicas on failure."""
@@ -87,20 +112,23 @@ class LeasedReads:
             for size, region in zip(sizes, regions, strict=True):
                 if size is not None:
                     check_out_fits(region, size)
-            by_node: dict[str, list[int]] = {}
+            # node -> (index, block offset) of the blocks read from it
+            by_node: dict[str, list[tuple[int, int]]] = {}
+            preferred = self._session.preferred
             for i, key in enumerate(keys):
                 if key in found:
-                    node_id = self._session.preferred(found[key][0]).node_id
-                    by_node.setdefault(node_id, []).append(i)
-            for node_id, items in by_node.items():
+                    placement = preferred(found[key][0])
+                    by_node.setdefault(placement.node_id, []).append((i, placement.offset))
+            for node_id, located in by_node.items():
+                items = [i for i, _ in located]
                 plan = [
                     (
-                        self._session.preferred(found[keys[i]][0]).offset,
+                        offset,
                         0,
                         regions[i][: sizes[i]],
                         keys[i],
                     )
-                    for i in items
+                    for i, offset in located
                 ]
                 try:  # one pipelined exchange per node
                     self._read_many(node_id, plan)

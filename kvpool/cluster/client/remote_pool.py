@@ -67,6 +67,7 @@ from kvpool.errors import KVPoolError, PoolFullError
 from kvpool.layerwise.api import LayerwiseMethods
 from kvpool.transport.base import RegionInfo
 from kvpool.transport.fencing import WriteStamp
+from kvpool.transport.shm import plain_writable
 
 
 def connect(url: str, *, token: str | None = None, timeout: float = 10.0, **kw: Any) -> RemotePool:
@@ -236,15 +237,16 @@ class RemotePool(LayerwiseMethods):
     ) -> int | None:
         """Copy the block (or bytes [offset, offset+length)) into ``out``; None on a miss."""
         check_key(key)
-        dst = out_region(out)
-        check_read_range(offset, length)
+        dst = out if plain_writable(out) else out_region(out)  # the common buffer: as it is
+        if type(offset) is not int or offset or length is not None:  # defaults need no check
+            check_read_range(offset, length)
         self.flush()
         return self._reads.read_into(key, dst, offset, length)
 
     def get_into_batch(self, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[int | None]:
         """``get_into`` for each pair; at most one lease round trip for the whole batch."""
         check_batch(keys, outs, what="outs")
-        regions = [out_region(o) for o in outs]
+        regions = [o if plain_writable(o) else out_region(o) for o in outs]
         self.flush()
         return self._reads.read_batch(keys, regions)
 

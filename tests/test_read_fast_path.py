@@ -1,0 +1,98 @@
+"""The read fast paths (a whole cached block in one step, same-host batches):
+the same bytes as the general path, and a stale or missing block is still a
+miss, never another block's bytes. Real master and node processes."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from clusterhelpers import start_cluster, wait_until
+from poolhelpers import BLOCK, make_keys, payload
+
+import kvpool
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    cluster = start_cluster(["8MiB"])
+    yield cluster
+    cluster.stop()
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_whole_block_reads_match_the_general_path(cluster, transport: str) -> None:
+    with kvpool.connect(cluster.url, transport=transport, lease_cache_s=30.0) as pool:
+        assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
+        keys = make_keys(6, seed=11)
+        assert all(pool.put_batch(keys, [payload(i) for i in range(6)]))
+        general = [0]  # calls of the general path (test-only spy on the client's reads)
+        reads = pool._reads
+        read_range = reads.read_range
+
+        def counted(*args, **kw):
+            general[0] += 1
+            return read_range(*args, **kw)
+
+        reads.read_range = counted
+        for _ in range(3):  # first pass leases; the others run from the cache
+            for i, key in enumerate(keys):
+                out = np.zeros(BLOCK, np.uint8)  # exactly the block: the fast path
+                assert pool.get_into(key, out) == BLOCK
+                assert np.array_equal(out, payload(i))
+                big = np.full(BLOCK + 4096, 7, np.uint8)  # larger buffer: the general path
+                assert pool.get_into(key, big) == BLOCK
+                assert np.array_equal(big[:BLOCK], payload(i)) and (big[BLOCK:] == 7).all()
+                part = np.zeros(1000, np.uint8)
+                assert pool.get_into(key, part, offset=4096, length=1000) == 1000
+                assert np.array_equal(part, payload(i)[4096:5096])
+            outs = [np.zeros(BLOCK, np.uint8) for _ in keys]
+            assert pool.get_into_batch(keys, outs) == [BLOCK] * len(keys)
+            for i, out in enumerate(outs):
+                assert np.array_equal(out, payload(i))
+        client = pool.stats()["client"]
+        assert client["lease_round_trips"] == len(keys) and client["misses"] == 0
+        assert general == [2 * len(keys) * 3 + len(keys)]  # big + part reads, first reads
+        # a buffer too small is refused with a clear error, as before
+        with pytest.raises(kvpool.KVPoolError):
+            pool.get_into(keys[0], np.zeros(BLOCK - 1, np.uint8))
+        # other buffer kinds take the general view and get the same bytes
+        for other in (bytearray(BLOCK), np.zeros((16, BLOCK // 16), np.uint8)):
+            assert pool.get_into(keys[1], other) == BLOCK
+            assert np.array_equal(np.frombuffer(bytes(other), np.uint8), payload(1))
+        read_only = np.zeros(BLOCK, np.uint8)
+        read_only.setflags(write=False)
+        with pytest.raises(kvpool.KVPoolError, match="read-only"):
+            pool.get_into(keys[1], read_only)
+        for bad in (True, -1, 1.0):  # the range check still runs for non-default offsets
+            with pytest.raises(kvpool.KVPoolError):
+                pool.get_into(keys[1], np.zeros(BLOCK, np.uint8), offset=bad)
+        # removed by this client: a miss at once
+        assert pool.remove(keys[0])
+        assert pool.get_into(keys[0], np.zeros(BLOCK, np.uint8)) is None
+        assert pool.get_into_batch(keys[:2], [np.zeros(BLOCK, np.uint8)] * 2)[0] is None
+        for key in keys[1:]:
+            assert pool.remove(key)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_stale_cached_lease_is_a_miss_never_another_blocks_bytes(cluster, transport) -> None:
+    """A cached entry whose range now holds another block (as after a lease outlived
+    on a restarted master): the identity check refuses it on both paths."""
+    with kvpool.connect(cluster.url, transport=transport, lease_cache_s=30.0) as pool:
+        assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
+        a, b = make_keys(2, seed=12 if transport == "shm" else 13)
+        assert all(pool.put_batch([a, b], [payload(1), payload(2)]))
+        out = np.zeros(BLOCK, np.uint8)
+        assert pool.get_into(a, out) == BLOCK and pool.get_into(b, out) == BLOCK
+        # Test-only surgery: a's cache entry now names b's range (the range was reused).
+        cache = pool._reads.cache._blocks
+        cache[a] = (cache[b][0], BLOCK, cache[a][2])
+        before = pool.stats()["client"]["misses"]
+        out[:] = 0
+        assert pool.get_into(a, out) is None  # fast path refused, general path refused
+        assert not out.any()  # checked before any byte moved
+        assert pool.get_into_batch([a, b], [np.zeros(BLOCK, np.uint8)] * 2) == [None, BLOCK]
+        assert pool.stats()["client"]["misses"] == before + 2
+        assert pool.get_into(b, out) == BLOCK and np.array_equal(out, payload(2))
+        pool.remove(a)
+        pool.remove(b)
