@@ -19,6 +19,7 @@ Invariants:
 from __future__ import annotations
 
 import contextlib
+import os
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -71,6 +72,7 @@ class ClientSession:
         self._by_region: dict[str, tuple[RegionInfo, Transport]] = {}  # skips peers' lock
         self._controls: dict[str, TcpTransport] = {}  # fenced-write side channel per node
         self._seals: dict[str, tuple[RegionInfo, SealRecords | None]] = {}
+        self._shm_seals = os.environ.get("KVPOOL_SHM_SEAL", "1") != "0"  # 0: TCP seals only
         self._listeners: list[Callable[[str], None]] = []
 
     def on_region_change(self, listener: Callable[[str], None]) -> None:
@@ -139,6 +141,8 @@ class ClientSession:
     def seals(self, node_id: str) -> SealRecords | None:
         """The seal records beside ``node_id``'s arena (same host; None: the node
         publishes none, so every seal goes over TCP)."""
+        if not self._shm_seals:
+            return None
         region = self.regions[node_id]
         known = self._seals.get(node_id)
         if known is not None and known[0] is region:
