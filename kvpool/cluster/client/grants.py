@@ -34,7 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_GRANT_BYTES = 64 << 20  # per client and block size
-MAX_STOCK = 16  # grants per block size
+MAX_STOCK = 64  # grants per block size, at most
+MIN_STOCK = 16  # grants per block size where the budget allows
+STOCK_BYTES = 4 << 20  # small blocks: stock this many bytes (a refill lasts ~1 ms at 64 KiB)
 MAX_USE_S = 1.0  # below the master's default re-join grace (2 s)
 
 
@@ -70,7 +72,9 @@ class GrantStock:
 
     def target(self, size: int) -> int:
         """How many grants of ``size`` bytes to keep in stock (0: grants off)."""
-        return min(MAX_STOCK, self.budget_bytes // size) if size > 0 else 0
+        if size <= 0:
+            return 0
+        return min(MAX_STOCK, max(MIN_STOCK, STOCK_BYTES // size), self.budget_bytes // size)
 
     def take(self, size: int) -> Grant | None:
         """A fresh grant for a block of ``size`` bytes, or None."""
