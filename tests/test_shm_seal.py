@@ -286,10 +286,15 @@ def test_stale_epoch_claims_are_still_refused(node) -> None:
 # -- the proof, with real processes --------------------------------------------------------
 
 
-def test_a_master_kill_right_after_shm_sealed_acks_loses_none() -> None:
+@pytest.mark.parametrize("shm_seal", ["1", "0"])
+def test_a_master_kill_right_after_shm_sealed_acks_loses_none(
+    shm_seal: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Puts acknowledged on their shared-memory seal (no SEAL round trip), the
     master killed -9 at once and restarted: every acknowledged put is found by
-    another client with exact bytes."""
+    another client with exact bytes. ``KVPOOL_SHM_SEAL=0``: the same with every
+    seal sent to the node (the fallback path)."""
+    monkeypatch.setenv("KVPOOL_SHM_SEAL", shm_seal)
     cluster = start_cluster(["16MiB", "16MiB"])
     try:
         keys = make_keys(48, seed=41)
@@ -301,7 +306,10 @@ def test_a_master_kill_right_after_shm_sealed_acks_loses_none() -> None:
             cluster.master = cluster.restart_master_process()
             writer.flush()
             sealed = writer.stats()["client"].get("seals_shm", 0)
-            assert sealed >= len(keys) // 2, writer.stats()["client"]  # the path under test
+            if shm_seal == "1":  # the path under test
+                assert sealed >= len(keys) // 2, writer.stats()["client"]
+            else:
+                assert sealed == 0
             with kvpool.connect(cluster.url, timeout=5) as reader:
                 assert wait_until(lambda: reader.exists(keys) == [True] * len(keys), timeout=15)
                 out = np.empty(BLOCK, np.uint8)
