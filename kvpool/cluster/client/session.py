@@ -145,7 +145,9 @@ class ClientSession:
             return None
         region = self.regions[node_id]
         known = self._seals.get(node_id)
-        if known is not None and known[0] is region:
+        if known is not None and (known[0] is region or known[0] == region):
+            if known[0] is not region:  # an equal region from a newer reply: same file
+                self._seals[node_id] = (region, known[1])
             return known[1]
         records = None
         with contextlib.suppress(OSError, ValueError):
