@@ -32,7 +32,11 @@ Invariants (all under one lock):
 - same-host readers check the identity records (kvpool.transport.shm_ident):
   a block's record is published once it is whole (WRITTEN or COMMITTED) and
   retracted when its entry goes or another entry starts there, always before
-  a claim that lets new bytes into the range is granted.
+  a claim that lets new bytes into the range is granted;
+- shared-memory seals (kvpool.transport.shm_seal): a claim taken ahead
+  (placeholder key) has its record cleared before it is granted; a record
+  naming it (claimed, not aborted) is adopted as a ``SEAL`` would be, and a
+  new term aborts it only once past its deadline + margin (waits for that).
 """
 
 from __future__ import annotations
@@ -43,28 +47,14 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
+from kvpool.cluster.block_entry import CLAIMED, COMMITTED, NO_KEY, WRITTEN, Entry
 from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, FENCE_STALE, WriteStamp
 from kvpool.transport.shm_ident import BlockIdents
+from kvpool.transport.shm_seal import SealRecords, now_ns
 
-CLAIMED, WRITTEN, COMMITTED = "claimed", "written", "committed"
 DEFAULT_CLAIM_WAIT = 2.0  # seconds a newer claim waits for older writes in flight
-
-
-@dataclass(eq=False)
-class Entry:
-    stamp: WriteStamp
-    state: str
-    inflight: int = 0
-    aborted: bool = False
-    checksum: int = 0  # xxh3_64 of the bytes once known (0: not computed yet)
-
-    def wire(self) -> list[Any]:
-        """As a registration reports it: [key, offset, size, checksum, parent]."""
-        s = self.stamp
-        return [s.key, s.offset, s.size, self.checksum, s.parent]
 
 
 class BlockTable:
@@ -75,9 +65,13 @@ class BlockTable:
         checksum: Callable[[int, int], int],
         claim_wait: float = DEFAULT_CLAIM_WAIT,
         idents: BlockIdents | None = None,
+        seals: SealRecords | None = None,
+        clock: Callable[[], int] = now_ns,
     ) -> None:
         self._checksum = checksum  # (offset, size) -> xxh3_64 of those arena bytes
         self._idents = idents  # same-host readers check these (None: not published)
+        self._seals = seals  # same-host writers seal here (None: TCP seals only)
+        self._clock = clock  # CLOCK_MONOTONIC ns (injected by unit tests)
         self.claim_wait = claim_wait
         self.epoch = 0  # the term served now (0: none, every claim is stale)
         self.highest = 0  # the highest term ever served (a lower master is stale)
@@ -101,6 +95,8 @@ class BlockTable:
                     self._hold(entry, owner)
                     return FENCE_OK
                 overlapped = self._overlapping(stamp.offset, stamp.size)
+                for other in overlapped:
+                    self._adopt_sealed(other)
                 if any(o.stamp.order >= stamp.order for o in overlapped):
                     return FENCE_STALE
                 if not any(o.inflight for o in overlapped):
@@ -108,6 +104,9 @@ class BlockTable:
                         self._remove(other)
                     entry = Entry(stamp, CLAIMED)
                     self._insert(entry)
+                    if self._seals is not None and stamp.key == NO_KEY:
+                        self._seals.clear(stamp.offset)  # before the claim is answered
+                        entry.granted_ns = self._clock()
                     self._hold(entry, owner)
                     return FENCE_OK
                 left = deadline - time.monotonic()
@@ -124,16 +123,7 @@ class BlockTable:
             entry = self._entries.get(stamp.offset)
             mine = entry is not None and entry.stamp.same_allocation(stamp)
             if mine and ok and seal and entry is not None and not entry.aborted:
-                # The block is whole: no write of it is in flight any more (a claim
-                # taken ahead on another connection ends too); the seal names its key.
-                for held in self._owners.values():
-                    held.pop(entry, None)
-                was = entry.state  # COMMITTED: the commit event overtook this seal
-                entry.inflight, entry.stamp = 0, stamp
-                entry.state = COMMITTED if was == COMMITTED else WRITTEN
-                if was == CLAIMED:
-                    self._publish(entry)
-                self._cond.notify_all()
+                self._seal(entry, stamp)
                 return FENCE_OK
             if mine:
                 assert entry is not None
@@ -159,6 +149,8 @@ class BlockTable:
         something else now (the reader's lease is from an older placement)."""
         with self._cond:
             entry = self._entries.get(block_offset)
+            if entry is not None:
+                self._adopt_sealed(entry)
             if (
                 entry is None
                 or entry.stamp.key != key
@@ -187,8 +179,19 @@ class BlockTable:
     def new_term(self, epoch: int) -> None:
         """Serve master term ``epoch`` (0: none): abort every write not yet complete."""
         with self._cond:
-            self.epoch = epoch
+            self.epoch = epoch  # first: no claim is granted from here on
             self.highest = max(self.highest, epoch)
+            while self._seals is not None:  # shm-sealable claims: adopted or past deadline
+                d, now = self._seals.deadline, self._clock()
+                waiting = [
+                    e.granted_ns
+                    for e in self._adopt_all()
+                    if e.granted_ns and e.state == CLAIMED and not e.aborted
+                    if not d.node_may_abort(e.granted_ns, now)
+                ]
+                if not waiting:
+                    break
+                self._cond.wait((min(waiting) + d.hold_ns + d.margin_ns - now) / 1e9 + 0.001)
             for entry in list(self._entries.values()):
                 if entry.state == CLAIMED:
                     entry.aborted = True
@@ -199,7 +202,7 @@ class BlockTable:
         """Every whole block, checksummed (bytes that changed since are left out)."""
         with self._cond:
             report = []
-            for entry in [e for e in self._entries.values() if e.state != CLAIMED]:
+            for entry in [e for e in self._adopt_all() if e.state != CLAIMED]:
                 s = entry.stamp
                 actual = self._checksum(s.offset, s.size)
                 if entry.checksum and actual != entry.checksum:
@@ -221,6 +224,9 @@ class BlockTable:
                 by_id = alloc_id != 0 and s.alloc_id == alloc_id and s.epoch == self.epoch
                 mine = by_id or (self._names(entry, alloc_id) and s.key == key)
                 if mine and s.size == size:
+                    if self._adopt_sealed(entry):
+                        entry.state = COMMITTED
+                        return entry
                     if entry.state == CLAIMED and not entry.aborted:
                         # Committed before its seal arrived (a same-host put seals and
                         # commits in parallel; a grant's claim, taken ahead, still has
@@ -283,7 +289,7 @@ class BlockTable:
     def used_bytes(self) -> tuple[int, int]:
         """(bytes held in whole blocks, number of such blocks)."""
         with self._cond:
-            whole = [e.stamp.size for e in self._entries.values() if e.state != CLAIMED]
+            whole = [e.stamp.size for e in self._adopt_all() if e.state != CLAIMED]
             return sum(whole), len(whole)
 
     def state_of(self, offset: int) -> str | None:
@@ -292,6 +298,40 @@ class BlockTable:
             return None if entry is None else entry.state
 
     # -- helpers (under the lock) -------------------------------------------------------
+
+    def _seal(self, entry: Entry, stamp: WriteStamp) -> None:
+        """Whole: no write of it in flight (a claim taken ahead ends too); key named."""
+        for held in self._owners.values():
+            held.pop(entry, None)
+        was = entry.state  # COMMITTED: the commit event overtook this seal
+        entry.inflight, entry.stamp = 0, stamp
+        entry.state = COMMITTED if was == COMMITTED else WRITTEN
+        if was == CLAIMED:
+            self._publish(entry)
+        self._cond.notify_all()
+
+    def _adopt_sealed(self, entry: Entry) -> bool:
+        """Adopt ``entry``'s seal record if its writer sealed it in shared memory."""
+        if (
+            self._seals is None
+            or not entry.granted_ns
+            or entry.state != CLAIMED
+            or entry.aborted
+            or self._entries.get(entry.stamp.offset) is not entry
+        ):
+            return False
+        found = self._seals.read(entry.stamp.offset)
+        if found is None or not found.same_allocation(entry.stamp):
+            return False
+        self._seal(entry, found)
+        return True
+
+    def _adopt_all(self) -> list[Entry]:
+        """Every entry, after adopting the shared-memory seals written so far."""
+        entries = list(self._entries.values())
+        for entry in entries:
+            self._adopt_sealed(entry)
+        return entries
 
     def _names(self, entry: Entry, alloc_id: int) -> bool:
         """Whether a heartbeat event about allocation ``alloc_id`` is about ``entry``.

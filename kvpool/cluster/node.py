@@ -61,6 +61,7 @@ from kvpool.transport.base import RegionInfo
 from kvpool.transport.peers import expose_region
 from kvpool.transport.shm import shm_path
 from kvpool.transport.shm_ident import ALIGN, BlockIdents, ident_name
+from kvpool.transport.shm_seal import SealRecords, seal_name
 
 log = logging.getLogger("kvpool.cluster.node")
 
@@ -96,7 +97,15 @@ class StorageNode:
         except BaseException:
             self.arena.close()
             raise
-        self.table = BlockTable(self._checksum, idents=self.idents)
+        try:  # same-host writers seal claims taken ahead there (kvpool.transport.shm_seal)
+            self.seals = SealRecords(
+                shm_path(seal_name(self.arena.name)), self.arena.size, create=True
+            )
+        except BaseException:
+            self.idents.close()
+            self.arena.close()
+            raise
+        self.table = BlockTable(self._checksum, idents=self.idents, seals=self.seals)
         try:
             self.exposed = expose_region(
                 self.arena.view,
@@ -108,6 +117,7 @@ class StorageNode:
                 fence=self.table,
             )
         except BaseException:
+            self.seals.close()
             self.idents.close()
             self.arena.close()
             raise
@@ -122,6 +132,7 @@ class StorageNode:
             )
         except BaseException:
             self.exposed.close()
+            self.seals.close()
             self.idents.close()
             self.arena.close()
             raise
@@ -163,6 +174,7 @@ class StorageNode:
         if self.ssd is not None:
             self.ssd.close()
         self.metrics.close()
+        self.seals.close()
         self.idents.close()
         self.arena.close()
 

@@ -13,7 +13,8 @@ its node changed, the client closes) -- also when the grant was dropped while
 its claim was on the way -- so a later allocation of the range is never kept
 waiting (a leaked claim kept every later claim of the range ``BUSY``: puts
 there failed after 2 s each); a claim's connection closing releases it on
-the node.
+the node. A claim taken ahead may be sealed in shared memory until its
+deadline (kvpool.transport.shm_seal): the clock is read before it is sent.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.errors import KVPoolError
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.fencing import WriteStamp
+from kvpool.transport.shm_seal import now_ns
 from kvpool.transport.tcp import TcpTransport
 
 log = logging.getLogger("kvpool.cluster.client")
@@ -70,6 +72,7 @@ class GrantClaims:
             by_node.setdefault(grant.node_id, []).append((grant, size))
         for node_id, items in by_node.items():
             ok = [False] * len(items)
+            at_ns = now_ns()  # before the claims leave: the node grants them later
             try:
                 if session.regions.get(node_id) is not None and not isinstance(
                     session.transport(node_id), TcpTransport
@@ -80,4 +83,4 @@ class GrantClaims:
             except (KVPoolError, *TRANSFER_ERRORS) as exc:
                 log.debug("could not claim grants on %s ahead: %s", node_id, exc)
             # grants dropped while their claims were on the way: release them now
-            self._release(self._grants.claimed(items, ok))
+            self._release(self._grants.claimed(items, ok, at_ns))

@@ -17,12 +17,14 @@ older write is still in flight there).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
 
 from kvpool.bindings.buffers import Region
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import Transport
 from kvpool.transport.fencing import WriteStamp
+from kvpool.transport.shm_seal import SealRecords, now_ns
 from kvpool.transport.tcp import TcpTransport
 
 OK = w.ST_OK
@@ -32,7 +34,10 @@ def write_blocks_begin(
     data: Transport,
     control: TcpTransport,
     items: Sequence[tuple[WriteStamp, int, Region]],
-    claimed: set[int] | frozenset[int] = frozenset(),
+    claimed: Mapping[int, int] | frozenset[int] | set[int] = frozenset(),
+    seals: SealRecords | None = None,
+    counts: Counter[str] | None = None,
+    clock: Callable[[], int] = now_ns,
 ) -> tuple[list[int], Callable[[], list[int]] | None]:
     """Write each (stamp, offset, bytes) as a whole block. ``data`` moves the
     bytes, ``control`` is a TCP transport to the same node (the same object
@@ -42,6 +47,12 @@ def write_blocks_begin(
     waits for the seals and returns the final statuses). The bytes are all in
     place when this returns, so the caller may overlap the master's commit
     with the seals.
+
+    With ``seals`` (the node's records beside its arena) and ``claimed``
+    mapping an item to the clock read before its claim was sent, the item is
+    sealed in shared memory and done without a round trip if the clock, read
+    after its record was written, is still inside the claim's deadline
+    (kvpool.transport.shm_seal); otherwise its seal goes over TCP as before.
     """
     if isinstance(data, TcpTransport):
         return data.stamped([(w.OP_WRITE_FINAL, s.pack(), off, d) for s, off, d in items]), None
@@ -57,6 +68,18 @@ def write_blocks_begin(
     except BaseException:
         ops(control, w.OP_RELEASE, [items[i][0] for i in held])
         raise
+    if seals is not None and isinstance(claimed, Mapping):
+        written = [i for i in held if claimed.get(i, 0) > 1 and seals.write(items[i][0])]
+        if written:
+            now, deadline = clock(), seals.deadline  # read after the records were written
+            done = {i for i in written if deadline.writer_in_time(claimed[i], now)}
+            held = [i for i in held if i not in done]
+            if counts is not None and done:
+                counts["seals_shm"] += len(done)
+            if counts is not None and len(done) < len(written):
+                counts["seals_shm_late"] += len(written) - len(done)
+            if not held:
+                return claims, None
     sealing = control.stamped_later([(w.OP_SEAL, items[i][0].pack(), 0, None) for i in held])
 
     def sealed() -> list[int]:

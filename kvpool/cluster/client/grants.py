@@ -34,7 +34,9 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_GRANT_BYTES = 64 << 20  # per client and block size
-MAX_STOCK = 16  # grants per block size
+MAX_STOCK = 64  # grants per block size, at most
+MIN_STOCK = 16  # grants per block size where the budget allows
+STOCK_BYTES = 4 << 20  # small blocks: stock this many bytes (a refill lasts ~1 ms at 64 KiB)
 MAX_USE_S = 1.0  # below the master's default re-join grace (2 s)
 
 
@@ -62,14 +64,17 @@ class GrantStock:
         self._reached: dict[int, int] = {}  # size -> stock level after the last refill
         self.used = self.refills = 0
         # Grants already claimed on their node (kvpool.cluster.client.fenced): a
-        # same-host put then skips the claim round trip. alloc id -> (grant, size)
-        self._claimed: dict[int, tuple[Grant, int]] = {}
+        # same-host put then skips the claim round trip. alloc id -> (grant, size,
+        # CLOCK_MONOTONIC ns read before the claim was sent: its seal deadline's base)
+        self._claimed: dict[int, tuple[Grant, int, int]] = {}
         self._claiming: set[int] = set()
         self._taken_while_claiming: set[int] = set()  # their put claims them itself
 
     def target(self, size: int) -> int:
         """How many grants of ``size`` bytes to keep in stock (0: grants off)."""
-        return min(MAX_STOCK, self.budget_bytes // size) if size > 0 else 0
+        if size <= 0:
+            return 0
+        return min(MAX_STOCK, max(MIN_STOCK, STOCK_BYTES // size), self.budget_bytes // size)
 
     def take(self, size: int) -> Grant | None:
         """A fresh grant for a block of ``size`` bytes, or None."""
@@ -141,8 +146,11 @@ class GrantStock:
             self._claiming.update(g.alloc_id for g, _ in found)
         return found
 
-    def claimed(self, grants: list[tuple[Grant, int]], ok: list[bool]) -> list[tuple[Grant, int]]:
-        """Record which claims succeeded. Returns the successful claims of grants
+    def claimed(
+        self, grants: list[tuple[Grant, int]], ok: list[bool], at_ns: int = 0
+    ) -> list[tuple[Grant, int]]:
+        """Record which claims succeeded (``at_ns``: the clock read before they
+        were sent; 0: unknown). Returns the successful claims of grants
         dropped meanwhile (stale, their node changed, the client closing): the
         caller must release them, or the node would keep their ranges held from
         the next allocation there. A grant a put took meanwhile is left to that
@@ -155,20 +163,23 @@ class GrantStock:
                 taken = grant.alloc_id in self._taken_while_claiming
                 self._taken_while_claiming.discard(grant.alloc_id)
                 if good and grant.alloc_id in stocked:
-                    self._claimed[grant.alloc_id] = (grant, size)
+                    self._claimed[grant.alloc_id] = (grant, size, at_ns)
                 elif good and not taken:
                     orphans.append((grant, size))
         return orphans
 
-    def was_claimed(self, alloc_id: int) -> bool:
-        """Whether a grant just taken holds its node's claim (then it is the put's)."""
+    def was_claimed(self, alloc_id: int) -> int:
+        """Whether a grant just taken holds its node's claim (then it is the put's):
+        0 if not, else the clock (ns) read before the claim was sent (1: unknown)."""
         with self._lock:
-            return self._claimed.pop(alloc_id, None) is not None
+            found = self._claimed.pop(alloc_id, None)
+            return 0 if found is None else max(1, found[2])
 
     def claims_of(self, ids: list[int]) -> list[tuple[Grant, int]]:
         """Remove and return the claims held by these (dropped) grants."""
         with self._lock:
-            return [c for i in ids if (c := self._claimed.pop(i, None)) is not None]
+            found = [c for i in ids if (c := self._claimed.pop(i, None)) is not None]
+            return [(grant, size) for grant, size, _ in found]
 
     def forget_node(self, node_id: str) -> None:
         """Drop every grant on ``node_id`` (``stale`` returns them for revoking)."""

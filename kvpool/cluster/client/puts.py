@@ -54,8 +54,9 @@ from kvpool.cluster.wire import (
 from kvpool.errors import KVPoolError
 from kvpool.transport.fencing import WriteStamp
 
-# (index into the batch, allocation or grant id, offset, master term, claimed ahead)
-WriteItem = tuple[int, int, int, int, bool]
+# (index into the batch, allocation or grant id, offset, master term, claimed ahead:
+# 0 if not, else the clock in ns read before that claim was sent)
+WriteItem = tuple[int, int, int, int, int]
 MINE_MAX = 1 << 16  # keys remembered as put by this client (own duplicates go synchronous)
 Writes = dict[str, list[WriteItem]]
 # seals in flight: (node id, batch indices, the call that waits for their statuses)
@@ -286,7 +287,7 @@ class RemotePutter:
                 (WriteStamp(epoch, alloc_id, off, sizes[i], keys[i], parents[i]), regions[i])
                 for i, alloc_id, off, epoch, _ in items
             ]
-            claimed = {j for j, item in enumerate(items) if item[4]}
+            claimed = {j: item[4] for j, item in enumerate(items) if item[4]}
             try:
                 statuses, seals = self._session.write_blocks(node_id, stamped, claimed)
             except TRANSFER_ERRORS:

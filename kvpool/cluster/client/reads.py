@@ -40,7 +40,7 @@ from kvpool.cluster.wire import (
     LeaseRequest,
     ReleaseRequest,
 )
-from kvpool.errors import KVPoolError, StaleReadError
+from kvpool.errors import KVPoolError
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.shm import ShmTransport
 
@@ -306,8 +306,8 @@ class LeasedReads:
         transport = self._session.transport(node_id)
         if isinstance(transport, ShmTransport):
             for block, start, dst, key in items:
-                if not transport.read_block(block, start, dst, key):
-                    raise StaleReadError(f"node {node_id} holds other blocks there now")
+                if not transport.read_block(block, start, dst, key):  # not published (yet?)
+                    self._session.read_checked(node_id, [(block, start, dst, key)])
         else:
             self._session.read_many(node_id, items)
 

@@ -18,8 +18,10 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
+import os
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from kvpool.bindings.buffers import Region
@@ -29,6 +31,8 @@ from kvpool.errors import PoolClosedError, StaleReadError, StaleWriteError
 from kvpool.transport.base import RegionInfo, Transport, host_identity
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.peers import PeerTransports
+from kvpool.transport.shm import shm_path
+from kvpool.transport.shm_seal import SealRecords, seal_name
 from kvpool.transport.tcp import TcpTransport
 
 #: What a failed data-plane transfer raises (the node died, restarted, or is unreachable,
@@ -67,6 +71,8 @@ class ClientSession:
         self.closed = False
         self._by_region: dict[str, tuple[RegionInfo, Transport]] = {}  # skips peers' lock
         self._controls: dict[str, TcpTransport] = {}  # fenced-write side channel per node
+        self._seals: dict[str, tuple[RegionInfo, SealRecords | None]] = {}
+        self._shm_seals = os.environ.get("KVPOOL_SHM_SEAL", "1") != "0"  # 0: TCP seals only
         self._listeners: list[Callable[[str], None]] = []
 
     def on_region_change(self, listener: Callable[[str], None]) -> None:
@@ -121,15 +127,37 @@ class ClientSession:
         self,
         node_id: str,
         items: Sequence[tuple[WriteStamp, Region]],
-        claimed: set[int] | frozenset[int] = frozenset(),
+        claimed: Mapping[int, int] | frozenset[int] = frozenset(),
     ) -> tuple[list[int], Callable[[], list[int]] | None]:
         """Whole blocks under the node's write fence: (a tcp_wire status per item,
         None or the call that waits for the last round trip; see
         ``fenced.write_blocks_begin``). ``claimed``: indices whose claim was taken
-        ahead (kvpool.cluster.client.claims)."""
+        ahead (kvpool.cluster.client.claims), with the clock read before it was sent."""
         stamped = [(stamp, stamp.offset, src) for stamp, src in items]
         data, control = self.transport(node_id), self.control(node_id)
-        return fenced.write_blocks_begin(data, control, stamped, claimed)
+        seals = self.seals(node_id) if claimed and not isinstance(data, TcpTransport) else None
+        return fenced.write_blocks_begin(data, control, stamped, claimed, seals, self.counts)
+
+    def seals(self, node_id: str) -> SealRecords | None:
+        """The seal records beside ``node_id``'s arena (same host; None: the node
+        publishes none, so every seal goes over TCP)."""
+        if not self._shm_seals:
+            return None
+        region = self.regions[node_id]
+        known = self._seals.get(node_id)
+        if known is not None and (known[0] is region or known[0] == region):
+            if known[0] is not region:  # an equal region from a newer reply: same file
+                self._seals[node_id] = (region, known[1])
+            return known[1]
+        records = None
+        with contextlib.suppress(OSError, ValueError):
+            if region.shm_name and region.host_id == host_identity():
+                path = shm_path(seal_name(region.shm_name))
+                records = SealRecords(path, region.size, create=False)
+        if known is not None and known[1] is not None:
+            known[1].close()
+        self._seals[node_id] = (region, records)
+        return records
 
     def write_block(self, node_id: str, stamp: WriteStamp, src: Region) -> None:
         """One whole block; ``StaleWriteError`` when the node refuses its stamp."""
@@ -159,6 +187,15 @@ class ClientSession:
         else:
             transport.read_many([(block + start, dst) for block, start, dst, _ in items])
 
+    def read_checked(self, node_id: str, items: Sequence[tuple[int, int, Region, bytes]]) -> None:
+        """``read_many`` over the node's TCP control connection, checked by the node
+        whatever the data path: a same-host read whose identity record is not
+        published yet (a put sealed in shared memory the node has not adopted yet,
+        kvpool.transport.shm_seal) is served, and the node adopts that seal."""
+        plan = [(block + start, dst, key, block) for block, start, dst, key in items]
+        if not all(self.control(node_id).read_blocks(plan)):
+            raise StaleReadError(f"node {node_id} holds other blocks there now")
+
     def preferred(self, placements: list[Placement]) -> Placement:
         """The replica to read first: one on this host, else the master's first
         (least loaded)."""
@@ -174,5 +211,8 @@ class ClientSession:
         self.closed = True
         for control in list(self._controls.values()):
             control.close()
+        for _, records in list(self._seals.values()):
+            if records is not None:
+                records.close()
         self.peers.close()
         self.rpc.close()

@@ -1,0 +1,30 @@
+"""One entry of a node's block table (kvpool.cluster.block_table): a block range and its state.
+
+States: ``CLAIMED`` (a write is being made), ``WRITTEN`` (whole, key known to
+the node), ``COMMITTED`` (the master made it visible, or it was re-registered).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from kvpool.transport.fencing import WriteStamp
+
+CLAIMED, WRITTEN, COMMITTED = "claimed", "written", "committed"
+NO_KEY = bytes(16)  # the placeholder key of a claim taken ahead for a grant
+
+
+@dataclass(eq=False)
+class Entry:
+    stamp: WriteStamp
+    state: str
+    inflight: int = 0  # reads and writes holding the range now
+    aborted: bool = False
+    checksum: int = 0  # xxh3_64 of the bytes once known (0: not computed yet)
+    granted_ns: int = 0  # when a claim sealable in shared memory was granted (0: not one)
+
+    def wire(self) -> list[Any]:
+        """As a registration reports it: [key, offset, size, checksum, parent]."""
+        s = self.stamp
+        return [s.key, s.offset, s.size, self.checksum, s.parent]
