@@ -18,6 +18,7 @@ from kvpool.errors import (
     KVPoolError,
     PoolClosedError,
     PoolFullError,
+    PutCommitError,
     StorageError,
     TierUnavailableError,
 )
@@ -37,6 +38,7 @@ __all__ = [
     "Pool",
     "PoolClosedError",
     "PoolFullError",
+    "PutCommitError",
     "RemotePool",
     "StorageError",
     "TierUnavailableError",

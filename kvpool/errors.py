@@ -6,6 +6,8 @@ ValueError or OSError keep working.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 
 class KVPoolError(Exception):
     """Base class of every kvpool error."""
@@ -115,3 +117,17 @@ class PermissionDeniedError(KVPoolError, PermissionError):
 class StaleReadError(KVPoolError):
     """A node no longer holds the block a read named at that range (the reader's
     lease is from an older placement): the read tries another replica or misses."""
+
+
+class PutCommitError(KVPoolError):
+    """Puts were acknowledged, but their blocks could not be made visible (their
+    commit was refused and the bytes could not be recovered from the node)."""
+
+    def __init__(self, keys: Sequence[bytes], why: str) -> None:
+        self.keys = list(keys)
+        shown = ", ".join(k.hex()[:16] for k in self.keys[:4])
+        more = f" and {len(self.keys) - 4} more" if len(self.keys) > 4 else ""
+        super().__init__(
+            f"{len(self.keys)} acknowledged put(s) could not be made visible "
+            f"(keys {shown}{more}): {why}"
+        )

@@ -19,8 +19,9 @@ from clusterhelpers import Cluster, start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool
-from kvpool.cluster.client.commits import PutCommitError, pipelined_default
+from kvpool.cluster.client.commits import pipelined_default
 from kvpool.cluster.wire import REVOKE, IdsRequest
+from kvpool.errors import PutCommitError
 from kvpool.rpc.client import RpcClient
 
 #: Other clients see an acknowledged put within this long when the cluster is

@@ -43,29 +43,15 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
 from kvpool.cluster.wire import COMMIT, EXISTS, CommitRequest, KeysRequest
-from kvpool.errors import KVPoolError
+from kvpool.errors import KVPoolError, PutCommitError
 
 log = logging.getLogger("kvpool.cluster.client")
-
-
-class PutCommitError(KVPoolError):
-    """Puts were acknowledged, but their blocks could not be made visible (their
-    commit was refused and the bytes could not be recovered from the node)."""
-
-    def __init__(self, keys: Sequence[bytes], why: str) -> None:
-        self.keys = list(keys)
-        shown = ", ".join(k.hex()[:16] for k in self.keys[:4])
-        more = f" and {len(self.keys) - 4} more" if len(self.keys) > 4 else ""
-        super().__init__(
-            f"{len(self.keys)} acknowledged put(s) could not be made visible "
-            f"(keys {shown}{more}): {why}"
-        )
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,7 @@ from kvpool.args import (
     data_region,
     out_region,
 )
-from kvpool.cluster.client.commits import PutCommitError, pipelined_default
+from kvpool.cluster.client.commits import pipelined_default
 from kvpool.cluster.client.grants import grant_budget
 from kvpool.cluster.client.handles import RemoteBlockWriter, RemoteLease, ReservationTicket
 from kvpool.cluster.client.lease_cache import DEFAULT_HOLD_S, DEFAULT_MAX_BYTES
@@ -63,7 +63,7 @@ from kvpool.cluster.wire import (
     ReplicateRequest,
 )
 from kvpool.config import DEFAULT_PORT
-from kvpool.errors import KVPoolError, PoolFullError
+from kvpool.errors import KVPoolError, PoolFullError, PutCommitError
 from kvpool.layerwise.api import LayerwiseMethods
 from kvpool.transport.base import RegionInfo
 from kvpool.transport.fencing import WriteStamp
