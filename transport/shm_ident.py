@@ -37,10 +37,9 @@ identities (an older release) leaves none, and readers then copy unchecked.
 
 from __future__ import annotations
 
-import contextlib
-import mmap
-import os
 import struct
+
+from kvpool.transport.shm_side_file import SideFile
 
 #: The granule of block starts (the master's allocator aligns every extent to it).
 ALIGN = 4096
@@ -59,7 +58,7 @@ def ident_bytes(arena_size: int) -> int:
     return max(1, -(-arena_size // ALIGN)) * RECORD.size
 
 
-class BlockIdents:
+class BlockIdents(SideFile):
     """The identity records of one arena, mapped from a /dev/shm file.
 
     The node creates it (``create=True``: the only writer; ``close`` unlinks
@@ -67,23 +66,9 @@ class BlockIdents:
     """
 
     def __init__(self, path: str, arena_size: int, *, create: bool) -> None:
-        self.path = path
-        self._owner = create
         size = ident_bytes(arena_size)
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDONLY
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size != size:
-                raise ValueError(f"{path} is not the identity file of a {arena_size} B arena")
-            access = mmap.ACCESS_WRITE if create else mmap.ACCESS_READ
-            self._mmap: mmap.mmap | None = mmap.mmap(fd, size, access=access)
-        finally:
-            os.close(fd)
-        # The records as u64 words (seq is word 0 of each): one aligned 8-byte load
-        # or store per access, and a plain int back (cheaper than numpy scalars).
-        self._words: memoryview | None = memoryview(self._mmap).cast("Q")
+        what = f"the identity file of a {arena_size} B arena"
+        super().__init__(path, size, create=create, writable=False, what=what)
         self._records = size // RECORD.size
 
     # -- the writer (the node, under its table's lock) ---------------------------------
@@ -143,16 +128,3 @@ class BlockIdents:
             return None
         slot = offset // ALIGN
         return slot if slot < self._records else None
-
-    def close(self) -> None:
-        if self._mmap is not None:
-            if self._words is not None:
-                self._words.release()
-                self._words = None
-            with contextlib.suppress(BufferError):
-                self._mmap.close()
-            self._mmap = None
-        if self._owner:
-            self._owner = False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)

@@ -45,14 +45,12 @@ epoch u64, alloc id u64, size u64, has parent u64, key 16 B, parent 16 B.
 
 from __future__ import annotations
 
-import contextlib
-import mmap
-import os
 import struct
 import time
 from dataclasses import dataclass
 
 from kvpool.transport.fencing import WriteStamp
+from kvpool.transport.shm_side_file import SideFile
 
 ALIGN = 4096
 HEADER = struct.Struct("=QQQ")
@@ -92,7 +90,7 @@ class Deadline:
         return now_ns >= granted_at_ns + self.hold_ns + self.margin_ns
 
 
-class SealRecords:
+class SealRecords(SideFile):
     """The seal records of one arena, mapped from a /dev/shm file.
 
     The node creates it (``create=True``; ``close`` unlinks it) and zeroes a
@@ -109,19 +107,10 @@ class SealRecords:
         hold_ns: int = DEFAULT_HOLD_NS,
         margin_ns: int = DEFAULT_MARGIN_NS,
     ) -> None:
-        self.path = path
-        self._owner = create
         size = seal_bytes(arena_size)
-        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL if create else os.O_RDWR
-        fd = os.open(path, flags, 0o600)
-        try:
-            if create:
-                os.ftruncate(fd, size)
-            elif os.fstat(fd).st_size != size:
-                raise ValueError(f"{path} is not the seal file of a {arena_size} B arena")
-            self._mmap: mmap.mmap | None = mmap.mmap(fd, size)
-        finally:
-            os.close(fd)
+        what = f"the seal file of a {arena_size} B arena"
+        super().__init__(path, size, create=create, writable=True, what=what)
+        assert self._mmap is not None
         if create:
             HEADER.pack_into(self._mmap, 0, MAGIC, hold_ns, margin_ns)
         magic, hold, margin = HEADER.unpack_from(self._mmap, 0)
@@ -129,7 +118,6 @@ class SealRecords:
             self.close()
             raise ValueError(f"{path} has no seal header")
         self.deadline = Deadline(hold, margin)
-        self._words: memoryview | None = memoryview(self._mmap).cast("Q")
         self._records = (size - HEADER_BYTES) // RECORD.size
 
     # -- the node (under its table's lock) ----------------------------------------------
@@ -179,20 +167,6 @@ class SealRecords:
         if slot >= self._records:
             return None
         return (HEADER_BYTES + slot * RECORD.size) // 8
-
-    def close(self) -> None:
-        if self._mmap is not None:
-            if getattr(self, "_words", None) is not None:
-                assert self._words is not None
-                self._words.release()
-                self._words = None
-            with contextlib.suppress(BufferError):
-                self._mmap.close()
-            self._mmap = None
-        if self._owner:
-            self._owner = False
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.path)
 
 
 def now_ns() -> int:
