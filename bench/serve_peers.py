@@ -99,6 +99,7 @@ class HttpPeer(Peer):
 
     url = ""
     extra_body: ClassVar[dict[str, Any]] = {}
+    child: procs.Child | None = None  # the server process ``start`` launched
 
     def measure(self, prompts: list[list[int]], concurrency: int, max_tokens: int) -> Measure:
         r = run_load(
@@ -112,12 +113,13 @@ class HttpPeer(Peer):
         ttft = r.ttft_ms.get("p50", 0.0) / 1000
         return Measure([ttft] * (r.requests - r.errors), r.output_tokens, r.wall_s, r.errors)
 
+    def stop(self) -> None:
+        if self.child is not None:
+            self.child.stop(30.0)
+
 
 class KvpoolPeer(HttpPeer):
     name = "kvpool serve (1P+1D)"
-
-    def __init__(self) -> None:
-        self.child: procs.Child | None = None
 
     def start(self, path: Path, warm: list[int], max_tokens: int) -> None:
         args = ["serve", "--port", "0", "--model", str(path), "--prefill", "1", "--decode", "1"]
@@ -125,10 +127,6 @@ class KvpoolPeer(HttpPeer):
         self.child = procs.spawn("kvpool serve", procs.kvpool_args(*args), timeout=180)
         self.url = self.child.url
         self.measure([warm], 1, max_tokens)
-
-    def stop(self) -> None:
-        if self.child is not None:
-            self.child.stop(30.0)
 
 
 class VllmPeer(HttpPeer):
@@ -139,7 +137,6 @@ class VllmPeer(HttpPeer):
     def __init__(self, python: Path, log_dir: Path) -> None:
         self.python = python
         self.log = log_dir / "vllm-server.log"
-        self.child: procs.Child | None = None
 
     def start(self, path: Path, warm: list[int], max_tokens: int) -> None:
         if not self.python.exists():
@@ -164,10 +161,6 @@ class VllmPeer(HttpPeer):
             self.child.stop(10.0)
             raise
         self.measure([warm], 1, max_tokens)
-
-    def stop(self) -> None:
-        if self.child is not None:
-            self.child.stop(30.0)
 
 
 class TransformersPeer(Peer):
