@@ -8,6 +8,7 @@ the shape and the arithmetic of what it reports, never the speed.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -68,6 +69,32 @@ def test_every_suite_reports_its_headline_rows(quick_run: tuple[list[dict], dict
     ]:  # fmt: skip
         assert want in have
     assert all(r["size"] == 65536 for r in rows if r["suite"] in ("local", "remote"))
+
+
+def _mooncake_missing() -> str | None:
+    """Why Mooncake Store cannot run here (None when it can)."""
+    try:
+        from mooncake.store import MooncakeDistributedStore  # noqa: F401
+    except Exception as exc:  # ImportError, or OSError for a missing libibverbs.so.1
+        return f"Mooncake Store not importable ({type(exc).__name__}: {exc})"
+    return None
+
+
+def test_mooncake_rows_stand_beside_ours(quick_run: tuple[list[dict], dict, str]) -> None:
+    """Issue 17: with ``[mooncake]`` installed, its TCP rows come from the same run as ours."""
+    why = _mooncake_missing()
+    if why is not None:
+        if os.environ.get("KVPOOL_REQUIRE_MOONCAKE") == "1":
+            pytest.fail(f"KVPOOL_REQUIRE_MOONCAKE=1 but {why}")
+        pytest.skip(why)
+    rows, _, stdout = quick_run
+    theirs = {(r["op"], r["path"]) for r in rows if r["store"] == "mooncake"}
+    want = {("put", "tcp"), ("get_into", "tcp"), ("get_into_batch", "tcp")}
+    assert theirs >= want, stdout[-2000:]
+    ours = {(r["op"], r["path"], r["size"]) for r in rows if r["store"] == "kvpool"}
+    for r in rows:
+        if r["store"] == "mooncake":
+            assert r["suite"] == "remote" and (r["op"], "tcp", r["size"]) in ours
 
 
 def test_ratio_is_higher_is_better(quick_run: tuple[list[dict], dict, str]) -> None:
