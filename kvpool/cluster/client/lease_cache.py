@@ -14,6 +14,14 @@ before it allocates anything (so no range named in a pre-restart lease is
 reused while a client may still read it); and a client forgets a key it
 removes itself. Another client's ``remove`` becomes visible here after at
 most ``hold_s`` (the bytes read meanwhile are the block's correct bytes).
+
+Hot blocks stay leased: ``renewable`` names the keys read under a lease that
+ends soon, and the client's janitor re-leases them all in one round trip
+before the hold ends (kvpool.cluster.client.reads ``renew_hot``), so a reader
+that keeps revisiting its blocks never waits for the master on its read path.
+A renewal is a fresh grant from the master, so every lease still serves for
+at most ``hold_s`` after the master last said the block was there: the
+``remove`` bound above is unchanged.
 """
 
 from __future__ import annotations
@@ -85,6 +93,20 @@ class LeaseCache:
         if count:
             lease.reads[key] += 1
         return found
+
+    def renewable(self, within: float) -> list[bytes]:
+        """Keys to re-lease now: read under a lease that is still held but ends within
+        ``within`` seconds, and still served by it (oldest leases first)."""
+        now = time.monotonic()
+        horizon, keys = now + within, []
+        for lease in self._leases.values():  # oldest (earliest deadline) first
+            if lease.deadline > horizon:
+                break  # this one and every later one end later
+            if not lease.reads or now > lease.deadline or now > lease.expires:
+                continue  # cold, or already due: the next read leases it again
+            blocks = self._blocks
+            keys += [k for k in lease.reads if (f := blocks.get(k)) is not None and f[2] is lease]
+        return keys
 
     def unpin(self, lease: CachedLease) -> None:
         lease.pins -= 1

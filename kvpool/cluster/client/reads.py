@@ -189,16 +189,31 @@ class LeasedReads:
                 found[key] = (placements, size, lease)
         return found
 
+    def renew_hot(self, within: float) -> int:
+        """Re-lease, in one round trip, every cached block read under a lease that
+        ends within ``within`` seconds (the janitor calls this each tick, off the
+        read path); the leases they replace go back with their read counts. A key
+        the master no longer has stays served by its old lease until that ends
+        (as without renewal). Returns how many keys were renewed."""
+        if self.cache.hold_s <= 0 or self._session.closed:
+            return 0
+        with self._lock:
+            keys = self.cache.renewable(within)
+        if keys:
+            self.take_lease(keys, prefix=False, pins=0, renewal=True)
+        return len(keys)
+
     def take_lease(
-        self, keys: Sequence[bytes], prefix: bool, pins: int
+        self, keys: Sequence[bytes], prefix: bool, pins: int, renewal: bool = False
     ) -> tuple[CachedLease, list[tuple[bytes, list[Placement], int]]]:
         """LEASE round trip; the lease joins the cache with ``pins`` holders (-1: one
-        per block held, for readers that unpin block by block)."""
+        per block held, for readers that unpin block by block). A ``renewal`` (blocks
+        already held) counts apart and never empties the cache to make room."""
         session = self._session
         request = LeaseRequest(list(keys), prefix)
-        session.counts["lease_round_trips"] += 1
+        session.counts["lease_renewals" if renewal else "lease_round_trips"] += 1
         reply = session.rpc.call(LEASE, request, response_type=LeaseReply)
-        if reply.busy and self.release_cached():  # blocks on SSD found no room in memory
+        if reply.busy and not renewal and self.release_cached():  # SSD blocks found no room
             session.rpc.submit(RELEASE, ReleaseRequest([reply.lease_id] if reply.lease_id else []))
             reply = session.rpc.call(LEASE, request, response_type=LeaseReply)
         session.learn(reply.nodes)
@@ -207,7 +222,8 @@ class LeasedReads:
             for key, block in zip(keys, reply.blocks, strict=False)
             if block is not None
         ]
-        session.counts["misses"] += len(keys) - len(held)
+        if not renewal:  # a renewal's misses were counted as hits when read
+            session.counts["misses"] += len(keys) - len(held)
         with self._lock:
             lease = self.cache.add(reply.lease_id, held, reply.ttl, len(held) if pins < 0 else pins)
             superseded = self.cache.superseded
