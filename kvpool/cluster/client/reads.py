@@ -43,6 +43,7 @@ from kvpool.cluster.wire import (
 from kvpool.errors import KVPoolError
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.shm import ShmTransport
+from kvpool.transport.tcp import TcpTransport
 
 #: A replica order from a lease: (allocation id, target, lease id, master term)
 Order = tuple[int, Placement, int, int]
@@ -95,10 +96,12 @@ class LeasedReads:
         placement = placements[0]
         try:
             transport = self._session.transport(placement.node_id)
-            if isinstance(transport, ShmTransport):  # identity-checked copy
+            # shm: the identity-checked copy; TCP: the node checks the block
+            # (kvpool.transport.fencing); False: that block is not (or not yet) there
+            if isinstance(transport, (ShmTransport, TcpTransport)):
                 if not transport.read_block(placement.offset, 0, dst, key):
                     return False
-            else:  # the node checks the block (kvpool.transport.fencing)
+            else:
                 self._session.read_many(placement.node_id, [(placement.offset, 0, dst, key)])
         except TRANSFER_ERRORS:
             return False
