@@ -206,6 +206,17 @@ class TcpTransport(Transport):
         if len(items) == 1 and _plain_host(items[0][1]):  # one block into host memory
             offset, out, key, block_offset = items[0]
             return [self.read_block(block_offset, offset - block_offset, out, key)]
+        size, pack = self.info.size, IDENT.pack
+        if all(_plain_host(out) for _, out, _, _ in items):  # host arrays: as they are
+            for offset, out, _, _ in items:
+                if offset < 0 or offset + out.nbytes > size:
+                    check_range(offset, out.nbytes, size)  # raises the usual error
+            host_plan = [(offset, out, pack(key, b)) for offset, out, key, b in items]
+            served = self._io(DataConn.read_blocks, host_plan)
+            self.bytes_read += sum(
+                out.nbytes for (_, out, _), ok in zip(host_plan, served, strict=True) if ok
+            )
+            return served
         plan, devices = [], []
         for offset, out, key, block_offset in items:
             region = as_region(out, writable=True, what="output buffer")

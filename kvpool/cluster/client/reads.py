@@ -112,25 +112,25 @@ class LeasedReads:
         """``get_into_batch``: one pipelined exchange per node, replicas on failure."""
         with self.reading(keys) as found:
             sizes: list[int | None] = [found[k][1] if k in found else None for k in keys]
-            for size, region in zip(sizes, regions, strict=True):
+            exact = [False] * len(keys)  # region holds exactly its block: no slice needed
+            for i, (size, region) in enumerate(zip(sizes, regions, strict=True)):
                 if size is not None:
-                    check_out_fits(region, size)
+                    have = region_nbytes(region)
+                    if have < size:
+                        check_out_fits(region, size)  # raises the usual error
+                    exact[i] = have == size
             # node -> (index, block offset) of the blocks read from it
             by_node: dict[str, list[tuple[int, int]]] = {}
             preferred = self._session.preferred
             for i, key in enumerate(keys):
                 if key in found:
-                    placement = preferred(found[key][0])
+                    placements = found[key][0]
+                    placement = placements[0] if len(placements) == 1 else preferred(placements)
                     by_node.setdefault(placement.node_id, []).append((i, placement.offset))
             for node_id, located in by_node.items():
                 items = [i for i, _ in located]
                 plan = [
-                    (
-                        offset,
-                        0,
-                        regions[i][: sizes[i]],
-                        keys[i],
-                    )
+                    (offset, 0, regions[i] if exact[i] else regions[i][: sizes[i]], keys[i])
                     for i, offset in located
                 ]
                 try:  # one pipelined exchange per node
