@@ -107,6 +107,10 @@ def test_renewable_names_the_read_keys_of_leases_that_end_soon() -> None:
     cache.lookup(c)
     assert first.reads[a] == 1 and cache.renewable(within=1.0) == [c]
     cache.add(3, [(d, "pd", 10)], ttl=30, pins=0)
+    assert cache.renewable(within=1.0) == [c]
+    e = make_keys(5)[4]
+    cache.add(4, [(e, "pe", 10)], ttl=30, pins=0, for_read=True)  # a read took it
+    assert cache.renewable(within=1.0) == [c, e]  # read once (by that read): renewed
     time.sleep(0.25)
     cache.lookup(d)  # past its hold: not a read of a held lease
     assert cache.renewable(within=1.0) == []  # every lease is due: the next read leases again
@@ -126,7 +130,7 @@ def test_hot_blocks_are_renewed_off_the_read_path() -> None:
             keys = make_keys(6)
             writer.put_batch(keys, [payload(i) for i in range(6)])
             out = np.empty(BLOCK, np.uint8)
-            assert reader.get_into(keys[5], out) == BLOCK  # read once, then never again
+            assert reader.get_into(keys[5], out) == BLOCK  # read once (renewed once), then never
             end = time.monotonic() + 2.6
             while time.monotonic() < end:  # keys 0-4 stay hot for 2.6 hold times
                 for i, key in enumerate(keys[:5]):

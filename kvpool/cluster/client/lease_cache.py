@@ -47,6 +47,7 @@ class CachedLease:
     expires: float  # the master's lease ends about here: never read past it
     pins: int = 0  # explicit holders (RemoteLease objects) still using it
     reads: Counter[bytes] = field(default_factory=Counter)
+    for_read: bool = False  # taken by a read of all its keys (counted by the master)
 
 
 class LeaseCache:
@@ -60,10 +61,16 @@ class LeaseCache:
         self.superseded: list[CachedLease] = []  # set by add(): older leases now idle
 
     def add(
-        self, lease_id: int, blocks: Sequence[tuple[bytes, Any, int]], ttl: float, pins: int
+        self,
+        lease_id: int,
+        blocks: Sequence[tuple[bytes, Any, int]],
+        ttl: float,
+        pins: int,
+        for_read: bool = False,
     ) -> CachedLease:
         """Remember a fresh lease (master TTL ``ttl``) over (key, placements, size) blocks,
-        held by ``pins`` users until they ``unpin``."""
+        held by ``pins`` users until they ``unpin``; ``for_read``: a read of every one
+        of them took it (so each was read once: ``renewable`` counts that)."""
         now = time.monotonic()
         lease = CachedLease(
             lease_id,
@@ -72,6 +79,7 @@ class LeaseCache:
             now + self.hold_s,
             now + 0.9 * ttl,
             pins=pins,
+            for_read=for_read,
         )
         older = {id(f[2]): f[2] for k, _, _ in blocks if (f := self._blocks.get(k)) is not None}
         for key, placements, size in blocks:
@@ -96,16 +104,19 @@ class LeaseCache:
 
     def renewable(self, within: float) -> list[bytes]:
         """Keys to re-lease now: read under a lease that is still held but ends within
-        ``within`` seconds, and still served by it (oldest leases first)."""
+        ``within`` seconds, and still served by it (oldest leases first). The read that
+        took a lease counts: a block read once per hold, which never hits the cache,
+        is renewed all the same (else each of its reads would wait for the master)."""
         now = time.monotonic()
         horizon, keys = now + within, []
         for lease in self._leases.values():  # oldest (earliest deadline) first
             if lease.deadline > horizon:
                 break  # this one and every later one end later
-            if not lease.reads or now > lease.deadline or now > lease.expires:
+            read = lease.keys if lease.for_read else lease.reads
+            if not read or now > lease.deadline or now > lease.expires:
                 continue  # cold, or already due: the next read leases it again
             blocks = self._blocks
-            keys += [k for k in lease.reads if (f := blocks.get(k)) is not None and f[2] is lease]
+            keys += [k for k in read if (f := blocks.get(k)) is not None and f[2] is lease]
         return keys
 
     def unpin(self, lease: CachedLease) -> None:

@@ -210,7 +210,8 @@ class LeasedReads:
         self, keys: Sequence[bytes], prefix: bool, pins: int, renewal: bool = False
     ) -> tuple[CachedLease, list[tuple[bytes, list[Placement], int]]]:
         """LEASE round trip; the lease joins the cache with ``pins`` holders (-1: one
-        per block held, for readers that unpin block by block). A ``renewal`` (blocks
+        per block held, for readers that unpin block by block: a lease for a read,
+        see ``LeaseCache.renewable``). A ``renewal`` (blocks
         already held) counts apart and never empties the cache to make room."""
         session = self._session
         request = LeaseRequest(list(keys), prefix)
@@ -228,7 +229,9 @@ class LeasedReads:
         if not renewal:  # a renewal's misses were counted as hits when read
             session.counts["misses"] += len(keys) - len(held)
         with self._lock:
-            lease = self.cache.add(reply.lease_id, held, reply.ttl, len(held) if pins < 0 else pins)
+            lease = self.cache.add(
+                reply.lease_id, held, reply.ttl, len(held) if pins < 0 else pins, for_read=pins < 0
+            )
             superseded = self.cache.superseded
             for index, alloc_id, node_id, offset in reply.replicate:
                 placement = Placement(node_id, offset)
