@@ -37,12 +37,27 @@ def test_forget_and_release_all_unpinned() -> None:
     a, b = make_keys(2)
     cache.add(1, [(a, "pa", 10)], ttl=30, pins=0)
     cache.add(2, [(b, "pb", 10)], ttl=30, pins=1)
-    forgotten = cache.forget(a)  # its lease serves nothing else: hand it back now
-    assert forgotten is not None and forgotten.lease_id == 1
+    (forgotten,) = cache.forget(a)  # its lease: hand it back now
+    assert forgotten.lease_id == 1
     assert cache.lookup(a) is None
-    assert cache.forget(b) is None  # pinned: stays until unpinned
+    assert cache.forget(b) == []  # pinned: stays until unpinned
     assert cache.due(unpinned=True) == []
     assert [d.lease_id for d in cache.due(everything=True)] == [2]
+
+
+def test_forget_drops_every_unpinned_lease_that_holds_the_key() -> None:
+    """A renewal puts many hot blocks in one lease: removing one of them must not
+    leave its range pinned until that lease ends."""
+    cache = LeaseCache(hold_s=10)
+    a, b, c = make_keys(3)
+    cache.add(1, [(a, "pa", 10), (b, "pb", 10)], ttl=30, pins=0)
+    cache.add(2, [(b, "pb", 10), (c, "pc", 10)], ttl=30, pins=0)  # serves b now; 1 still a
+    cache.add(3, [(c, "pc", 10)], ttl=30, pins=1)  # pinned: a reader holds it
+    dropped = cache.forget(b)
+    assert sorted(d.lease_id for d in dropped) == [1, 2]  # both hold b: whole, now
+    assert cache.lookup(a) is None and cache.lookup(b) is None  # a: leased again when read
+    assert cache.lookup(c) is not None  # lease 3 (pinned) serves c
+    assert cache.forget(b) == []
 
 
 def test_a_newer_lease_supersedes_an_idle_older_one() -> None:

@@ -122,15 +122,16 @@ class LeaseCache:
     def unpin(self, lease: CachedLease) -> None:
         lease.pins -= 1
 
-    def forget(self, key: bytes) -> CachedLease | None:
-        """Stop serving ``key`` (this client removed it); returns its lease if that lease
-        now serves nothing and nobody pins it, so the caller hands it back at once
-        (a removed block's range is freed only when its last lease ends)."""
-        found = self._blocks.pop(key, None)
-        if found is None:
-            return None
-        lease = found[2]
-        return self._drop(lease) if self._idle(lease) else None
+    def forget(self, key: bytes) -> list[CachedLease]:
+        """Stop serving ``key`` (this client removed it); returns every unpinned lease
+        that holds it, dropped whole (its other keys are leased again when next
+        read), so the caller hands them back at once: a removed block's range is
+        freed only when its last lease ends, and a renewal may have put it in a
+        lease shared with many hot blocks."""
+        if self._blocks.pop(key, None) is None:
+            return []
+        holding = [lease for lease in self._leases.values() if not lease.pins and key in lease.keys]
+        return [self._drop(lease) for lease in holding]
 
     def _idle(self, lease: CachedLease) -> bool:
         """Unpinned, still held, and serving no key (newer leases or forgets took them)."""

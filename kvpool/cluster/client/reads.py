@@ -58,6 +58,7 @@ class LeasedReads:
     def __init__(self, session: ClientSession, hold_s: float, max_bytes: int) -> None:
         self._session = session
         self._lock = threading.Lock()
+        self._renewing = threading.Lock()  # held through a renewal's round trip
         self.cache = LeaseCache(hold_s, max_bytes)
         # hot blocks to copy to a new replica: key -> (alloc id, target, lease that asked)
         self._orders: dict[bytes, Order] = {}
@@ -152,13 +153,14 @@ class LeasedReads:
         )
 
     def forget(self, key: bytes) -> None:
-        """This client removes ``key``: stop serving it from the cache, and hand its
-        lease back at once if nothing else uses it (before the remove, on the same
-        connection, so the master frees the range)."""
-        with self._lock:
+        """This client removes ``key``: stop serving it from the cache, and hand back
+        at once every unpinned lease that holds it (before the remove, on the same
+        connection, so the master frees the range). Waits for a renewal in flight:
+        one sent before the remove must not bring the removed block back."""
+        with self._renewing, self._lock:
             done = self.cache.forget(key)
-        if done is not None:
-            self.hand_back([done], wait=False)
+        if done:
+            self.hand_back(done, wait=False)
 
     # -- leases ------------------------------------------------------------------------
 
@@ -200,10 +202,11 @@ class LeasedReads:
         (as without renewal). Returns how many keys were renewed."""
         if self.cache.hold_s <= 0 or self._session.closed:
             return 0
-        with self._lock:
-            keys = self.cache.renewable(within)
-        if keys:
-            self.take_lease(keys, prefix=False, pins=0, renewal=True)
+        with self._renewing:  # no ``forget`` between choosing the keys and caching the reply
+            with self._lock:
+                keys = self.cache.renewable(within)
+            if keys:
+                self.take_lease(keys, prefix=False, pins=0, renewal=True)
         return len(keys)
 
     def take_lease(
