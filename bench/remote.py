@@ -492,7 +492,7 @@ def _run_mooncake(
             f"--rpc_port={port}",
             f"--metrics_port={_free_port()}",
             "--rpc_address=127.0.0.1",
-            "--default_kv_lease_ttl=100",
+            "--default_kv_lease_ttl=5000",  # 100 ms expired 8 x 16 MiB batches under load
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,

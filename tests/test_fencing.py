@@ -185,3 +185,30 @@ def test_single_checked_reads_refused_and_served_on_one_connection(fenced_server
         half = np.zeros(1000, np.uint8)  # a part of the block, at an offset inside it
         assert tcp.read_blocks([(100, half, K2, 0)]) == [True]
         assert (half == 3).all()
+
+
+def test_read_block_checks_like_read_blocks_and_keeps_the_stream_in_sync(fenced_server) -> None:
+    """``TcpTransport.read_block`` (the read fast path's call, the signature of the
+    shm one): True and the bytes, or False when another block holds the range;
+    any buffer that is not a flat host array goes through the general plan; a
+    range outside the region is refused before anything is sent."""
+    _, _, tcp = fenced_server
+    data = np.arange(4096, dtype=np.uint32).astype(np.uint8)
+    assert tcp.stamped([(w.OP_WRITE_FINAL, WriteStamp(3, 50, 0, 4096, K2).pack(), 0, data)]) == [
+        w.ST_OK
+    ]
+    for rounds in range(3):  # every pad the stream offset can take along the way
+        out = np.zeros(4096, np.uint8)
+        assert not tcp.read_block(0, 0, out, K1), rounds  # another block there
+        assert tcp.read_block(0, 0, out, K2) and np.array_equal(out, data)
+        part = bytearray(1000)  # not a numpy array: the general path, same check
+        assert tcp.read_block(0, 100, part, K2) and bytes(part) == data[100:1100].tobytes()
+        assert not tcp.read_block(0, 100, part, K1)
+        mixed = [np.zeros(4096, np.uint8), bytearray(4096), np.zeros(4096, np.uint8)]
+        items = [(0, mixed[0], K2, 0), (0, mixed[1], K1, 0), (0, mixed[2], K2, 0)]
+        assert tcp.read_blocks(items) == [True, False, True]
+        assert np.array_equal(mixed[0], data) and np.array_equal(mixed[2], data)
+    with pytest.raises(ValueError):
+        tcp.read_block(tcp.info.size - 100, 0, np.zeros(4096, np.uint8), K2)
+    out = np.zeros(4096, np.uint8)
+    assert tcp.read_block(0, 0, out, K2) and np.array_equal(out, data)  # still in sync

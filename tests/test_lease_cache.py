@@ -37,12 +37,27 @@ def test_forget_and_release_all_unpinned() -> None:
     a, b = make_keys(2)
     cache.add(1, [(a, "pa", 10)], ttl=30, pins=0)
     cache.add(2, [(b, "pb", 10)], ttl=30, pins=1)
-    forgotten = cache.forget(a)  # its lease serves nothing else: hand it back now
-    assert forgotten is not None and forgotten.lease_id == 1
+    (forgotten,) = cache.forget(a)  # its lease: hand it back now
+    assert forgotten.lease_id == 1
     assert cache.lookup(a) is None
-    assert cache.forget(b) is None  # pinned: stays until unpinned
+    assert cache.forget(b) == []  # pinned: stays until unpinned
     assert cache.due(unpinned=True) == []
     assert [d.lease_id for d in cache.due(everything=True)] == [2]
+
+
+def test_forget_drops_every_unpinned_lease_that_holds_the_key() -> None:
+    """A renewal puts many hot blocks in one lease: removing one of them must not
+    leave its range pinned until that lease ends."""
+    cache = LeaseCache(hold_s=10)
+    a, b, c = make_keys(3)
+    cache.add(1, [(a, "pa", 10), (b, "pb", 10)], ttl=30, pins=0)
+    cache.add(2, [(b, "pb", 10), (c, "pc", 10)], ttl=30, pins=0)  # serves b now; 1 still a
+    cache.add(3, [(c, "pc", 10)], ttl=30, pins=1)  # pinned: a reader holds it
+    dropped = cache.forget(b)
+    assert sorted(d.lease_id for d in dropped) == [1, 2]  # both hold b: whole, now
+    assert cache.lookup(a) is None and cache.lookup(b) is None  # a: leased again when read
+    assert cache.lookup(c) is not None  # lease 3 (pinned) serves c
+    assert cache.forget(b) == []
 
 
 def test_a_newer_lease_supersedes_an_idle_older_one() -> None:
@@ -90,5 +105,61 @@ def test_cache_off_every_read_asks_the_master_and_still_reads_right() -> None:
                     assert pool.get_into(key, out) == BLOCK and np.array_equal(out, payload(i))
             assert pool.stats()["client"]["lease_round_trips"] == 12
             assert pool.get_into_batch(keys, [np.empty(BLOCK, np.uint8)] * 4) == [BLOCK] * 4
+    finally:
+        cluster.stop()
+
+
+def test_renewable_names_the_read_keys_of_leases_that_end_soon() -> None:
+    cache = LeaseCache(hold_s=0.2)
+    a, b, c, d = make_keys(4)
+    first = cache.add(1, [(a, "pa", 10), (b, "pb", 10)], ttl=30, pins=0)
+    assert cache.renewable(within=0.1) == []  # ends in 0.2 s: not yet
+    assert cache.renewable(within=1.0) == []  # nothing read yet: cold
+    cache.lookup(a)
+    cache.lookup(b, count=False)  # a probe, not a read
+    assert cache.renewable(within=1.0) == [a]
+    cache.add(2, [(a, "pa", 10), (c, "pc", 10)], ttl=30, pins=0)  # a newer lease serves a
+    cache.lookup(c)
+    assert first.reads[a] == 1 and cache.renewable(within=1.0) == [c]
+    cache.add(3, [(d, "pd", 10)], ttl=30, pins=0)
+    assert cache.renewable(within=1.0) == [c]
+    e = make_keys(5)[4]
+    cache.add(4, [(e, "pe", 10)], ttl=30, pins=0, for_read=True)  # a read took it
+    assert cache.renewable(within=1.0) == [c, e]  # read once (by that read): renewed
+    time.sleep(0.25)
+    cache.lookup(d)  # past its hold: not a read of a held lease
+    assert cache.renewable(within=1.0) == []  # every lease is due: the next read leases again
+
+
+def test_hot_blocks_are_renewed_off_the_read_path() -> None:
+    """A block read at least once per janitor tick (hold_s / 2) never makes a read
+    wait for the master: the janitor renews it, every hot key in one round trip;
+    a block nobody reads lapses; a remove still shows within the hold time."""
+    cluster = start_cluster(["4MiB"])
+    try:
+        with (
+            kvpool.connect(cluster.url, lease_cache_s=1.0) as reader,
+            kvpool.connect(cluster.url) as writer,
+        ):
+            assert wait_until(lambda: len(writer.stats()["nodes"]) == 1, timeout=15)
+            keys = make_keys(6)
+            writer.put_batch(keys, [payload(i) for i in range(6)])
+            out = np.empty(BLOCK, np.uint8)
+            assert reader.get_into(keys[5], out) == BLOCK  # read once (renewed once), then never
+            end = time.monotonic() + 2.6
+            while time.monotonic() < end:  # keys 0-4 stay hot for 2.6 hold times
+                for i, key in enumerate(keys[:5]):
+                    assert reader.get_into(key, out) == BLOCK and np.array_equal(out, payload(i))
+                time.sleep(0.01)
+            client = reader.stats()["client"]
+            assert client["lease_round_trips"] == 6  # the first read of each key only
+            assert client["lease_renewals"] >= 3  # one per tick, for all hot keys at once
+            assert reader.get_into(keys[5], out) == BLOCK  # cold: its lease lapsed
+            assert reader.stats()["client"]["lease_round_trips"] == 7
+            assert writer.remove(keys[0])
+            removed = time.monotonic()
+            assert wait_until(lambda: reader.get_into(keys[0], out) is None, timeout=3)
+            assert time.monotonic() - removed < 2.0  # the hold (1 s) + slack under load
+            assert reader.get_into_batch(keys[1:5], [out] * 4) == [BLOCK] * 4
     finally:
         cluster.stop()

@@ -171,17 +171,52 @@ class TcpTransport(Transport):
             copy_region(device, host)
         self.bytes_read += sum(r.nbytes for _, r in plan)
 
+    def read_block(self, block_offset: int, start: int, out: Any, key: bytes) -> bool:
+        """Bytes [start, start + len(out)) of block ``key`` at ``block_offset`` into
+        ``out``, checked by the node (as ``ShmTransport.read_block`` takes them): True,
+        or False (``out`` holds no meaningful bytes) when that block no longer holds
+        the range. The single-read fast path: one borrowed connection, no lists."""
+        offset = block_offset + start
+        if not _plain_host(out):
+            return self.read_blocks([(offset, out, key, block_offset)])[0]
+        n = out.nbytes
+        if offset < 0 or offset + n > self.info.size:
+            check_range(offset, n, self.info.size)  # raises the usual error
+        conn = self._acquire()
+        healthy = False
+        try:  # _io, inline (one call less on the hot path)
+            ok = conn.read_block(offset, out, IDENT.pack(key, block_offset))
+            healthy = True
+        except KVPoolError:
+            raise
+        except (TimeoutError, BlockingIOError) as exc:  # BlockingIOError: SO_RCVTIMEO
+            raise CallTimeoutError(f"data transfer with {self.info.node_id} timed out") from exc
+        except OSError as exc:
+            raise ConnectionLostError(f"data connection to {self.info.node_id}: {exc}") from exc
+        finally:
+            self._release(conn, healthy)
+        if ok:
+            self.bytes_read += n
+        return ok
+
     def read_blocks(self, items: Sequence[tuple[int, Any, bytes, int]]) -> list[bool]:
         """Reads that name their block (offset, out, key, block offset): the node
         serves the bytes only while that block holds the range. Per read: True,
         or False (``out`` untouched or partly written) when it does not."""
         if len(items) == 1 and _plain_host(items[0][1]):  # one block into host memory
             offset, out, key, block_offset = items[0]
-            check_range(offset, out.nbytes, self.info.size)
-            ok = self._io(DataConn.read_block, offset, out, IDENT.pack(key, block_offset))
-            if ok:
-                self.bytes_read += out.nbytes
-            return [ok]
+            return [self.read_block(block_offset, offset - block_offset, out, key)]
+        size, pack = self.info.size, IDENT.pack
+        if all(_plain_host(out) for _, out, _, _ in items):  # host arrays: as they are
+            for offset, out, _, _ in items:
+                if offset < 0 or offset + out.nbytes > size:
+                    check_range(offset, out.nbytes, size)  # raises the usual error
+            host_plan = [(offset, out, pack(key, b)) for offset, out, key, b in items]
+            served = self._io(DataConn.read_blocks, host_plan)
+            self.bytes_read += sum(
+                out.nbytes for (_, out, _), ok in zip(host_plan, served, strict=True) if ok
+            )
+            return served
         plan, devices = [], []
         for offset, out, key, block_offset in items:
             region = as_region(out, writable=True, what="output buffer")

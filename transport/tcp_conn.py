@@ -107,7 +107,7 @@ class DataConn:
         buffers are exactly the expected lengths, so an ok reply never over-reads
         into the next one."""
         n, h = payload.nbytes, w.RESP.size
-        pad = w.read_pad(self._received)
+        pad = -(self._received + h) % w.ALIGN  # w.read_pad, inline: the hot path
         hdr = self._resp_mv[: h + pad]
         got = self.sock.recvmsg_into([hdr, payload] if n else [hdr])[0]
         if got == 0:
@@ -157,7 +157,7 @@ class DataConn:
 
     def read_block(self, offset: int, host: np.ndarray, ident: bytes) -> bool:
         """One checked read (``read_blocks`` of one, without its lists)."""
-        rid = self._next_rid()
+        self._rid = rid = (self._rid + 1) & 0xFFFFFFFF  # _next_rid, inline: the hot path
         request = w.REQ.pack(w.OP_READ_BLOCK, 0, rid, offset, host.nbytes) + ident
         self.sock.sendall(request)
         self._sent += len(request)

@@ -14,6 +14,14 @@ before it allocates anything (so no range named in a pre-restart lease is
 reused while a client may still read it); and a client forgets a key it
 removes itself. Another client's ``remove`` becomes visible here after at
 most ``hold_s`` (the bytes read meanwhile are the block's correct bytes).
+
+Hot blocks stay leased: ``renewable`` names the keys read under a lease that
+ends soon, and the client's janitor re-leases them all in one round trip
+before the hold ends (kvpool.cluster.client.reads ``renew_hot``), so a reader
+that keeps revisiting its blocks never waits for the master on its read path.
+A renewal is a fresh grant from the master, so every lease still serves for
+at most ``hold_s`` after the master last said the block was there: the
+``remove`` bound above is unchanged.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ class CachedLease:
     expires: float  # the master's lease ends about here: never read past it
     pins: int = 0  # explicit holders (RemoteLease objects) still using it
     reads: Counter[bytes] = field(default_factory=Counter)
+    for_read: bool = False  # taken by a read of all its keys (counted by the master)
 
 
 class LeaseCache:
@@ -52,10 +61,16 @@ class LeaseCache:
         self.superseded: list[CachedLease] = []  # set by add(): older leases now idle
 
     def add(
-        self, lease_id: int, blocks: Sequence[tuple[bytes, Any, int]], ttl: float, pins: int
+        self,
+        lease_id: int,
+        blocks: Sequence[tuple[bytes, Any, int]],
+        ttl: float,
+        pins: int,
+        for_read: bool = False,
     ) -> CachedLease:
         """Remember a fresh lease (master TTL ``ttl``) over (key, placements, size) blocks,
-        held by ``pins`` users until they ``unpin``."""
+        held by ``pins`` users until they ``unpin``; ``for_read``: a read of every one
+        of them took it (so each was read once: ``renewable`` counts that)."""
         now = time.monotonic()
         lease = CachedLease(
             lease_id,
@@ -64,6 +79,7 @@ class LeaseCache:
             now + self.hold_s,
             now + 0.9 * ttl,
             pins=pins,
+            for_read=for_read,
         )
         older = {id(f[2]): f[2] for k, _, _ in blocks if (f := self._blocks.get(k)) is not None}
         for key, placements, size in blocks:
@@ -86,18 +102,36 @@ class LeaseCache:
             lease.reads[key] += 1
         return found
 
+    def renewable(self, within: float) -> list[bytes]:
+        """Keys to re-lease now: read under a lease that is still held but ends within
+        ``within`` seconds, and still served by it (oldest leases first). The read that
+        took a lease counts: a block read once per hold, which never hits the cache,
+        is renewed all the same (else each of its reads would wait for the master)."""
+        now = time.monotonic()
+        horizon, keys = now + within, []
+        for lease in self._leases.values():  # oldest (earliest deadline) first
+            if lease.deadline > horizon:
+                break  # this one and every later one end later
+            read = lease.keys if lease.for_read else lease.reads
+            if not read or now > lease.deadline or now > lease.expires:
+                continue  # cold, or already due: the next read leases it again
+            blocks = self._blocks
+            keys += [k for k in read if (f := blocks.get(k)) is not None and f[2] is lease]
+        return keys
+
     def unpin(self, lease: CachedLease) -> None:
         lease.pins -= 1
 
-    def forget(self, key: bytes) -> CachedLease | None:
-        """Stop serving ``key`` (this client removed it); returns its lease if that lease
-        now serves nothing and nobody pins it, so the caller hands it back at once
-        (a removed block's range is freed only when its last lease ends)."""
-        found = self._blocks.pop(key, None)
-        if found is None:
-            return None
-        lease = found[2]
-        return self._drop(lease) if self._idle(lease) else None
+    def forget(self, key: bytes) -> list[CachedLease]:
+        """Stop serving ``key`` (this client removed it); returns every unpinned lease
+        that holds it, dropped whole (its other keys are leased again when next
+        read), so the caller hands them back at once: a removed block's range is
+        freed only when its last lease ends, and a renewal may have put it in a
+        lease shared with many hot blocks."""
+        if self._blocks.pop(key, None) is None:
+            return []
+        holding = [lease for lease in self._leases.values() if not lease.pins and key in lease.keys]
+        return [self._drop(lease) for lease in holding]
 
     def _idle(self, lease: CachedLease) -> bool:
         """Unpinned, still held, and serving no key (newer leases or forgets took them)."""

@@ -43,6 +43,7 @@ from kvpool.cluster.wire import (
 from kvpool.errors import KVPoolError
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.shm import ShmTransport
+from kvpool.transport.tcp import TcpTransport
 
 #: A replica order from a lease: (allocation id, target, lease id, master term)
 Order = tuple[int, Placement, int, int]
@@ -57,6 +58,7 @@ class LeasedReads:
     def __init__(self, session: ClientSession, hold_s: float, max_bytes: int) -> None:
         self._session = session
         self._lock = threading.Lock()
+        self._renewing = threading.Lock()  # held through a renewal's round trip
         self.cache = LeaseCache(hold_s, max_bytes)
         # hot blocks to copy to a new replica: key -> (alloc id, target, lease that asked)
         self._orders: dict[bytes, Order] = {}
@@ -95,10 +97,12 @@ class LeasedReads:
         placement = placements[0]
         try:
             transport = self._session.transport(placement.node_id)
-            if isinstance(transport, ShmTransport):  # identity-checked copy
+            # shm: the identity-checked copy; TCP: the node checks the block
+            # (kvpool.transport.fencing); False: that block is not (or not yet) there
+            if isinstance(transport, (ShmTransport, TcpTransport)):
                 if not transport.read_block(placement.offset, 0, dst, key):
                     return False
-            else:  # the node checks the block (kvpool.transport.fencing)
+            else:
                 self._session.read_many(placement.node_id, [(placement.offset, 0, dst, key)])
         except TRANSFER_ERRORS:
             return False
@@ -109,25 +113,25 @@ class LeasedReads:
         """``get_into_batch``: one pipelined exchange per node, replicas on failure."""
         with self.reading(keys) as found:
             sizes: list[int | None] = [found[k][1] if k in found else None for k in keys]
-            for size, region in zip(sizes, regions, strict=True):
+            exact = [False] * len(keys)  # region holds exactly its block: no slice needed
+            for i, (size, region) in enumerate(zip(sizes, regions, strict=True)):
                 if size is not None:
-                    check_out_fits(region, size)
+                    have = region_nbytes(region)
+                    if have < size:
+                        check_out_fits(region, size)  # raises the usual error
+                    exact[i] = have == size
             # node -> (index, block offset) of the blocks read from it
             by_node: dict[str, list[tuple[int, int]]] = {}
             preferred = self._session.preferred
             for i, key in enumerate(keys):
                 if key in found:
-                    placement = preferred(found[key][0])
+                    placements = found[key][0]
+                    placement = placements[0] if len(placements) == 1 else preferred(placements)
                     by_node.setdefault(placement.node_id, []).append((i, placement.offset))
             for node_id, located in by_node.items():
                 items = [i for i, _ in located]
                 plan = [
-                    (
-                        offset,
-                        0,
-                        regions[i][: sizes[i]],
-                        keys[i],
-                    )
+                    (offset, 0, regions[i] if exact[i] else regions[i][: sizes[i]], keys[i])
                     for i, offset in located
                 ]
                 try:  # one pipelined exchange per node
@@ -149,13 +153,14 @@ class LeasedReads:
         )
 
     def forget(self, key: bytes) -> None:
-        """This client removes ``key``: stop serving it from the cache, and hand its
-        lease back at once if nothing else uses it (before the remove, on the same
-        connection, so the master frees the range)."""
-        with self._lock:
+        """This client removes ``key``: stop serving it from the cache, and hand back
+        at once every unpinned lease that holds it (before the remove, on the same
+        connection, so the master frees the range). Waits for a renewal in flight:
+        one sent before the remove must not bring the removed block back."""
+        with self._renewing, self._lock:
             done = self.cache.forget(key)
-        if done is not None:
-            self.hand_back([done], wait=False)
+        if done:
+            self.hand_back(done, wait=False)
 
     # -- leases ------------------------------------------------------------------------
 
@@ -189,16 +194,33 @@ class LeasedReads:
                 found[key] = (placements, size, lease)
         return found
 
+    def renew_hot(self, within: float) -> int:
+        """Re-lease, in one round trip, every cached block read under a lease that
+        ends within ``within`` seconds (the janitor calls this each tick, off the
+        read path); the leases they replace go back with their read counts. A key
+        the master no longer has stays served by its old lease until that ends
+        (as without renewal). Returns how many keys were renewed."""
+        if self.cache.hold_s <= 0 or self._session.closed:
+            return 0
+        with self._renewing:  # no ``forget`` between choosing the keys and caching the reply
+            with self._lock:
+                keys = self.cache.renewable(within)
+            if keys:
+                self.take_lease(keys, prefix=False, pins=0, renewal=True)
+        return len(keys)
+
     def take_lease(
-        self, keys: Sequence[bytes], prefix: bool, pins: int
+        self, keys: Sequence[bytes], prefix: bool, pins: int, renewal: bool = False
     ) -> tuple[CachedLease, list[tuple[bytes, list[Placement], int]]]:
         """LEASE round trip; the lease joins the cache with ``pins`` holders (-1: one
-        per block held, for readers that unpin block by block)."""
+        per block held, for readers that unpin block by block: a lease for a read,
+        see ``LeaseCache.renewable``). A ``renewal`` (blocks
+        already held) counts apart and never empties the cache to make room."""
         session = self._session
         request = LeaseRequest(list(keys), prefix)
-        session.counts["lease_round_trips"] += 1
+        session.counts["lease_renewals" if renewal else "lease_round_trips"] += 1
         reply = session.rpc.call(LEASE, request, response_type=LeaseReply)
-        if reply.busy and self.release_cached():  # blocks on SSD found no room in memory
+        if reply.busy and not renewal and self.release_cached():  # SSD blocks found no room
             session.rpc.submit(RELEASE, ReleaseRequest([reply.lease_id] if reply.lease_id else []))
             reply = session.rpc.call(LEASE, request, response_type=LeaseReply)
         session.learn(reply.nodes)
@@ -207,9 +229,12 @@ class LeasedReads:
             for key, block in zip(keys, reply.blocks, strict=False)
             if block is not None
         ]
-        session.counts["misses"] += len(keys) - len(held)
+        if not renewal:  # a renewal's misses were counted as hits when read
+            session.counts["misses"] += len(keys) - len(held)
         with self._lock:
-            lease = self.cache.add(reply.lease_id, held, reply.ttl, len(held) if pins < 0 else pins)
+            lease = self.cache.add(
+                reply.lease_id, held, reply.ttl, len(held) if pins < 0 else pins, for_read=pins < 0
+            )
             superseded = self.cache.superseded
             for index, alloc_id, node_id, offset in reply.replicate:
                 placement = Placement(node_id, offset)

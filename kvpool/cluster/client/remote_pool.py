@@ -369,10 +369,14 @@ class RemotePool(LayerwiseMethods):
     # -- background -------------------------------------------------------------------
 
     def _hand_back_loop(self) -> None:
-        """Give expired cached leases back even while the client is idle."""
+        """Give expired cached leases back even while the client is idle, and renew
+        the hot ones first: each tick re-leases, in one round trip, the blocks read
+        under a lease that ends within two ticks (one tick of margin for the round
+        trip), so a block read at least once per tick never lapses."""
         interval = max(0.05, self._reads.cache.hold_s / 2)
         while not self._stop.wait(interval):
             with contextlib.suppress(KVPoolError, OSError):
+                self._reads.renew_hot(2 * interval)
                 self._reads.hand_back_due()
                 self._putter.revoke_stale()
                 self._putter.commits.settle()  # refused commits: visible within a tick
