@@ -166,6 +166,9 @@ class BlockTable:
 
     def make_room(self, tier: Tier, size: int) -> int:
         """Allocate ``size`` bytes in ``tier``, evicting unpinned blocks as needed."""
+        offset = tier.allocator.allocate(size)  # the common case: room without eviction
+        if offset is not None:
+            return offset
         if not tier.fits(size):
             raise BlockTooLargeError(
                 f"block of {size} bytes is larger than the {tier.name} tier ({tier.capacity} bytes)"

@@ -43,10 +43,11 @@ class Reservations:
         refused exactly as for a reserved writer; the copy counts in
         ``active`` so ``close`` waits for it.
         """
-        size = src.nbytes if type(src) is np.ndarray else region_nbytes(src)
+        host = type(src) is np.ndarray
+        size = src.nbytes if host else region_nbytes(src)
         blocks = self._blocks
         with blocks.mutex:
-            tier = self._place(key, region_is_device(src))
+            tier = self._place(key, not host and region_is_device(src))
             if tier is None:
                 return False
             offset = blocks.make_room(tier, size)
@@ -73,10 +74,11 @@ class Reservations:
         """The tier a new block of ``key`` goes to, or None when ``key`` is stored,
         being written or not admitted (caller holds the lock)."""
         blocks = self._blocks
-        blocks.check_open()
-        tiers = blocks.tiers
+        if blocks.closed:
+            blocks.check_open()  # raises
         if key in blocks.entries or key in self._writing:
             return None
+        tiers = blocks.tiers
         tier = tiers.gpu if device and tiers.gpu is not None else tiers.dram
         if not tier.policy.admit(key):
             blocks.stats.not_admitted += 1
