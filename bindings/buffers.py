@@ -93,7 +93,12 @@ def copy_region(dst: Region, src: Region) -> None:
     """
     if type(dst) is np.ndarray and type(src) is np.ndarray:  # the hot case: exact types
         n = src.nbytes
-        np.copyto(dst if dst.nbytes == n else dst[:n], src)
+        # ``[...] =`` is np.copyto without its Python-level dispatcher frame (~0.15 us
+        # less per call; the same GIL-free copy loop for large arrays)
+        if dst.nbytes == n:
+            dst[...] = src
+        else:
+            dst[:n] = src
         return
     n = region_nbytes(src)
     if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):

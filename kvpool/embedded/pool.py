@@ -316,7 +316,8 @@ class Pool(LayerwiseMethods):
                 assert record is not None
                 valid = self._read_from_ssd(key, entry, tier, record, dst, start, want)
                 return want if valid else None
-            copy_region(dst, tier.region(offset + start, want))
+            offset += start
+            copy_region(dst, tier.buffer[offset : offset + want])  # tier.region, inlined
             return want
         finally:
             with self._lock:

@@ -55,7 +55,7 @@ class Reservations:
             blocks.active += 1
         copied = closed = False
         try:
-            copy_region(tier.region(offset, size), src)
+            copy_region(tier.buffer[offset : offset + size], src)  # tier.region, inlined
             copied = True
         finally:
             with blocks.mutex:
