@@ -292,7 +292,9 @@ class Pool(LayerwiseMethods):
         self, key: bytes, dst: Region, start: int = 0, length: int | None = None
     ) -> int | None:
         blocks = self._blocks
-        with self._lock:
+        mutex = self._lock
+        mutex.acquire()  # not ``with``: see Reservations.put
+        try:
             if blocks.closed:
                 blocks.check_open()  # raises
             entry = blocks.entries.get(key)
@@ -311,6 +313,8 @@ class Pool(LayerwiseMethods):
             tier, offset, record = entry.tier, entry.offset, entry.record
             tier.policy.on_access(key)
             self._stats.count_hit(tier.name, want)
+        finally:
+            mutex.release()
         try:
             if isinstance(tier, SsdTier):
                 assert record is not None
@@ -320,9 +324,12 @@ class Pool(LayerwiseMethods):
             copy_region(dst, tier.buffer[offset : offset + want])  # tier.region, inlined
             return want
         finally:
-            with self._lock:
+            mutex.acquire()
+            try:
                 blocks.unpin(entry)
                 blocks.copy_ended()
+            finally:
+                mutex.release()
 
     def _read_from_ssd(
         self,

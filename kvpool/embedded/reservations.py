@@ -46,19 +46,26 @@ class Reservations:
         host = type(src) is np.ndarray
         size = src.nbytes if host else region_nbytes(src)
         blocks = self._blocks
-        with blocks.mutex:
+        mutex = blocks.mutex
+        # acquire/release rather than ``with``: ~0.2 us less per lock section
+        # (``with`` builds bound __enter__/__exit__ methods on every entry)
+        mutex.acquire()
+        try:
             tier = self._place(key, not host and region_is_device(src))
             if tier is None:
                 return False
             offset = blocks.make_room(tier, size)
             self._writing[key] = None
             blocks.active += 1
+        finally:
+            mutex.release()
         copied = closed = False
         try:
             copy_region(tier.buffer[offset : offset + size], src)  # tier.region, inlined
             copied = True
         finally:
-            with blocks.mutex:
+            mutex.acquire()
+            try:
                 del self._writing[key]
                 blocks.copy_ended()
                 closed = blocks.closed
@@ -66,6 +73,8 @@ class Reservations:
                     tier.free(offset)
                 else:
                     blocks.insert(key, tier, offset, size, parent)
+            finally:
+                mutex.release()
         if closed:
             raise PoolClosedError("the pool was closed before this block was committed")
         return True
