@@ -51,6 +51,7 @@ from kvpool.layerwise.api import LayerwiseMethods
 from kvpool.storage.ssd_tier import SsdRecord, SsdTier
 
 _U8 = np.dtype(np.uint8)
+_NDARRAY = np.ndarray  # a global, not a module attribute load, on the hot paths
 
 EMBEDDED_NODE = "embedded"
 
@@ -301,7 +302,7 @@ class Pool(LayerwiseMethods):
             if entry is None:
                 self._stats.misses += 1
                 return None
-            if start or length is not None or type(dst) is not np.ndarray:
+            if start or length is not None or type(dst) is not _NDARRAY:
                 want = block_range(start, length, entry.size)
                 check_out_fits(dst, want)
             else:  # the whole block into a host array (the hot case, inlined)
@@ -366,7 +367,7 @@ class Pool(LayerwiseMethods):
 def _plain_bytes(buf: object, *, writable: bool = False) -> bool:
     """A non-empty flat contiguous uint8 numpy array (and writable, if asked): what
     ``as_region`` would return unchanged (the 64 KiB fast paths skip the adapter for it)."""
-    if type(buf) is not np.ndarray or buf.dtype is not _U8 or buf.ndim != 1 or not buf.size:
+    if type(buf) is not _NDARRAY or buf.dtype is not _U8 or buf.ndim != 1 or not buf.size:
         return False  # numpy's uint8 descriptor is a singleton; other uint8s take the adapter
     flags = buf.flags  # one flags object for both checks
     return flags.c_contiguous and (flags.writeable or not writable)

@@ -24,6 +24,8 @@ from kvpool.embedded.handles import EmbeddedBlockWriter
 from kvpool.errors import KVPoolError, PoolClosedError
 from kvpool.storage.memory_tier import MemoryTier
 
+_NDARRAY = np.ndarray  # a global, not a module attribute load, on the hot path
+
 
 class Reservations:
     """Blocks reserved in a ``BlockTable`` and not committed yet."""
@@ -43,7 +45,7 @@ class Reservations:
         refused exactly as for a reserved writer; the copy counts in
         ``active`` so ``close`` waits for it.
         """
-        host = type(src) is np.ndarray
+        host = type(src) is _NDARRAY
         size = src.nbytes if host else region_nbytes(src)
         blocks = self._blocks
         mutex = blocks.mutex
@@ -54,7 +56,9 @@ class Reservations:
             tier = self._place(key, not host and region_is_device(src))
             if tier is None:
                 return False
-            offset = blocks.make_room(tier, size)
+            offset = tier.allocator.allocate(size)  # room without eviction: no make_room frame
+            if offset is None:
+                offset = blocks.make_room(tier, size)
             self._writing[key] = None
             blocks.active += 1
         finally:
