@@ -34,9 +34,10 @@ from kvpool.storage.ssd_tier import SsdRecord, SsdTier
 Tier = MemoryTier | SsdTier
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Entry:
-    """Where one committed block lives now."""
+    """Where one committed block lives now (slots: one is built per put, and its
+    fields are read and written on every get)."""
 
     tier: Tier
     offset: int
