@@ -19,6 +19,10 @@ import numpy as np
 
 from kvpool.errors import BufferSpecError
 
+# np.ndarray as a module global: ``np.ndarray`` is an unspecialised module
+# attribute load (~0.1 us) on every hot-path type check; a global is one dict hit.
+_NDARRAY = np.ndarray
+
 # A region is either a flat uint8 numpy array (host memory) or a flat uint8
 # torch CUDA tensor (device memory).
 Region = Any
@@ -91,9 +95,14 @@ def copy_region(dst: Region, src: Region) -> None:
     anything touching a device goes through torch's synchronous ``copy_``,
     which uses DMA when the host side is page-locked.
     """
-    if type(dst) is np.ndarray and type(src) is np.ndarray:  # the hot case: exact types
+    if type(dst) is _NDARRAY and type(src) is _NDARRAY:  # the hot case: exact types
         n = src.nbytes
-        np.copyto(dst if dst.nbytes == n else dst[:n], src)
+        # ``[...] =`` is np.copyto without its Python-level dispatcher frame (~0.15 us
+        # less per call; the same GIL-free copy loop for large arrays)
+        if dst.nbytes == n:
+            dst[...] = src
+        else:
+            dst[:n] = src
         return
     n = region_nbytes(src)
     if isinstance(dst, np.ndarray) and isinstance(src, np.ndarray):

@@ -17,7 +17,7 @@ from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool.embedded.reservations as reservations_module
 from kvpool import Pool
-from kvpool.errors import PoolClosedError
+from kvpool.errors import BufferSpecError, PoolClosedError
 
 
 class _Gate:
@@ -99,3 +99,27 @@ def test_plain_and_adapted_buffers_store_the_same_bytes() -> None:
         out = np.zeros(2 * BLOCK, np.uint8)
         assert pool.get_into(keys[0], out, offset=8, length=16) == 16
         assert np.array_equal(out[:16], data[8:24]) and not out[16:].any()
+
+
+def test_uint8_arrays_off_the_fast_path_still_store_and_read_exact() -> None:
+    """The fast paths recognise numpy's uint8 descriptor by identity; a uint8
+    array with another descriptor object (here: one carrying metadata), a
+    read-only output and a non-contiguous one take the adapter, with the same
+    bytes or the same clear error."""
+    keys = make_keys(2)
+    data = payload(5)
+    odd_u8 = np.dtype(np.uint8, metadata={"from": "test"})
+    assert odd_u8 == np.uint8 and odd_u8 is not np.dtype(np.uint8)
+    with Pool.embedded(dram_bytes=8 * BLOCK) as pool:
+        assert pool.put(keys[0], data.view(odd_u8))
+        out = np.zeros(BLOCK, odd_u8)
+        assert pool.get_into(keys[0], out) == BLOCK
+        assert np.array_equal(out, data)
+        read_only = np.zeros(BLOCK, np.uint8)
+        read_only.flags.writeable = False
+        with pytest.raises(BufferSpecError):
+            pool.get_into(keys[0], read_only)
+        strided = np.zeros(2 * BLOCK, np.uint8)[::2]
+        with pytest.raises(BufferSpecError):
+            pool.get_into(keys[0], strided)
+        assert pool.stats()["hits"] == 1  # refused outputs changed nothing

@@ -139,3 +139,34 @@ def test_the_index_map_grows_while_records_are_staged(
             assert np.array_equal(out[:size], block_bytes(i, size))
     finally:
         tier.close()
+
+
+def test_short_device_writes_are_continued_until_every_byte_lands(
+    tmp_path: object, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``_pwrite_full`` writes straight from the array in one call when the kernel
+    takes it all; a short write (the kernel may stop early) is
+    continued from where it stopped, so the block reads back exact."""
+    real_pwrite = os.pwrite
+    calls: list[int] = []
+
+    def short_pwrite(fd: int, data: object, offset: int) -> int:
+        view = memoryview(data).cast("B")  # type: ignore[arg-type]
+        calls.append(len(view))
+        return real_pwrite(fd, view[:4096], offset)  # never more than a page a call
+
+    monkeypatch.setattr(ssd_tier_module.os, "pwrite", short_pwrite)
+    path = os.path.join(str(tmp_path), "tier")
+    size = 3 * 4096 + 100  # buffered path too: not a whole number of pages
+    tier = SsdTier(path, 8 * 4096, make_policy("lru"))
+    try:
+        for i, data in enumerate((slot_for(block_bytes(1, 4 * 4096)), block_bytes(2, size))):
+            record = tier.store(key_of(i), data, data.nbytes, None)
+            assert record is not None
+            out = slot_for(np.zeros(4 * 4096, dtype=np.uint8))
+            assert tier.read_into(record, out)
+            assert np.array_equal(out[: data.nbytes], data)
+        assert len(calls) >= 6  # every store took several calls
+    finally:
+        monkeypatch.undo()
+        tier.close()

@@ -34,9 +34,10 @@ from kvpool.storage.ssd_tier import SsdRecord, SsdTier
 Tier = MemoryTier | SsdTier
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Entry:
-    """Where one committed block lives now."""
+    """Where one committed block lives now (slots: one is built per put, and its
+    fields are read and written on every get)."""
 
     tier: Tier
     offset: int
@@ -166,6 +167,9 @@ class BlockTable:
 
     def make_room(self, tier: Tier, size: int) -> int:
         """Allocate ``size`` bytes in ``tier``, evicting unpinned blocks as needed."""
+        offset = tier.allocator.allocate(size)  # the common case: room without eviction
+        if offset is not None:
+            return offset
         if not tier.fits(size):
             raise BlockTooLargeError(
                 f"block of {size} bytes is larger than the {tier.name} tier ({tier.capacity} bytes)"

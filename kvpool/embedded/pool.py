@@ -51,6 +51,7 @@ from kvpool.layerwise.api import LayerwiseMethods
 from kvpool.storage.ssd_tier import SsdRecord, SsdTier
 
 _U8 = np.dtype(np.uint8)
+_NDARRAY = np.ndarray  # a global, not a module attribute load, on the hot paths
 
 EMBEDDED_NODE = "embedded"
 
@@ -185,7 +186,7 @@ class Pool(LayerwiseMethods):
             check_key(key)
         if type(offset) is not int or offset or length is not None:  # skip for whole blocks
             check_read_range(offset, length)
-        if _plain_bytes(out) and out.flags.writeable:  # already a host region
+        if _plain_bytes(out, writable=True):  # already a host region
             return self._get_into_region(key, out, offset, length)
         return self._get_into_region(key, out_region(out), offset, length)
 
@@ -291,11 +292,17 @@ class Pool(LayerwiseMethods):
     def _get_into_region(
         self, key: bytes, dst: Region, start: int = 0, length: int | None = None
     ) -> int | None:
-        with self._lock:
-            entry = self._entry_or_miss(key)
+        blocks = self._blocks
+        mutex = self._lock
+        mutex.acquire()  # not ``with``: see Reservations.put
+        try:
+            if blocks.closed:
+                blocks.check_open()  # raises
+            entry = blocks.entries.get(key)
             if entry is None:
+                self._stats.misses += 1
                 return None
-            if start or length is not None or type(dst) is not np.ndarray:
+            if start or length is not None or type(dst) is not _NDARRAY:
                 want = block_range(start, length, entry.size)
                 check_out_fits(dst, want)
             else:  # the whole block into a host array (the hot case, inlined)
@@ -303,21 +310,27 @@ class Pool(LayerwiseMethods):
                 if dst.nbytes < want:
                     check_out_fits(dst, want)  # raises its error
             entry.pins += 1
-            self._blocks.active += 1
-            entry.tier.policy.on_access(key)
+            blocks.active += 1
             tier, offset, record = entry.tier, entry.offset, entry.record
+            tier.policy.on_access(key)
             self._stats.count_hit(tier.name, want)
+        finally:
+            mutex.release()
         try:
             if isinstance(tier, SsdTier):
                 assert record is not None
                 valid = self._read_from_ssd(key, entry, tier, record, dst, start, want)
                 return want if valid else None
-            copy_region(dst, tier.region(offset + start, want))
+            offset += start
+            copy_region(dst, tier.buffer[offset : offset + want])  # tier.region, inlined
             return want
         finally:
-            with self._lock:
-                self._blocks.unpin(entry)
-                self._blocks.copy_ended()
+            mutex.acquire()
+            try:
+                blocks.unpin(entry)
+                blocks.copy_ended()
+            finally:
+                mutex.release()
 
     def _read_from_ssd(
         self,
@@ -351,13 +364,10 @@ class Pool(LayerwiseMethods):
         return valid
 
 
-def _plain_bytes(buf: object) -> bool:
-    """A non-empty flat contiguous uint8 numpy array: what ``as_region`` would return
-    unchanged (the 64 KiB fast paths skip the adapter for it)."""
-    return (
-        type(buf) is np.ndarray
-        and buf.dtype == _U8
-        and buf.ndim == 1
-        and buf.size > 0
-        and buf.flags.c_contiguous
-    )
+def _plain_bytes(buf: object, *, writable: bool = False) -> bool:
+    """A non-empty flat contiguous uint8 numpy array (and writable, if asked): what
+    ``as_region`` would return unchanged (the 64 KiB fast paths skip the adapter for it)."""
+    if type(buf) is not _NDARRAY or buf.dtype is not _U8 or buf.ndim != 1 or not buf.size:
+        return False  # numpy's uint8 descriptor is a singleton; other uint8s take the adapter
+    flags = buf.flags  # one flags object for both checks
+    return flags.c_contiguous and (flags.writeable or not writable)

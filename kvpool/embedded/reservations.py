@@ -24,6 +24,8 @@ from kvpool.embedded.handles import EmbeddedBlockWriter
 from kvpool.errors import KVPoolError, PoolClosedError
 from kvpool.storage.memory_tier import MemoryTier
 
+_NDARRAY = np.ndarray  # a global, not a module attribute load, on the hot path
+
 
 class Reservations:
     """Blocks reserved in a ``BlockTable`` and not committed yet."""
@@ -43,21 +45,31 @@ class Reservations:
         refused exactly as for a reserved writer; the copy counts in
         ``active`` so ``close`` waits for it.
         """
-        size = src.nbytes if type(src) is np.ndarray else region_nbytes(src)
+        host = type(src) is _NDARRAY
+        size = src.nbytes if host else region_nbytes(src)
         blocks = self._blocks
-        with blocks.mutex:
-            tier = self._place(key, region_is_device(src))
+        mutex = blocks.mutex
+        # acquire/release rather than ``with``: ~0.2 us less per lock section
+        # (``with`` builds bound __enter__/__exit__ methods on every entry)
+        mutex.acquire()
+        try:
+            tier = self._place(key, not host and region_is_device(src))
             if tier is None:
                 return False
-            offset = blocks.make_room(tier, size)
+            offset = tier.allocator.allocate(size)  # room without eviction: no make_room frame
+            if offset is None:
+                offset = blocks.make_room(tier, size)
             self._writing[key] = None
             blocks.active += 1
+        finally:
+            mutex.release()
         copied = closed = False
         try:
-            copy_region(tier.region(offset, size), src)
+            copy_region(tier.buffer[offset : offset + size], src)  # tier.region, inlined
             copied = True
         finally:
-            with blocks.mutex:
+            mutex.acquire()
+            try:
                 del self._writing[key]
                 blocks.copy_ended()
                 closed = blocks.closed
@@ -65,6 +77,8 @@ class Reservations:
                     tier.free(offset)
                 else:
                     blocks.insert(key, tier, offset, size, parent)
+            finally:
+                mutex.release()
         if closed:
             raise PoolClosedError("the pool was closed before this block was committed")
         return True
@@ -73,10 +87,11 @@ class Reservations:
         """The tier a new block of ``key`` goes to, or None when ``key`` is stored,
         being written or not admitted (caller holds the lock)."""
         blocks = self._blocks
-        blocks.check_open()
-        tiers = blocks.tiers
+        if blocks.closed:
+            blocks.check_open()  # raises
         if key in blocks.entries or key in self._writing:
             return None
+        tiers = blocks.tiers
         tier = tiers.gpu if device and tiers.gpu is not None else tiers.dram
         if not tier.policy.admit(key):
             blocks.stats.not_admitted += 1

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvpool.storage.memory_tier import DramTier
+
+TIER_NAMES = ("gpu", "dram", "ssd")
+
+
+def _per_tier() -> dict[str, int]:
+    return dict.fromkeys(TIER_NAMES, 0)
 
 
 @dataclass
@@ -23,10 +28,13 @@ class PoolStats:
     not_admitted: int = 0
     corrupt_dropped: int = 0
     ssd_errors: int = 0
-    tier_hits: Counter[str] = field(default_factory=Counter)
-    tier_puts: Counter[str] = field(default_factory=Counter)
-    tier_evictions: Counter[str] = field(default_factory=Counter)
-    tier_demotions: Counter[str] = field(default_factory=Counter)
+    # Per-tier counts in exact dicts holding every tier name: ``d[name] += 1`` on
+    # a plain dict is ~45 ns, on a Counter (a dict subclass) ~110 ns, once per put
+    # and per get.
+    tier_hits: dict[str, int] = field(default_factory=_per_tier)
+    tier_puts: dict[str, int] = field(default_factory=_per_tier)
+    tier_evictions: dict[str, int] = field(default_factory=_per_tier)
+    tier_demotions: dict[str, int] = field(default_factory=_per_tier)
 
     def count_put(self, tier: str, size: int) -> None:
         self.puts += 1

@@ -15,7 +15,7 @@ the search plus O(n) list shifts over the n free extents (small in practice).
 
 from __future__ import annotations
 
-import bisect
+from bisect import bisect_left, bisect_right, insort
 
 
 class ExtentAllocator:
@@ -27,6 +27,7 @@ class ExtentAllocator:
         if capacity < 0:
             raise ValueError(f"capacity must be >= 0, got {capacity}")
         self.alignment = alignment
+        self._mask = alignment - 1  # round_up as (size + mask) & ~mask, inlined on hot paths
         self.capacity = capacity - capacity % alignment
         self._used: dict[int, int] = {}  # offset -> size
         self._free: dict[int, int] = {}  # offset -> size
@@ -40,25 +41,31 @@ class ExtentAllocator:
     # -- public API -------------------------------------------------------
 
     def round_up(self, size: int) -> int:
-        return -(-size // self.alignment) * self.alignment
+        return (size + self._mask) & ~self._mask
 
     def allocate(self, size: int) -> int | None:
         """Offset of a fresh extent of ``round_up(size)`` bytes, or None if none fits."""
         if size <= 0:
             raise ValueError(f"allocation size must be > 0, got {size}")
-        need = self.round_up(size)
-        i = bisect.bisect_left(self._by_size, (need, -1))
-        if i == len(self._by_size):
+        need = (size + self._mask) & ~self._mask
+        by_size = self._by_size
+        i = bisect_left(by_size, (need, -1))
+        if i == len(by_size):
             return None
-        free_size, offset = self._by_size[i]
+        free_size, offset = by_size[i]
         if free_size > need:  # split: the rest keeps the extent's place in offset order
             rest, rest_size = offset + need, free_size - need
-            del self._free[offset]
-            self._free[rest] = rest_size
+            free = self._free
+            del free[offset]
+            free[rest] = rest_size
             self._free_ends[offset + free_size] = rest
-            self._free_offsets[bisect.bisect_left(self._free_offsets, offset)] = rest
-            del self._by_size[i]
-            bisect.insort(self._by_size, (rest_size, rest), 0, i)  # smaller: at or before i
+            self._free_offsets[bisect_left(self._free_offsets, offset)] = rest
+            entry = (rest_size, rest)
+            if i == 0 or by_size[i - 1] < entry:  # still in order: replace in place
+                by_size[i] = entry
+            else:
+                del by_size[i]
+                insort(by_size, entry, 0, i)  # smaller: at or before i
         else:
             self._remove_free(offset)
         self._used[offset] = need
@@ -73,7 +80,7 @@ class ExtentAllocator:
         need = self.round_up(size)
         if offset % self.alignment or size <= 0:
             raise ValueError(f"cannot reserve misaligned extent {offset}+{size}")
-        i = bisect.bisect_right(self._free_offsets, offset) - 1
+        i = bisect_right(self._free_offsets, offset) - 1
         if i < 0:
             raise ValueError(f"extent {offset}+{need} is not free")
         start = self._free_offsets[i]
@@ -94,17 +101,18 @@ class ExtentAllocator:
         self.used_bytes -= size
         start, end = offset, offset + size
         left = self._free_ends.get(start)
-        if left is None and end in self._free:  # grows the free extent on its right
-            self._grow_left(end, start)
+        right = end in self._free
+        if left is None:
+            if right:  # grows the free extent on its right leftwards
+                self._grow_left(end, start)
+            else:
+                self._add_free(start, size)
             return size
-        if left is not None:
-            start = left
-            self._remove_free(left)
-        if end in self._free:
+        if right:  # joins both neighbours
             right_size = self._free[end]
             self._remove_free(end)
             end += right_size
-        self._add_free(start, end - start)
+        self._grow_right(left, end)
         return size
 
     def size_of(self, offset: int) -> int:
@@ -141,8 +149,8 @@ class ExtentAllocator:
     def _add_free(self, offset: int, size: int) -> None:
         self._free[offset] = size
         self._free_ends[offset + size] = offset
-        bisect.insort(self._free_offsets, offset)
-        bisect.insort(self._by_size, (size, offset))
+        insort(self._free_offsets, offset)
+        insort(self._by_size, (size, offset))
 
     def _grow_left(self, offset: int, start: int) -> None:
         """The free extent at ``offset`` now starts at ``start`` (< offset, no free
@@ -151,12 +159,24 @@ class ExtentAllocator:
         end = offset + size
         self._free[start] = end - start
         self._free_ends[end] = start
-        self._free_offsets[bisect.bisect_left(self._free_offsets, offset)] = start
-        del self._by_size[bisect.bisect_left(self._by_size, (size, offset))]
-        bisect.insort(self._by_size, (end - start, start))
+        self._free_offsets[bisect_left(self._free_offsets, offset)] = start
+        del self._by_size[bisect_left(self._by_size, (size, offset))]
+        insort(self._by_size, (end - start, start))
+
+    def _grow_right(self, offset: int, end: int) -> None:
+        """The free extent at ``offset`` now ends at ``end`` (no free extent in
+        between): it keeps its offset, so only its size and end change."""
+        free = self._free
+        size = free[offset]
+        del self._free_ends[offset + size]
+        free[offset] = end - offset
+        self._free_ends[end] = offset
+        by_size = self._by_size
+        del by_size[bisect_left(by_size, (size, offset))]
+        insort(by_size, (end - offset, offset))
 
     def _remove_free(self, offset: int) -> None:
         size = self._free.pop(offset)
         del self._free_ends[offset + size]
-        del self._free_offsets[bisect.bisect_left(self._free_offsets, offset)]
-        del self._by_size[bisect.bisect_left(self._by_size, (size, offset))]
+        del self._free_offsets[bisect_left(self._free_offsets, offset)]
+        del self._by_size[bisect_left(self._by_size, (size, offset))]

@@ -40,7 +40,7 @@ import os
 import struct
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import lmdb
 import numpy as np
@@ -57,9 +57,9 @@ _INITIAL_MAP_SIZE = 1 << 30
 _OVERLAP_BYTES = 512 << 10
 
 
-@dataclass(frozen=True)
-class SsdRecord:
-    """Where a block lives in the data file and what its bytes hash to."""
+class SsdRecord(NamedTuple):
+    """Where a block lives in the data file and what its bytes hash to (immutable;
+    a tuple, not a frozen dataclass: ~0.3 instead of ~1 us to build on every store)."""
 
     offset: int
     size: int
@@ -136,10 +136,12 @@ class SsdTier:
         ``data`` may run past ``size`` (an arena slot owns its whole rounded
         extent): then the write can go out with O_DIRECT in one aligned piece.
         """
-        if not self.fits(size):
-            raise BlockTooLargeError(f"block of {size} bytes exceeds SSD tier of {self.capacity}")
         offset = self.allocator.allocate(size)
         if offset is None:
+            if not self.fits(size):
+                raise BlockTooLargeError(
+                    f"block of {size} bytes exceeds SSD tier of {self.capacity}"
+                )
             return None
         try:
             return self._write_and_commit(key, data, size, offset, parent)
@@ -325,7 +327,12 @@ def _try_direct(
 
 
 def _pwrite_full(fd: int, data: np.ndarray, offset: int) -> None:
-    view = data.data.cast("B")
+    # one call in practice, straight from the array: no memoryview for the common case
+    written = os.pwrite(fd, data, offset)  # type: ignore[arg-type]  # numpy exports a buffer
+    if written == data.nbytes:
+        return
+    view = data.data.cast("B")[written:]
+    offset += written
     while view:
         written = os.pwrite(fd, view, offset)
         view, offset = view[written:], offset + written
