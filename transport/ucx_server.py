@@ -75,7 +75,7 @@ def listener_address(create_listener: Any, host: str) -> dict[str, str]:
     return {}
 
 
-#: channels served at once, as the TCP servers' connection cap
+#: listener channels served at once (as the TCP servers cap their connections)
 MAX_CLIENTS = 1024
 
 
