@@ -140,10 +140,11 @@ def run_ucx(s: Section, sizes: list[int]) -> None:
                 infos = msgpack.unpackb(f.read(), raw=False)
             host_info = RegionInfo.from_dict(infos["host"])
             dev_info = RegionInfo.from_dict(infos["device"]) if infos.get("device") else None
-            paths["tcp_from_host"] = TcpTransport(host_info, timeout=30)
-            paths["ucx_from_host"] = UcxTransport(host_info, timeout=30)
+            token = infos.get("token")  # the node's (kvpool.bench.gpu_ucx_node)
+            paths["tcp_from_host"] = TcpTransport(host_info, token=token, timeout=30)
+            paths["ucx_from_host"] = UcxTransport(host_info, token=token, timeout=30)
             if dev_info is not None:
-                paths["ucx_from_device"] = UcxTransport(dev_info, timeout=30)
+                paths["ucx_from_device"] = UcxTransport(dev_info, token=token, timeout=30)
             else:
                 s.skip("UCX device-to-device", "needs CUDA on both ends")
             _ucx_rounds(s, paths, size)

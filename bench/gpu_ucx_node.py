@@ -3,14 +3,18 @@
 Serves a shared-memory host arena over TCP and UCX (``expose_region``) and,
 with ``--device cuda``, a CUDA region over UCX (``UcxDataServer``), both
 filled with ``pattern(size, "cpu", SEED)``. Writes both ``RegionInfo``s
-(msgpack: worker addresses are bytes) to ``--info``, prints its ready line,
-and serves until SIGTERM/SIGINT (``kvpool.procs`` stops it so).
+(msgpack: worker addresses are bytes) and the token its servers want to
+``--info``, prints its ready line, and serves until SIGTERM/SIGINT
+(``kvpool.procs`` stops it so). The token is ``$KVPOOL_TOKEN`` or a fresh
+one: a UCXX that cannot bind its listener to an address (0.52) listens on
+every interface, which kvpool serves only with a token.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import signal
 import sys
 
@@ -37,11 +41,12 @@ def main(argv: list[str] | None = None) -> int:
     region = fill.to("cuda") if args.device == "cuda" else None
     arena = SharedArena(args.size)
     arena.view[:] = fill.numpy()
-    host = expose_region(arena.view, node_id="gpu-ucx-host", shm_name="", ucx=True)
-    infos = {"host": host.info.to_dict(), "device": None}
+    token = os.environ.get("KVPOOL_TOKEN") or secrets.token_hex(16)
+    host = expose_region(arena.view, node_id="gpu-ucx-host", shm_name="", ucx=True, token=token)
+    infos = {"host": host.info.to_dict(), "device": None, "token": token}
     device_server = None
     if region is not None:
-        device_server = UcxDataServer(region, host="127.0.0.1")
+        device_server = UcxDataServer(region, host="127.0.0.1", token=token)
         info = RegionInfo(
             "gpu-ucx-device", args.size, host_id=host_identity(), ucx=device_server.info()
         )

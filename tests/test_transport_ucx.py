@@ -1,4 +1,7 @@
-"""UCX data path against a node process; skipped where ucxx is not installed."""
+"""UCX data path against a node process; skipped where ucxx is not installed.
+
+The node's listener needs a token: UCXX 0.52 binds it on every interface
+(kvpool.transport.ucx_server)."""
 
 from __future__ import annotations
 
@@ -19,7 +22,7 @@ import numpy as np
 from kvpool.transport.base import host_identity
 from kvpool.transport.ucx_server import UcxDataServer
 region = np.resize(np.arange(251, dtype=np.uint8), 16 << 20)
-srv = UcxDataServer(region, host="127.0.0.1", port=0)
+srv = UcxDataServer(region, host="127.0.0.1", port=0, token="ucx-test")
 print(srv.port, srv.worker_address.hex(), host_identity(), flush=True)
 sys.stdin.read()
 srv.close()
@@ -36,7 +39,7 @@ def test_ucx_exact_bytes(same_host: bool) -> None:
         port, addr, host_id = proc.stdout.readline().split()
         ucx = UcxInfo("127.0.0.1", int(port), bytes.fromhex(addr))
         info = RegionInfo("n1", 16 << 20, host_id if same_host else "elsewhere", ucx=ucx)
-        with UcxTransport(info, timeout=30) as t:
+        with UcxTransport(info, token="ucx-test", timeout=30) as t:
             for n in (1, 4096, 1 << 20, 4 << 20):
                 out = np.empty(n, np.uint8)
                 t.read_into(7, out)

@@ -88,7 +88,8 @@ def expose_region(
     ucx_port: int = 0,
     fence: WriteFence | None = None,
 ) -> ExposedRegion:
-    """Serve ``region`` over TCP (and UCX: ``ucx=None`` means when RDMA/GPU is present).
+    """Serve ``region`` over TCP (and UCX: ``ucx=None`` means as ``$KVPOOL_UCX`` says,
+    by default where UCXX and an RDMA device are present).
 
     ``shm_name`` is the /dev/shm file backing ``region`` ("" if it is not
     shared); same-host clients then map it instead of using a socket.
@@ -107,14 +108,14 @@ def expose_region(
     )
     ucx_server = None
     if ucx is None:
-        from kvpool.transport.ucx import ucx_available, ucx_has_rdma
+        from kvpool.transport.ucx import ucx_wanted
 
-        ucx = ucx_available() and ucx_has_rdma()
+        ucx = ucx_wanted()
     if ucx:
         from kvpool.transport.ucx_server import UcxDataServer
 
         try:
-            ucx_server = UcxDataServer(region, host=host, port=ucx_port, token=token)
+            ucx_server = UcxDataServer(region, host=host, port=ucx_port, token=token, fence=fence)
         except BaseException:
             tcp.close()
             raise

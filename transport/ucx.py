@@ -16,10 +16,21 @@ Progress runs in ``blocking`` mode (``UCXPY_PROGRESS_MODE``), since the
 default thread mode gets 0.3-0.6 GB/s on 2 cores and polling burns a core.
 
 Wire (all little-endian uint64 arrays): HELLO (fixed 8 KiB: tags, token,
-client worker address) answered by (status, 0); then requests (op, id,
-offset, length), answered by (status, length) [+ payload for READ]; a WRITE
-sends its payload right after the request. Every UCX call runs on one private
-asyncio loop thread per process; callers block with a timeout.
+client worker address) answered by (status, 0); then requests (``REQUEST``
+words: op, id, offset, length, block offset, key as two words, 0), answered
+by (status, length) [+ payload for a READ that is ok]; a WRITE sends its
+payload right after the request. Every UCX call runs on one private asyncio
+loop thread per process; callers block with a timeout.
+
+Checked reads (``OP_READ_BLOCK``, ``read_blocks``) name their block (key and
+block offset, as TCP's ``IDENT``): the node's data server asks its fence
+(kvpool.transport.fencing, the node's block table) to hold that block for
+the range while the payload is sent, and answers ``ST_STALE`` with no
+payload when the range holds another block now. A reader with an outdated
+lease therefore gets a miss, never another block's bytes -- the same check,
+by the same code, as a TCP read. (UCX moves a read's bytes as a tagged
+message the node sends, not as a one-sided RDMA get, so the node sees every
+read and needs no identity record in registered memory.)
 """
 
 from __future__ import annotations
@@ -46,8 +57,13 @@ from kvpool.transport.base import RegionInfo, Transport, UcxInfo, check_range, h
 HELLO_TAG = 0x6B76706F6F6C  # "kvpool"
 HELLO_SIZE = 8192
 HELLO_HEAD = struct.Struct("<QQII")  # client send tag, client recv tag, token len, address len
-OP_READ, OP_WRITE = 1, 2
-ST_OK, ST_BAD_TOKEN, ST_RANGE = 0, 2, 3
+OP_READ, OP_WRITE, OP_READ_BLOCK, OP_BYE = 1, 2, 3, 4
+ST_OK, ST_BAD_TOKEN, ST_RANGE, ST_STALE, ST_FULL = 0, 2, 3, 4, 5
+#: u64 words of a request: op, id, offset, length, block offset, key (2 words), 0
+REQUEST = 8
+#: Environment switch for a node's UCX listener: "on", "off" or "auto" (default:
+#: where UCXX is installed and this host has an RDMA device)
+UCX_ENV = "KVPOOL_UCX"
 
 
 @cache
@@ -61,6 +77,33 @@ def import_ucxx() -> Any:
     import ucxx
 
     return ucxx
+
+
+def ucx_wanted() -> bool:
+    """Whether a node serves its region over UCX too (``$KVPOOL_UCX``, see above)."""
+    mode = os.environ.get(UCX_ENV, "auto").strip().lower()
+    if mode in ("on", "1", "yes"):
+        return True
+    if mode in ("off", "0", "no"):
+        return False
+    return ucx_available() and ucx_has_rdma()
+
+
+def pack_request(
+    op: int, rid: int, offset: int, length: int, key: bytes = bytes(16), block_offset: int = 0
+) -> np.ndarray:
+    """One request (``REQUEST`` u64 words); ``key`` and ``block_offset`` name the
+    block of an ``OP_READ_BLOCK``."""
+    req = np.zeros(REQUEST, np.uint64)
+    req[:5] = (op, rid, offset, length, block_offset)
+    req[5:7] = np.frombuffer(key, np.uint64)
+    return req
+
+
+def unpack_request(req: np.ndarray) -> tuple[int, int, int, bytes, int]:
+    """(op, offset, length, key, block offset) of a request."""
+    op, _, offset, length, block_offset = (int(x) for x in req[:5])
+    return op, offset, length, req[5:7].tobytes(), block_offset
 
 
 #: Where the kernel lists RDMA devices (InfiniBand, RoCE, iWARP NICs alike).
@@ -170,6 +213,11 @@ def unpack_hello(buf: np.ndarray) -> tuple[int, int, str, bytes]:
     return send_tag, recv_tag, token, raw[pos + tlen : pos + tlen + alen]
 
 
+_NO_KEY = bytes(16)
+#: one planned transfer: op, offset, buffer, block key, block offset
+_Item = tuple[int, int, Any, bytes, int]
+
+
 class UcxTransport(Transport):
     name = "ucx"
 
@@ -202,62 +250,90 @@ class UcxTransport(Transport):
             await chan.send(_pack_hello(self.token, 0, 0, b""))
         status = np.empty(2, np.uint64)
         await chan.recv(status)
+        if int(status[0]) == ST_FULL:
+            raise ConnectionLostError(f"node {self.info.node_id} serves its cap of UCX clients")
         if int(status[0]) != ST_OK:
             raise HandshakeRefusedError("wrong or missing token (UCX data path)")
         return chan
 
-    async def _transfer(self, op: int, plan: list[tuple[int, Any]]) -> None:
+    async def _transfer(self, plan: list[_Item]) -> list[bool]:
         if self._chan is None:
             self._chan = await self._connect()
         chan = self._chan
         status = np.empty(2, np.uint64)
-        for i, (offset, region) in enumerate(plan):
+        found = []
+        for i, (op, offset, region, key, block_offset) in enumerate(plan):
             n = region_nbytes(region)
-            await chan.send(np.array([op, i, offset, n], np.uint64))
+            await chan.send(pack_request(op, i, offset, n, key, block_offset))
             if op == OP_WRITE and n:
                 await chan.send(region)
             await chan.recv(status)
-            if int(status[0]) != ST_OK or (op == OP_READ and int(status[1]) != n):
+            if op == OP_READ_BLOCK and int(status[0]) == ST_STALE:
+                found.append(False)  # another block holds the range now: no payload
+                continue
+            if int(status[0]) != ST_OK or (op != OP_WRITE and int(status[1]) != n):
                 raise ConnectionLostError(f"node {self.info.node_id} refused range at {offset}")
-            if op == OP_READ and n:
+            if op != OP_WRITE and n:
                 await chan.recv(region)
+            found.append(True)
+        return found
 
-    def _run(self, op: int, items: Sequence[tuple[int, Any]], writable: bool) -> None:
+    def _run(
+        self, op: int, items: Sequence[tuple[int, Any, bytes, int]], writable: bool
+    ) -> list[bool]:
         plan = []
-        for offset, buf in items:
+        for offset, buf, key, block_offset in items:
             region = as_region(buf, writable=writable, what="buffer")
             check_range(offset, region_nbytes(region), self.info.size)
-            plan.append((offset, region))
+            if op == OP_READ_BLOCK and len(key) != 16:
+                raise ValueError("a checked read names a 16-byte key")
+            plan.append((op, offset, region, key, block_offset))
         with self._lock:
             try:
-                self._loop.run(self._transfer(op, plan), self.timeout)
-                moved = sum(region_nbytes(r) for _, r in plan)
-                if op == OP_READ:
-                    self.bytes_read += moved
-                else:
-                    self.bytes_written += moved
+                found = self._loop.run(self._transfer(plan), self.timeout)
             except (CallTimeoutError, HandshakeRefusedError, ConnectionLostError):
                 self._chan = None
                 raise
             except Exception as exc:  # UCX endpoint errors
                 self._chan = None
                 raise ConnectionLostError(f"UCX transfer with {self.info.node_id}: {exc}") from exc
+            moved = sum(region_nbytes(p[2]) for p, ok in zip(plan, found, strict=True) if ok)
+            if op == OP_WRITE:
+                self.bytes_written += moved
+            else:
+                self.bytes_read += moved
+            return found
 
     def read_into(self, offset: int, out: Any) -> None:
-        self._run(OP_READ, [(offset, out)], True)
+        self._run(OP_READ, [(offset, out, _NO_KEY, 0)], True)
 
     def write(self, offset: int, data: Any) -> None:
-        self._run(OP_WRITE, [(offset, data)], False)
+        self._run(OP_WRITE, [(offset, data, _NO_KEY, 0)], False)
 
     def read_many(self, items: Sequence[tuple[int, Any]]) -> None:
-        self._run(OP_READ, items, True)
+        self._run(OP_READ, [(offset, out, _NO_KEY, 0) for offset, out in items], True)
 
     def write_many(self, items: Sequence[tuple[int, Any]]) -> None:
-        self._run(OP_WRITE, items, False)
+        self._run(OP_WRITE, [(offset, data, _NO_KEY, 0) for offset, data in items], False)
+
+    def read_blocks(self, items: Sequence[tuple[int, Any, bytes, int]]) -> list[bool]:
+        """Reads that name their block (offset, out, key, block offset), as
+        ``TcpTransport.read_blocks`` takes them: the node serves the bytes only
+        while that block holds the range. Per read: True, or False (``out``
+        untouched) when it does not."""
+        return self._run(OP_READ_BLOCK, items, True)
 
     def close(self) -> None:
         with self._lock:
             chan, self._chan = self._chan, None
         if chan is not None:
             with contextlib.suppress(Exception):
-                self._loop.run(chan.ep.close(), 5)
+                self._loop.run(_bye(chan), 5)
+
+
+async def _bye(chan: _Chan) -> None:
+    """End the channel on both sides: a same-host (worker-address) endpoint has no
+    error handling, so the node learns that its client is gone only from this."""
+    with contextlib.suppress(Exception):
+        await chan.send(pack_request(OP_BYE, 0, 0, 0))
+    await chan.ep.close()

@@ -34,6 +34,7 @@ from kvpool.transport.peers import PeerTransports
 from kvpool.transport.shm import shm_path
 from kvpool.transport.shm_seal import SealRecords, seal_name
 from kvpool.transport.tcp import TcpTransport
+from kvpool.transport.ucx import UcxTransport
 
 #: What a failed data-plane transfer raises (the node died, restarted, or is unreachable,
 #: or it refused a stale write or a read of a block that moved).
@@ -171,7 +172,7 @@ class ClientSession:
         Over TCP the node checks that the block still holds the range
         (``StaleReadError`` if not); a same-host copy is not checked."""
         transport = self.transport(placement.node_id)
-        if isinstance(transport, TcpTransport):
+        if isinstance(transport, (TcpTransport, UcxTransport)):  # the node checks
             self.read_many(placement.node_id, [(placement.offset, start, dst, key)])
         else:  # the same-host fast path: one copy, nothing else
             transport.read_into(placement.offset + start, dst)
@@ -180,7 +181,7 @@ class ClientSession:
         """(block offset, start in block, destination, key) reads from one node,
         pipelined; ``StaleReadError`` if any block no longer holds its range."""
         transport = self.transport(node_id)
-        if isinstance(transport, TcpTransport):
+        if isinstance(transport, (TcpTransport, UcxTransport)):  # the node checks
             plan = [(block + start, dst, key, block) for block, start, dst, key in items]
             if not all(transport.read_blocks(plan)):
                 raise StaleReadError(f"node {node_id} holds other blocks there now")
