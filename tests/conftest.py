@@ -34,6 +34,18 @@ settings.load_profile(
 )
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    """``.ci/run`` installs the ``[ucx]`` extra and sets ``KVPOOL_REQUIRE_UCX=1``: there
+    the UCX tests must run, so an ucxx that does not import stops the run instead of
+    letting every UCX test skip."""
+    if os.environ.get("KVPOOL_REQUIRE_UCX") == "1":
+        try:
+            import ucxx  # noqa: F401
+        except Exception as exc:
+            why = f"KVPOOL_REQUIRE_UCX=1 but ucxx does not import: {exc!r}"
+            raise pytest.UsageError(why) from exc
+
+
 @pytest.fixture
 def keys() -> list[bytes]:
     return make_keys(64)
