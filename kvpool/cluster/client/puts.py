@@ -205,6 +205,7 @@ class RemotePutter:
         while (grant := self.grants.take(size)) is not None:
             if regions.get(grant.node_id) == grant.region:
                 return grant
+            self._claims.release([grant.alloc_id])  # never revoke a range still claimed
             self._revoke([grant.alloc_id])
         return None
 
