@@ -286,3 +286,34 @@ def test_without_the_thread_a_master_kill_after_the_acks_loses_none() -> None:
                     assert np.array_equal(out, payload(i))
     finally:
         c.stop()
+
+
+def test_a_put_whose_write_outlasted_its_grant_window_commits_before_it_returns(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that took longer than the grant's use window (a contended node)
+    is not acknowledged ahead of its commit: the master might expire the grant
+    first. It commits synchronously, so it is visible to others on return."""
+    import kvpool.cluster.client.puts as puts_module
+
+    keys = make_keys(6, seed=74)
+    with connect(cluster) as writer, connect(cluster) as reader:
+        for i, key in enumerate(keys[:4]):  # fills the writer's grant stock
+            assert writer.put(key, payload(i))
+        writer.flush()
+        assert wait_until(lambda: len(writer._putter.grants) > 0, timeout=5)
+
+        class Later:  # puts.py's clock only: the write "took" 5 s
+            @staticmethod
+            def monotonic() -> float:
+                return time.monotonic() + 5.0
+
+        monkeypatch.setattr(puts_module, "time", Later)
+        sent = writer._putter.commits.sent
+        assert writer.put(keys[4], payload(4))
+        assert writer._putter.late_commits == 1
+        assert writer._putter.commits.sent == sent  # nothing left to the pipeline
+        assert reader.exists([keys[4]]) == [True]  # no flush, no wait
+        monkeypatch.undo()
+        for key in keys[:5]:
+            writer.remove(key)
