@@ -317,3 +317,16 @@ def test_a_put_whose_write_outlasted_its_grant_window_commits_before_it_returns(
         monkeypatch.undo()
         for key in keys[:5]:
             writer.remove(key)
+
+
+def test_a_batch_commit_is_sent_by_the_caller_at_once() -> None:
+    master = Master()
+    p = pipe(master, threaded=True, linger_s=0.2)
+    try:
+        p.send([acked(1), acked(2)])
+        assert master.sent == [([1, 2], threading.current_thread().name)]
+        master.answer()
+        p.flush()
+        assert p.idle()
+    finally:
+        p.close()
