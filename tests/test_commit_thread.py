@@ -86,7 +86,7 @@ def pipe(master: Master, threaded: bool, linger_s: float) -> CommitPipe:
 
 def test_puts_during_the_linger_share_one_frame_sent_by_the_sender_thread() -> None:
     master = Master()
-    p = pipe(master, threaded=True, linger_s=0.2)
+    p = pipe(master, threaded=True, linger_s=1.0)
     try:
         for i in range(5):
             p.send([acked(i)])
