@@ -80,6 +80,7 @@ def test_repeated_reads_skip_the_master_and_removes_show_within_the_hold_time() 
             assert wait_until(lambda: len(writer.stats()["nodes"]) == 1, timeout=15)
             keys = make_keys(8)
             writer.put_batch(keys, [payload(i) for i in range(8)])
+            writer.flush()  # another client reads next: the visibility rule's bound
             out = np.empty(BLOCK, np.uint8)
             for _ in range(5):
                 for i, key in enumerate(keys):

@@ -17,6 +17,7 @@ older write is still in flight there).
 
 from __future__ import annotations
 
+import contextlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
@@ -58,7 +59,17 @@ def write_blocks_begin(
         return data.stamped([(w.OP_WRITE_FINAL, s.pack(), off, d) for s, off, d in items]), None
     need = [i for i in range(len(items)) if i not in claimed]
     claims = [OK] * len(items)
-    for i, status in zip(need, ops(control, w.OP_CLAIM, [items[i][0] for i in need]), strict=True):
+    try:
+        statuses = ops(control, w.OP_CLAIM, [items[i][0] for i in need])
+    except BaseException:
+        # The claims taken ahead are held by another (pooled) connection: without
+        # this release they would outlive the put, whose allocations the caller
+        # revokes, and keep every later claim of those ranges BUSY (seen under load:
+        # one timed-out CLAIM pipeline leaked its batch's claims, which made more
+        # claims time out).
+        release_quietly(control, [s for s, _, _ in items])
+        raise
+    for i, status in zip(need, statuses, strict=True):
         claims[i] = status
     held = [i for i, st in enumerate(claims) if st == OK]
     if not held:
@@ -80,7 +91,11 @@ def write_blocks_begin(
                 counts["seals_shm_late"] += len(written) - len(done)
             if not held:
                 return claims, None
-    sealing = control.stamped_later([(w.OP_SEAL, items[i][0].pack(), 0, None) for i in held])
+    try:
+        sealing = control.stamped_later([(w.OP_SEAL, items[i][0].pack(), 0, None) for i in held])
+    except BaseException:
+        release_quietly(control, [items[i][0] for i in held])
+        raise
 
     def sealed() -> list[int]:
         final = list(claims)
@@ -113,3 +128,10 @@ def write_part(
 def ops(control: TcpTransport, op: int, stamps: Sequence[WriteStamp]) -> list[int]:
     """``OP_CLAIM`` / ``OP_SEAL`` / ``OP_RELEASE`` for each stamp, pipelined."""
     return control.stamped([(op, s.pack(), 0, None) for s in stamps]) if stamps else []
+
+
+def release_quietly(control: TcpTransport, stamps: Sequence[WriteStamp]) -> None:
+    """Best-effort ``OP_RELEASE`` of claims a failed write may hold (a claim held
+    by a connection that broke is released by the node anyway)."""
+    with contextlib.suppress(Exception):
+        ops(control, w.OP_RELEASE, stamps)

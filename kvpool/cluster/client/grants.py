@@ -153,8 +153,11 @@ class GrantStock:
         were sent; 0: unknown). Returns the successful claims of grants
         dropped meanwhile (stale, their node changed, the client closing): the
         caller must release them, or the node would keep their ranges held from
-        the next allocation there. A grant a put took meanwhile is left to that
-        put: it claims the same allocation itself, and its seal ends both."""
+        the next allocation there. A grant a put took meanwhile is returned too:
+        that put made its own claim (``was_claimed`` said no), so this one is
+        redundant -- and it may have reached the node after the put's seal, its
+        commit and a remove had ended the block, holding the freed range for
+        nothing (seen under load: every later claim there waited 2 s, BUSY)."""
         orphans = []
         with self._lock:
             stocked = {g.alloc_id for stock in self._stock.values() for g in stock}
@@ -162,9 +165,9 @@ class GrantStock:
                 self._claiming.discard(grant.alloc_id)
                 taken = grant.alloc_id in self._taken_while_claiming
                 self._taken_while_claiming.discard(grant.alloc_id)
-                if good and grant.alloc_id in stocked:
+                if good and grant.alloc_id in stocked and not taken:
                     self._claimed[grant.alloc_id] = (grant, size, at_ns)
-                elif good and not taken:
+                elif good:
                     orphans.append((grant, size))
         return orphans
 

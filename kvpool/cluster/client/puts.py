@@ -74,6 +74,7 @@ class RemotePutter:
         self._claims = GrantClaims(session, self.grants)
         self.commits = CommitPipe(session.rpc, self._recover, session.rpc.deadline)
         self._mine: dict[bytes, None] = {}  # insertion-ordered, bounded by MINE_MAX
+        self.late_commits = 0  # pipelined puts committed synchronously: grant window passed
         session.on_region_change(self.forget_node)
 
     def put(
@@ -119,12 +120,14 @@ class RemotePutter:
         writes: Writes = {}
         granted: set[int] = set()
         rest = []
+        use_by = float("inf")  # the earliest use deadline of the grants taken
         for i, size in enumerate(sizes):
             grant = self._take(size) if use_grants else None
             if grant is None:
                 rest.append(i)
             else:
                 granted.add(i)
+                use_by = min(use_by, grant.expires)
                 claimed = self.grants.was_claimed(grant.alloc_id)
                 item = (i, grant.alloc_id, grant.offset, grant.epoch, claimed)
                 writes.setdefault(grant.node_id, []).append(item)
@@ -133,11 +136,19 @@ class RemotePutter:
         if rest:
             full, error = self._allocate(keys, sizes, parents, replicas, rest, use_grants, writes)
         written, lost, sealing = self._write(writes, keys, regions, parents, sizes)
+        if pipelined and granted and time.monotonic() > use_by:
+            # The write outlasted the grants' use window (a contended node): the master
+            # may expire one before a pipelined commit lands, and after the ack only the
+            # node's copy could be recovered. Commit now: a refused grant is retried the
+            # classic way from the caller's buffer.
+            pipelined = False
+            self.late_commits += 1
         stored = [False] * len(keys)
         acked: list[Acked] = []
         if pipelined:
             acked = [
-                self._acked(item, node, keys, parents, sizes, granted) for item, node in written
+                Acked(keys[i], parents[i], a, node, off, sizes[i], i in granted)
+                for (i, a, off, *_), node in written
             ]
             self.commits.send(acked)  # overlaps the seals
             for (i, *_), _node in written:
@@ -205,6 +216,7 @@ class RemotePutter:
         while (grant := self.grants.take(size)) is not None:
             if regions.get(grant.node_id) == grant.region:
                 return grant
+            self._claims.release([grant.alloc_id])  # never revoke a range still claimed
             self._revoke([grant.alloc_id])
         return None
 
@@ -351,18 +363,6 @@ class RemotePutter:
                 self._session.rpc.submit(REVOKE, IdsRequest(ids))
 
     # -- pipelined commits -----------------------------------------------------------
-
-    @staticmethod
-    def _acked(
-        item: WriteItem,
-        node_id: str,
-        keys: Sequence[bytes],
-        parents: Sequence[bytes | None],
-        sizes: list[int],
-        granted: set[int],
-    ) -> Acked:
-        i, alloc_id, offset = item[0], item[1], item[2]
-        return Acked(keys[i], parents[i], alloc_id, node_id, offset, sizes[i], i in granted)
 
     def _remember(self, keys: list[bytes]) -> None:
         mine = self._mine

@@ -1,0 +1,332 @@
+"""The pipelined commits' sender thread (kvpool.cluster.client.commits, issue 17).
+
+Unit tests drive ``CommitPipe`` with a recording stand-in for the master
+connection (only the pipe's own rules are under test here); the tests with
+real master and node processes hold the visibility rule with the sender
+thread off (``KVPOOL_PUT_COMMIT_THREAD=0``, the fallback: the writer's thread
+sends), since tests/test_put_pipeline.py runs everything with it on.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import pytest
+from clusterhelpers import Cluster, start_cluster, wait_until
+from poolhelpers import BLOCK, make_keys, payload
+
+import kvpool
+from kvpool.cluster.client.commits import Acked, CommitPipe, commit_thread_default
+from kvpool.cluster.wire import COMMIT, CommitRequest
+from kvpool.errors import ConnectionLostError, PutCommitError
+
+
+class Master:
+    """Records each submitted COMMIT (ids, sending thread); answers on ``answer``."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[list[int], str]] = []
+        self.futures: list[Future[Any]] = []
+        self.fail_next: BaseException | None = None
+        self.calls: list[list[int]] = []
+        self.lock = threading.Lock()
+
+    def submit(self, method: str, params: CommitRequest) -> Future[Any]:
+        assert method == COMMIT
+        if self.fail_next is not None:
+            exc, self.fail_next = self.fail_next, None
+            raise exc
+        fut: Future[Any] = Future()
+        with self.lock:
+            self.sent.append((list(params.ids), threading.current_thread().name))
+            self.futures.append(fut)
+        return fut
+
+    def call(self, method: str, params: CommitRequest) -> list[bool | None]:
+        assert method == COMMIT
+        self.calls.append(list(params.ids))
+        return [True] * len(params.ids)
+
+    def answer(self) -> None:
+        """Answer every frame sent so far: all committed."""
+        with self.lock:
+            pending = [(ids, f) for (ids, _), f in zip(self.sent, self.futures, strict=True)]
+        for ids, fut in pending:
+            if not fut.done():
+                fut.set_result([True] * len(ids))
+
+    def wait_sent(self, frames: int, timeout: float = 5.0) -> bool:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            with self.lock:
+                if len(self.sent) >= frames:
+                    return True
+            time.sleep(0.001)
+        return False
+
+
+def acked(alloc_id: int) -> Acked:
+    return Acked(bytes([alloc_id % 256]) * 16, None, alloc_id, "n", 0, 4096, True)
+
+
+def no_recovery(items: list[Acked]) -> list[bool | None]:
+    raise AssertionError("nothing here needs a recovery")
+
+
+def pipe(master: Master, threaded: bool, linger_s: float) -> CommitPipe:
+    p = CommitPipe(master, no_recovery, deadline_s=5.0, threaded=threaded)
+    p.linger_s = linger_s
+    return p
+
+
+def test_puts_during_the_linger_share_one_frame_sent_by_the_sender_thread() -> None:
+    master = Master()
+    p = pipe(master, threaded=True, linger_s=1.0)
+    try:
+        for i in range(5):
+            p.send([acked(i)])
+            p.answered([acked(i)], [])
+        assert master.wait_sent(1)
+        time.sleep(0.05)
+        assert master.sent == [([0, 1, 2, 3, 4], "kvpool-commits")]
+        master.answer()
+        p.flush()
+        assert p.idle() and p.sent == 1
+    finally:
+        p.close()
+
+
+def test_a_flush_cuts_the_linger_short() -> None:
+    """Read-your-writes pays no linger: the flush wakes the sender at once."""
+    master = Master()
+    p = pipe(master, threaded=True, linger_s=30.0)
+    answering = threading.Thread(target=lambda: master.wait_sent(1) and master.answer())
+    answering.start()
+    try:
+        p.send([acked(1)])
+        start = time.monotonic()
+        p.flush()
+        assert time.monotonic() - start < 5.0
+        assert master.sent == [([1], "kvpool-commits")]
+    finally:
+        answering.join()
+        p.close()
+
+
+def test_commits_queued_behind_the_one_in_flight_go_when_it_is_answered() -> None:
+    master = Master()
+    p = pipe(master, threaded=True, linger_s=0.0)
+    try:
+        p.send([acked(1)])
+        assert master.wait_sent(1)
+        p.send([acked(2)])
+        p.send([acked(3)])
+        time.sleep(0.05)
+        assert len(master.sent) == 1  # still in flight: the others wait for its answer
+        master.answer()  # the answer sends the queued ones (here: on this thread)
+        assert master.wait_sent(2)
+        assert master.sent[1][0] == [2, 3]
+        master.answer()
+        p.flush()
+        assert p.idle()
+    finally:
+        p.close()
+
+
+def test_without_the_thread_the_writer_sends_at_once() -> None:
+    master = Master()
+    p = pipe(master, threaded=False, linger_s=0.2)
+    try:
+        p.send([acked(7)])
+        assert master.sent == [([7], threading.current_thread().name)]
+        master.answer()
+        p.flush()
+        assert p.idle()
+    finally:
+        p.close()
+
+
+def test_a_failed_send_on_the_thread_is_retried_by_settle_not_lost() -> None:
+    master = Master()
+    master.fail_next = ConnectionLostError("master went away")
+    p = pipe(master, threaded=True, linger_s=0.0)
+    try:
+        p.send([acked(4)])
+        p.answered([acked(4)], [])
+        p.flush()  # settle retries the commit synchronously: it lands
+        assert master.calls == [[4]]
+        assert p.idle()
+    finally:
+        p.close()
+
+
+def test_an_unexpected_error_on_the_thread_keeps_the_thread_and_the_commit() -> None:
+    master = Master()
+    master.fail_next = RuntimeError("bug in an encoder")
+    p = pipe(master, threaded=True, linger_s=0.0)
+    try:
+        p.send([acked(5)])
+        p.answered([acked(5)], [])
+        p.flush()
+        assert master.calls == [[5]]
+        p.send([acked(6)])  # the thread still serves
+        assert master.wait_sent(1)
+        assert master.sent == [([6], "kvpool-commits")]
+        master.answer()
+        p.flush()
+    finally:
+        p.close()
+
+
+def test_close_stops_the_thread_and_later_sends_go_on_the_caller() -> None:
+    master = Master()
+    p = pipe(master, threaded=True, linger_s=0.0)
+    p.send([acked(1)])
+    assert master.wait_sent(1)
+    master.answer()
+    p.close()
+    assert not any(t.name == "kvpool-commits" and t.is_alive() for t in threading.enumerate())
+    p.send([acked(2)])
+    assert master.sent[-1] == ([2], threading.current_thread().name)
+
+
+def test_the_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_PUT_COMMIT_THREAD", "0")
+    assert commit_thread_default() is False
+    monkeypatch.setenv("KVPOOL_PUT_COMMIT_THREAD", "1")
+    assert commit_thread_default() is True
+    monkeypatch.setenv("KVPOOL_PUT_COMMIT_THREAD", "on")
+    with pytest.raises(ValueError, match="KVPOOL_PUT_COMMIT_THREAD must be 0 or 1"):
+        commit_thread_default()
+    with pytest.raises(ValueError, match="KVPOOL_PUT_COMMIT_THREAD"):
+        kvpool.connect("kvpool://127.0.0.1:1", timeout=1)  # before any connection
+
+
+# --- real master and nodes, the writer's thread sending (the fallback) -------------
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = start_cluster(["16MiB", "16MiB"])
+    yield c
+    c.stop()
+
+
+@pytest.fixture
+def no_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_PUT_COMMIT_THREAD", "0")
+
+
+def connect(cluster: Cluster, transport: str | None = None) -> kvpool.RemotePool:
+    pool = kvpool.connect(cluster.url, timeout=5, transport=transport)
+    assert wait_until(lambda: len(pool.stats()["nodes"]) == 2, timeout=15)
+    return pool
+
+
+@pytest.mark.usefixtures("no_thread")
+@pytest.mark.parametrize("transport", [None, "tcp"])
+def test_without_the_thread_reads_see_own_writes_and_others_see_them(
+    cluster: Cluster, transport: str | None
+) -> None:
+    keys = make_keys(40, seed=71)
+    with connect(cluster, transport) as writer, connect(cluster) as reader:
+        assert not writer._putter.commits.threaded
+        out = np.empty(BLOCK, np.uint8)
+        for i, key in enumerate(keys):
+            assert writer.put(key, payload(i))
+            assert writer.get_into(key, out) == BLOCK and np.array_equal(out, payload(i))
+        assert wait_until(lambda: reader.exists(keys) == [True] * len(keys), timeout=5)
+        assert not any(t.name == "kvpool-commits" for t in threading.enumerate())
+        for key in keys:
+            writer.remove(key)
+
+
+def test_the_thread_sends_commits_that_others_see_without_a_writer_flush(
+    cluster: Cluster,
+) -> None:
+    """No read-side call of the writer after its puts: the sender thread alone
+    makes them visible to another client, within the linger plus a round trip
+    (asserted loosely for a loaded machine)."""
+    keys = make_keys(20, seed=72)
+    with connect(cluster) as writer, connect(cluster) as reader:
+        assert writer._putter.commits.threaded
+        for i, key in enumerate(keys):
+            assert writer.put(key, payload(i))
+        assert wait_until(lambda: reader.exists(keys) == [True] * len(keys), timeout=5)
+        assert writer.stats()["client"]["put_commits_pipelined"] <= len(keys)
+        for key in keys:
+            writer.remove(key)
+
+
+@pytest.mark.usefixtures("no_thread")
+def test_without_the_thread_a_master_kill_after_the_acks_loses_none() -> None:
+    c = start_cluster(["16MiB", "16MiB"])
+    try:
+        keys = make_keys(16, seed=73)
+        with kvpool.connect(c.url, timeout=5) as writer:
+            assert wait_until(lambda: len(writer.stats()["nodes"]) == 2, timeout=15)
+            for i, key in enumerate(keys):
+                assert writer.put(key, payload(i))
+            c.master.kill()
+            c.master = c.restart_master_process()
+            try:
+                writer.flush()
+            except PutCommitError as exc:  # pragma: no cover - the failure it guards
+                pytest.fail(f"acknowledged puts lost: {exc}")
+            with kvpool.connect(c.url, timeout=5) as reader:
+                assert wait_until(lambda: reader.exists(keys) == [True] * len(keys), timeout=15)
+                out = np.empty(BLOCK, np.uint8)
+                for i, key in enumerate(keys):
+                    assert reader.get_into(key, out) == BLOCK
+                    assert np.array_equal(out, payload(i))
+    finally:
+        c.stop()
+
+
+def test_a_put_whose_write_outlasted_its_grant_window_commits_before_it_returns(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A write that took longer than the grant's use window (a contended node)
+    is not acknowledged ahead of its commit: the master might expire the grant
+    first. It commits synchronously, so it is visible to others on return."""
+    import kvpool.cluster.client.puts as puts_module
+
+    keys = make_keys(6, seed=74)
+    with connect(cluster) as writer, connect(cluster) as reader:
+        for i, key in enumerate(keys[:4]):  # fills the writer's grant stock
+            assert writer.put(key, payload(i))
+        writer.flush()
+        assert wait_until(lambda: len(writer._putter.grants) > 0, timeout=5)
+
+        class Later:  # puts.py's clock only: the write "took" 5 s
+            @staticmethod
+            def monotonic() -> float:
+                return time.monotonic() + 5.0
+
+        monkeypatch.setattr(puts_module, "time", Later)
+        sent = writer._putter.commits.sent
+        assert writer.put(keys[4], payload(4))
+        assert writer._putter.late_commits == 1
+        assert writer._putter.commits.sent == sent  # nothing left to the pipeline
+        assert reader.exists([keys[4]]) == [True]  # no flush, no wait
+        monkeypatch.undo()
+        for key in keys[:5]:
+            writer.remove(key)
+
+
+def test_a_batch_commit_is_sent_by_the_caller_at_once() -> None:
+    master = Master()
+    p = pipe(master, threaded=True, linger_s=0.2)
+    try:
+        p.send([acked(1), acked(2)])
+        assert master.sent == [([1, 2], threading.current_thread().name)]
+        master.answer()
+        p.flush()
+        assert p.idle()
+    finally:
+        p.close()
