@@ -16,10 +16,14 @@ from collections.abc import Iterator
 import numpy as np
 import pytest
 
+from kvpool.cluster.block_table import BlockTable
 from kvpool.errors import CallTimeoutError
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import RegionInfo
+from kvpool.transport.fencing import FENCE_OK, IDENT, WriteStamp
 from kvpool.transport.tcp import TcpTransport
+from kvpool.transport.tcp_conn import DataConn
+from kvpool.transport.tcp_server import TcpDataServer
 
 TIMEOUT = 0.5
 
@@ -84,11 +88,65 @@ def test_a_write_the_node_never_drains_times_out(stalls: RegionInfo) -> None:
 
 def test_data_sockets_stay_blocking(stalls: RegionInfo) -> None:
     """The fast read path depends on it (no poll before every recv)."""
-    from kvpool.transport.tcp_conn import DataConn
-
     conn = DataConn("127.0.0.1", stalls.tcp_port, None, TIMEOUT)
     try:
         assert conn.sock.gettimeout() is None
         assert conn.sock.getblocking()
+    finally:
+        conn.close()
+
+
+# -- the node's end: its data server drops a stalled peer, keeps an idle one -------------
+
+NODE_TIMEOUT = 0.3
+EPOCH = 2
+
+
+@pytest.fixture
+def node_with_a_block() -> Iterator[tuple[BlockTable, TcpDataServer, np.ndarray, WriteStamp]]:
+    """A data server (write_timeout 0.3 s) whose table holds one sealed 48 MiB block:
+    more than the kernel's send and receive buffers together, so a reader that stops
+    reading leaves the server's send stuck mid-block."""
+    region = np.arange(64 << 20, dtype=np.uint64).view(np.uint8)[: 64 << 20].copy()
+    fence = BlockTable(lambda offset, size: 1, claim_wait=5.0)
+    fence.new_term(EPOCH)
+    block = WriteStamp(EPOCH, 1, 0, 48 << 20, b"\x01" * 16)
+    writer = object()
+    assert fence.claim(block, writer) == FENCE_OK
+    assert fence.finish(block, writer, ok=True, seal=True) == FENCE_OK
+    server = TcpDataServer(region, fence=fence, write_timeout=NODE_TIMEOUT)
+    server.start()
+    yield fence, server, region, block
+    server.close()
+
+
+def test_a_reader_that_stops_reading_loses_its_hold_on_the_block(node_with_a_block) -> None:
+    """A client stopped mid-read (SIGSTOP, a hung process) must not keep the block
+    held for ever: the node gives up after write_timeout without progress, and a newer
+    allocation of the range can then claim it."""
+    fence, server, _, block = node_with_a_block
+    conn = DataConn("127.0.0.1", server.address[1], None, 5.0, server.instance)
+    try:
+        request = w.REQ.pack(w.OP_READ_BLOCK, 0, 1, 0, block.size)
+        conn.sock.sendall(request + IDENT.pack(block.key, 0))  # ... and never read the reply
+        time.sleep(0.05)  # the server is sending now
+        t0 = time.monotonic()
+        newer = WriteStamp(EPOCH, 2, 0, block.size, b"\x02" * 16)
+        assert fence.claim(newer, object()) == FENCE_OK  # waits for the dropped read only
+        assert time.monotonic() - t0 < NODE_TIMEOUT + 3
+    finally:
+        conn.close()
+
+
+def test_an_idle_client_keeps_its_connection_past_write_timeout(node_with_a_block) -> None:
+    _, server, region, block = node_with_a_block
+    conn = DataConn("127.0.0.1", server.address[1], None, 5.0, server.instance)
+    try:
+        out = np.empty(1 << 20, np.uint8)
+        assert conn.read_block(0, out, IDENT.pack(block.key, 0))
+        time.sleep(NODE_TIMEOUT * 3)  # idle: several of the server's timeouts pass
+        out[:] = 0
+        assert conn.read_block(0, out, IDENT.pack(block.key, 0))  # the same socket
+        assert np.array_equal(out, region[: 1 << 20])
     finally:
         conn.close()

@@ -22,7 +22,6 @@ kernel timeout 7 recv. A kernel timeout surfaces as ``BlockingIOError``
 from __future__ import annotations
 
 import socket
-import struct
 from typing import Any
 
 import numpy as np
@@ -31,18 +30,6 @@ from kvpool.errors import CallTimeoutError, ConnectionLostError, HandshakeRefuse
 from kvpool.transport import tcp_wire as w
 
 _ZEROS = bytes(w.ALIGN)
-
-
-def set_io_timeout(sock: socket.socket, timeout: float) -> None:
-    """Blocking socket whose every send/recv call gives up after ``timeout`` seconds
-    without progress (EAGAIN -> ``BlockingIOError``); see the module docstring."""
-    sock.settimeout(None)
-    sec = int(timeout)
-    tv = struct.pack("ll", sec, int((timeout - sec) * 1e6))
-    if tv == struct.pack("ll", 0, 0):  # 0 would mean "no timeout" to the kernel
-        tv = struct.pack("ll", 0, 1)
-    for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
-        sock.setsockopt(socket.SOL_SOCKET, opt, tv)
 
 
 class DataConn:
@@ -58,7 +45,7 @@ class DataConn:
             raise ConnectionLostError(f"cannot open data connection to {addr}: {exc}") from exc
         try:
             w.tune(sock)
-            set_io_timeout(sock, timeout)
+            w.set_io_timeout(sock, timeout)
             opening = w.hello(token, instance)
             sock.sendall(opening)
             head = bytearray(w.HELLO_REPLY.size)

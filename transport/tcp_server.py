@@ -126,7 +126,11 @@ class TcpDataServer:
             sock.settimeout(self.handshake_timeout)
             ok, sent, received = self._handshake(sock, peer)
             if ok:
-                sock.settimeout(None)
+                # Kernel timeouts from here on: a peer that stops sending mid-request or
+                # stops reading a reply gets its connection dropped after write_timeout
+                # without progress, so a stalled writer cannot hold its claim, nor a
+                # stalled reader its block, forever. Idle between requests is fine.
+                w.set_io_timeout(sock, self.write_timeout)
                 if not self._loop(sock, sent, received):
                     return
             # Refused, or ended on a protocol error: let the peer read our last reply.
@@ -195,7 +199,10 @@ class TcpDataServer:
         unpack, req_size, recv_into = w.REQ.unpack, w.REQ.size, sock.recv_into
         read_block, block_req = w.OP_READ_BLOCK, w.REQ.size + IDENT.size
         while True:
-            got = recv_into(hview)  # one recv fills the header nearly always
+            try:
+                got = recv_into(hview)  # one recv fills the header nearly always
+            except BlockingIOError:
+                continue  # write_timeout passed with no request: an idle client, keep it
             if got < req_size:
                 if not got:
                     return False  # the peer hung up
@@ -288,9 +295,7 @@ class TcpDataServer:
             if op in w.PAYLOAD_OPS:
                 _drain(sock, pad.nbytes + payload)
             return self._fence_reply(sock, rid, status)
-        sock.settimeout(self.write_timeout)  # a stalled writer must not hold its claim forever
-        w.recv_padded(sock, pad, self._mv[offset : offset + length])
-        sock.settimeout(None)
+        w.recv_padded(sock, pad, self._mv[offset : offset + length])  # <= write_timeout stalls
         status = fence.finish(stamp, sock, ok=True, seal=op == w.OP_WRITE_FINAL)
         self.bytes_written += length
         return self._fence_reply(sock, rid, status)
