@@ -22,11 +22,12 @@ from typing import Any
 
 import numpy as np
 import pytest
+from transport_fakes import OneSided
 
 from kvpool.cluster.block_table import BlockTable
 from kvpool.cluster.client import fenced
 from kvpool.transport import tcp_wire as w
-from kvpool.transport.base import RegionInfo, Transport
+from kvpool.transport.base import RegionInfo
 from kvpool.transport.fencing import FENCE_OK, WriteStamp
 from kvpool.transport.tcp import TcpTransport
 from kvpool.transport.tcp_server import TcpDataServer
@@ -43,22 +44,6 @@ def ahead(alloc: int, offset: int) -> WriteStamp:
 
 def real(alloc: int, offset: int, key: bytes = b"\x01" * 16) -> WriteStamp:
     return WriteStamp(EPOCH, alloc, offset, PAGE, key)
-
-
-class Copy(Transport):
-    """Writes straight into the node's region (what a shared-memory copy does)."""
-
-    name = "copy"
-
-    def __init__(self, info: RegionInfo, region: np.ndarray) -> None:
-        super().__init__(info)
-        self.region = region
-
-    def read_into(self, offset: int, out: Any) -> None:
-        out[:] = self.region[offset : offset + out.nbytes]
-
-    def write(self, offset: int, data: Any) -> None:
-        self.region[offset : offset + data.nbytes] = data
 
 
 class Failing:
@@ -80,7 +65,7 @@ class Failing:
 
 
 @pytest.fixture
-def node() -> Iterator[tuple[BlockTable, TcpTransport, TcpTransport, Copy]]:
+def node() -> Iterator[tuple[BlockTable, TcpTransport, TcpTransport, OneSided]]:
     """(the node's table, the claims-ahead connection, the put's control
     connection, the one-sided copy)."""
     region = np.zeros(16 * PAGE, np.uint8)
@@ -91,7 +76,7 @@ def node() -> Iterator[tuple[BlockTable, TcpTransport, TcpTransport, Copy]]:
     info = RegionInfo("n", region.nbytes, tcp_host="127.0.0.1", tcp_port=server.address[1])
     info.tcp_instance = server.instance
     claims, control = TcpTransport(info, timeout=5), TcpTransport(info, timeout=5)
-    yield fence, claims, control, Copy(info, region)
+    yield fence, claims, control, OneSided(info, region)
     claims.close()
     control.close()
     server.close()

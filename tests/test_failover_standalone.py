@@ -125,14 +125,38 @@ def _ride_through(cluster: Cluster) -> None:
             assert pool.get_into(key, out) == out.size and np.array_equal(out, payload(i, 64 << 10))
 
 
-@pytest.mark.parametrize("transport", ["tcp", "shm"])
-def test_a_reader_with_an_outdated_lease_never_gets_another_blocks_bytes(transport: str) -> None:
+def _ucxx_missing() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ucxx") is None
+
+
+@pytest.mark.parametrize(
+    "transport",
+    [
+        "tcp",
+        "shm",
+        pytest.param(
+            "ucx",
+            marks=pytest.mark.skipif(
+                _ucxx_missing(), reason="ucxx not installed (pip install 'kvpool[ucx]')"
+            ),
+        ),
+    ],
+)
+def test_a_reader_with_an_outdated_lease_never_gets_another_blocks_bytes(
+    transport: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A client holds a cached lease on a block; the master restarts, the block is
     removed and its range reused by another block. The old lease's read is a
-    miss, not the other block's bytes: over TCP the node refuses it, over shared
-    memory the block's identity record no longer names it."""
+    miss, not the other block's bytes: over TCP and UCX the node refuses it (the
+    read names its block), over shared memory the block's identity record no
+    longer names it."""
     from kvpool.errors import PoolFullError
 
+    if transport == "ucx":  # nodes serve UCX over TCP here (no RDMA), with a token
+        monkeypatch.setenv("KVPOOL_UCX", "on")
+        monkeypatch.setenv("KVPOOL_TOKEN", "ucx-cluster-token")
     cluster = start_cluster(["1MiB"])  # one block of room: the range must be reused
     try:
         reader = kvpool.connect(cluster.url, timeout=5, transport=transport, lease_cache_s=60)

@@ -13,19 +13,20 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
 from clusterhelpers import start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
+from transport_fakes import OneSided
 
 import kvpool
 from kvpool.cluster.block_table import CLAIMED, COMMITTED, WRITTEN, BlockTable
 from kvpool.cluster.client import fenced
 from kvpool.transport import tcp_wire as w
-from kvpool.transport.base import RegionInfo, Transport
+from kvpool.transport.base import RegionInfo
 from kvpool.transport.fencing import FENCE_OK, FENCE_STALE, WriteStamp
 from kvpool.transport.shm_seal import Deadline, SealRecords
 from kvpool.transport.tcp import TcpTransport
@@ -190,26 +191,6 @@ def test_claims_not_taken_ahead_are_not_waited_for(tmp_path) -> None:
 
 
 # -- the writer's bracket ----------------------------------------------------------------
-
-
-class OneSided(Transport):
-    """Writes straight into the node's region (what a shared-memory copy does)."""
-
-    name = "one-sided"
-
-    def __init__(self, info: RegionInfo, region: np.ndarray) -> None:
-        super().__init__(info)
-        self.region = region
-
-    def read_into(self, offset: int, out: Any) -> None:
-        out[:] = self.region[offset : offset + out.nbytes]
-
-    def write(self, offset: int, data: Any) -> None:
-        self.region[offset : offset + data.nbytes] = data
-
-    def write_many(self, items: Sequence[tuple[int, Any]]) -> None:
-        for offset, data in items:
-            self.write(offset, data)
 
 
 @pytest.fixture
