@@ -91,25 +91,24 @@ def pipelined_default(explicit: bool | None = None) -> bool:
     (``0``/``1``), else True. Checks ``$KVPOOL_PUT_COMMIT_THREAD`` too, so that a
     bad setting of either fails before the client connects."""
     commit_thread_default()
-    if explicit is not None:
-        return explicit
-    raw = os.environ.get("KVPOOL_PUT_PIPELINE", "").strip()
-    if raw in ("", "1"):
-        return True
-    if raw == "0":
-        return False
-    raise ValueError(f"KVPOOL_PUT_PIPELINE must be 0 or 1, got {raw!r}")
+    return explicit if explicit is not None else _switch("KVPOOL_PUT_PIPELINE")
 
 
 def commit_thread_default() -> bool:
     """Whether a sender thread sends the pipelined commits: ``$KVPOOL_PUT_COMMIT_THREAD``
     (``0``/``1``), else True."""
-    raw = os.environ.get("KVPOOL_PUT_COMMIT_THREAD", "").strip()
+    return _switch("KVPOOL_PUT_COMMIT_THREAD")
+
+
+def _switch(name: str) -> bool:
+    """An on/off environment setting: unset, empty or ``1`` is on, ``0`` off; anything
+    else is refused (a typo must not silently pick a mode)."""
+    raw = os.environ.get(name, "").strip()
     if raw in ("", "1"):
         return True
     if raw == "0":
         return False
-    raise ValueError(f"KVPOOL_PUT_COMMIT_THREAD must be 0 or 1, got {raw!r}")
+    raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
 
 
 #: ``recover(items)``: put the sealed bytes of ``items`` again the classic way; per
