@@ -167,16 +167,6 @@ class ClientSession:
         if status != fenced.OK:
             raise StaleWriteError(f"node {node_id} refused the write (status {status})")
 
-    def read(self, placement: Placement, start: int, dst: Region, key: bytes) -> None:
-        """Bytes [start, start + len(dst)) of block ``key``'s replica into ``dst``.
-        Over TCP the node checks that the block still holds the range
-        (``StaleReadError`` if not); a same-host copy is not checked."""
-        transport = self.transport(placement.node_id)
-        if isinstance(transport, (TcpTransport, UcxTransport)):  # the node checks
-            self.read_many(placement.node_id, [(placement.offset, start, dst, key)])
-        else:  # the same-host fast path: one copy, nothing else
-            transport.read_into(placement.offset + start, dst)
-
     def read_many(self, node_id: str, items: Sequence[tuple[int, int, Region, bytes]]) -> None:
         """(block offset, start in block, destination, key) reads from one node,
         pipelined; ``StaleReadError`` if any block no longer holds its range."""
