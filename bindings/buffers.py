@@ -22,10 +22,22 @@ from kvpool.errors import BufferSpecError
 # np.ndarray as a module global: ``np.ndarray`` is an unspecialised module
 # attribute load (~0.1 us) on every hot-path type check; a global is one dict hit.
 _NDARRAY = np.ndarray
+_U8 = np.dtype(np.uint8)  # numpy's builtin dtypes are singletons: ``is`` compares them
 
 # A region is either a flat uint8 numpy array (host memory) or a flat uint8
 # torch CUDA tensor (device memory).
 Region = Any
+
+
+def plain_host(buf: Any, *, writable: bool = False) -> bool:
+    """A flat contiguous uint8 numpy array (and writable, if asked): a host region
+    as ``as_region`` takes it, so the hot paths may use it as it is and skip the
+    adapter (~0.16 us against ~1 us for the general view). Another uint8
+    descriptor object, a view with strides, a 2-D array: False (the adapter)."""
+    if type(buf) is not _NDARRAY or buf.dtype is not _U8 or buf.ndim != 1:
+        return False
+    flags = buf.flags  # one flags object for both checks
+    return bool(flags.c_contiguous and (flags.writeable or not writable))
 
 
 def is_torch_tensor(obj: Any) -> bool:

@@ -36,7 +36,13 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bindings.buffers import as_region, copy_region, region_is_device, region_nbytes
+from kvpool.bindings.buffers import (
+    as_region,
+    copy_region,
+    plain_host,
+    region_is_device,
+    region_nbytes,
+)
 from kvpool.errors import PoolClosedError, TransportUnavailableError
 from kvpool.storage.page_lock import PageLock, page_lock
 from kvpool.transport.base import RegionInfo, Transport, check_range, host_identity
@@ -106,7 +112,7 @@ class ShmTransport(Transport):
         if idents is None:
             self.read_into(block_offset + start, out)
             return True
-        if plain_writable(out):  # fast path, as in read_into
+        if plain_host(out, writable=True):  # fast path, as in read_into
             length = out.nbytes
             seq = idents.check_then(key, block_offset, start, length)
             if seq < 0:
@@ -146,7 +152,7 @@ class ShmTransport(Transport):
         return arena[offset:end]
 
     def read_into(self, offset: int, out: Any) -> None:
-        if plain_writable(out):  # fast path: one np.copyto, nothing else
+        if plain_host(out, writable=True):  # fast path: one np.copyto, nothing else
             np.copyto(out, self._span(offset, out.nbytes))
             self.bytes_read += out.nbytes
             return
@@ -157,7 +163,7 @@ class ShmTransport(Transport):
         self.bytes_read += region_nbytes(dst)
 
     def write(self, offset: int, data: Any) -> None:
-        if _plain(data):
+        if plain_host(data):
             np.copyto(self._span(offset, data.nbytes), data)
             self.bytes_written += data.nbytes
             return
@@ -199,25 +205,3 @@ def _populate(region: mmap.mmap, size: int) -> None:
         region.madvise(mmap.MADV_HUGEPAGE)
     with contextlib.suppress(OSError):
         region.madvise(_MADV_POPULATE_WRITE, 0, size)
-
-
-_U8 = np.dtype(np.uint8)  # numpy's builtin dtypes are singletons: ``is`` compares them
-
-
-def _plain(buf: Any) -> bool:
-    """A flat contiguous uint8 numpy array (what tiers and engines mostly pass)."""
-    return (
-        type(buf) is np.ndarray
-        and buf.dtype is _U8
-        and buf.ndim == 1
-        and bool(buf.flags.c_contiguous)
-    )
-
-
-def plain_writable(buf: Any) -> bool:
-    """``_plain`` and writable: a buffer a read may copy into as it is (~0.16 us,
-    against ~1 us for ``as_region``'s general view)."""
-    if type(buf) is not np.ndarray or buf.dtype is not _U8 or buf.ndim != 1:
-        return False
-    flags = buf.flags
-    return bool(flags.c_contiguous and flags.writeable)

@@ -21,7 +21,13 @@ from typing import Any, NoReturn, TypeVar
 
 import numpy as np
 
-from kvpool.bindings.buffers import as_region, copy_region, region_is_device, region_nbytes
+from kvpool.bindings.buffers import (
+    as_region,
+    copy_region,
+    plain_host,
+    region_is_device,
+    region_nbytes,
+)
 from kvpool.errors import (
     BufferSpecError,
     CallTimeoutError,
@@ -34,7 +40,6 @@ from kvpool.transport.base import RegionInfo, Transport, check_range
 from kvpool.transport.fencing import IDENT
 from kvpool.transport.tcp_conn import DataConn
 
-_U8 = np.dtype(np.uint8)
 _T = TypeVar("_T")
 
 
@@ -137,7 +142,7 @@ class TcpTransport(Transport):
     # --- transfers -----------------------------------------------------------------
 
     def read_into(self, offset: int, out: Any) -> None:
-        plain = _plain_host(out)
+        plain = plain_host(out, writable=True)
         region = out if plain else as_region(out, writable=True, what="output buffer")
         if region_is_device(region):
             self.read_many([(offset, out)])
@@ -177,24 +182,12 @@ class TcpTransport(Transport):
         or False (``out`` holds no meaningful bytes) when that block no longer holds
         the range. The single-read fast path: one borrowed connection, no lists."""
         offset = block_offset + start
-        if not _plain_host(out):
+        if not plain_host(out, writable=True):
             return self.read_blocks([(offset, out, key, block_offset)])[0]
         n = out.nbytes
         if offset < 0 or offset + n > self.info.size:
             check_range(offset, n, self.info.size)  # raises the usual error
-        conn = self._acquire()
-        healthy = False
-        try:  # _io, inline (one call less on the hot path)
-            ok = conn.read_block(offset, out, IDENT.pack(key, block_offset))
-            healthy = True
-        except KVPoolError:
-            raise
-        except (TimeoutError, BlockingIOError) as exc:  # BlockingIOError: SO_RCVTIMEO
-            raise CallTimeoutError(f"data transfer with {self.info.node_id} timed out") from exc
-        except OSError as exc:
-            raise ConnectionLostError(f"data connection to {self.info.node_id}: {exc}") from exc
-        finally:
-            self._release(conn, healthy)
+        ok = self._io(DataConn.read_block, offset, out, IDENT.pack(key, block_offset))
         if ok:
             self.bytes_read += n
         return ok
@@ -203,11 +196,11 @@ class TcpTransport(Transport):
         """Reads that name their block (offset, out, key, block offset): the node
         serves the bytes only while that block holds the range. Per read: True,
         or False (``out`` untouched or partly written) when it does not."""
-        if len(items) == 1 and _plain_host(items[0][1]):  # one block into host memory
+        if len(items) == 1 and plain_host(items[0][1], writable=True):  # one block into host memory
             offset, out, key, block_offset = items[0]
             return [self.read_block(block_offset, offset - block_offset, out, key)]
         size, pack = self.info.size, IDENT.pack
-        if all(_plain_host(out) for _, out, _, _ in items):  # host arrays: as they are
+        if all(plain_host(out, writable=True) for _, out, _, _ in items):  # host arrays
             for offset, out, _, _ in items:
                 if offset < 0 or offset + out.nbytes > size:
                     check_range(offset, out.nbytes, size)  # raises the usual error
@@ -285,18 +278,6 @@ class TcpTransport(Transport):
         plan = [(offset, self._source(offset, data)) for offset, data in items]
         self._io(DataConn.write_many, plan)
         self.bytes_written += sum(r.nbytes for _, r in plan)
-
-
-def _plain_host(out: Any) -> bool:
-    """A writable, contiguous, flat uint8 numpy array: a host region as it is (the
-    single-read fast paths skip the buffer adapter for it)."""
-    return (
-        type(out) is np.ndarray
-        and out.dtype == _U8
-        and out.ndim == 1
-        and out.flags.writeable
-        and out.flags.c_contiguous
-    )
 
 
 def _raise_transfer_error(node_id: str, exc: BaseException) -> NoReturn:

@@ -194,7 +194,6 @@ class TcpDataServer:
         """
         head = bytearray(w.REQ.size)
         hview = memoryview(head)
-        pads = bytes(w.ALIGN)
         skip = memoryview(bytearray(w.ALIGN))
         unpack, req_size, recv_into = w.REQ.unpack, w.REQ.size, sock.recv_into
         read_block, block_req = w.OP_READ_BLOCK, w.REQ.size + IDENT.size
@@ -250,7 +249,7 @@ class TcpDataServer:
             span = self._mv[offset : offset + length]
             if op == w.OP_READ:
                 pad = w.read_pad(sent)
-                reply = w.READ_RESP.pack(w.ST_OK, pad, rid, length) + pads[:pad]
+                reply = w.READ_RESP.pack(w.ST_OK, pad, rid, length) + _ZEROS[:pad]
                 w.send_parts(sock, reply, span)
                 sent += len(reply) + length
                 self.bytes_read += length
@@ -305,13 +304,9 @@ class TcpDataServer:
     ) -> int:
         """A READ served only while the named block holds the range (padded like
         READ); the bytes sent. The hot path of every checked read: one recv of the
-        IDENT (it arrives with its REQ), one gather send of header + pad + payload."""
+        IDENT, one gather send of header + pad + payload."""
         raw = bytearray(IDENT.size)
-        got = sock.recv_into(raw)
-        if got < IDENT.size:
-            if not got:
-                raise ConnectionLostError("peer closed the data connection")
-            w.recv_into_exact(sock, memoryview(raw)[got:])
+        w.recv_into_exact(sock, memoryview(raw))  # one recv: the IDENT came with its REQ
         key, block_offset = IDENT.unpack(raw)
         fence = self.fence
         held = None if fence is None else fence.begin_read(key, block_offset, offset, length)

@@ -133,8 +133,8 @@ def set_io_timeout(sock: socket.socket, timeout: float) -> None:
 def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` entirely (zero-copy into its memory); EOF -> ConnectionLostError."""
     got, n = 0, view.nbytes
-    while got < n:
-        k = sock.recv_into(view[got:], min(n - got, MAX_CHUNK))
+    while got < n:  # the first recv nearly always fills a small view: no slice for it
+        k = sock.recv_into(view[got:] if got else view, min(n - got, MAX_CHUNK))
         if k == 0:
             raise ConnectionLostError(f"peer closed the data connection ({got} of {n} B received)")
         got += k

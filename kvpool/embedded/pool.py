@@ -39,7 +39,7 @@ from kvpool.args import (
     data_region,
     out_region,
 )
-from kvpool.bindings.buffers import Region, copy_region, region_is_device
+from kvpool.bindings.buffers import Region, copy_region, plain_host, region_is_device
 from kvpool.config import PoolConfig
 from kvpool.embedded.blocks import BlockTable, Entry, open_tiers
 from kvpool.embedded.handles import EmbeddedBlockWriter, EmbeddedLease
@@ -50,7 +50,6 @@ from kvpool.index.keys import KEY_BYTES
 from kvpool.layerwise.api import LayerwiseMethods
 from kvpool.storage.ssd_tier import SsdRecord, SsdTier
 
-_U8 = np.dtype(np.uint8)
 _NDARRAY = np.ndarray  # a global, not a module attribute load, on the hot paths
 
 EMBEDDED_NODE = "embedded"
@@ -102,7 +101,7 @@ class Pool(LayerwiseMethods):
             check_key(key)
         if parent is not None:
             check_parent(parent)
-        if _plain_bytes(data):  # already a host region: skip the adapter
+        if plain_host(data) and data.size:  # already a host region: skip the adapter
             return self._reservations.put(key, data, parent)
         return self._reservations.put(key, data_region(data), parent)
 
@@ -186,7 +185,7 @@ class Pool(LayerwiseMethods):
             check_key(key)
         if type(offset) is not int or offset or length is not None:  # skip for whole blocks
             check_read_range(offset, length)
-        if _plain_bytes(out, writable=True):  # already a host region
+        if plain_host(out, writable=True) and out.size:  # already a host region
             return self._get_into_region(key, out, offset, length)
         return self._get_into_region(key, out_region(out), offset, length)
 
@@ -362,12 +361,3 @@ class Pool(LayerwiseMethods):
         with self._lock:
             self._blocks.settle_ssd_read(key, entry, ssd, slot_offset, valid)
         return valid
-
-
-def _plain_bytes(buf: object, *, writable: bool = False) -> bool:
-    """A non-empty flat contiguous uint8 numpy array (and writable, if asked): what
-    ``as_region`` would return unchanged (the 64 KiB fast paths skip the adapter for it)."""
-    if type(buf) is not _NDARRAY or buf.dtype is not _U8 or buf.ndim != 1 or not buf.size:
-        return False  # numpy's uint8 descriptor is a singleton; other uint8s take the adapter
-    flags = buf.flags  # one flags object for both checks
-    return flags.c_contiguous and (flags.writeable or not writable)

@@ -38,6 +38,7 @@ from kvpool.args import (
     data_region,
     out_region,
 )
+from kvpool.bindings.buffers import plain_host
 from kvpool.cluster.client.commits import pipelined_default
 from kvpool.cluster.client.grants import grant_budget
 from kvpool.cluster.client.handles import RemoteBlockWriter, RemoteLease, ReservationTicket
@@ -67,7 +68,6 @@ from kvpool.errors import KVPoolError, PoolFullError, PutCommitError
 from kvpool.layerwise.api import LayerwiseMethods
 from kvpool.transport.base import RegionInfo
 from kvpool.transport.fencing import WriteStamp
-from kvpool.transport.shm import plain_writable
 
 
 def connect(url: str, *, token: str | None = None, timeout: float = 10.0, **kw: Any) -> RemotePool:
@@ -237,7 +237,8 @@ class RemotePool(LayerwiseMethods):
     ) -> int | None:
         """Copy the block (or bytes [offset, offset+length)) into ``out``; None on a miss."""
         check_key(key)
-        dst = out if plain_writable(out) else out_region(out)  # the common buffer: as it is
+        # the common buffer as it is
+        dst = out if plain_host(out, writable=True) else out_region(out)
         if type(offset) is not int or offset or length is not None:  # defaults need no check
             check_read_range(offset, length)
         self.flush()
@@ -246,7 +247,7 @@ class RemotePool(LayerwiseMethods):
     def get_into_batch(self, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[int | None]:
         """``get_into`` for each pair; at most one lease round trip for the whole batch."""
         check_batch(keys, outs, what="outs")
-        regions = [o if plain_writable(o) else out_region(o) for o in outs]
+        regions = [o if plain_host(o, writable=True) else out_region(o) for o in outs]
         self.flush()
         return self._reads.read_batch(keys, regions)
 
