@@ -175,9 +175,6 @@ class BlockTable:
                 f"block of {size} bytes is larger than the {tier.name} tier ({tier.capacity} bytes)"
             )
         while True:
-            offset = tier.allocator.allocate(size)
-            if offset is not None:
-                return offset
             victim = tier.policy.victim(self.evictable)
             if victim is None:
                 raise PoolFullError(
@@ -185,6 +182,9 @@ class BlockTable:
                     "reader or too fragmented; retry later or enlarge the tier"
                 )
             self.demote(victim)
+            offset = tier.allocator.allocate(size)
+            if offset is not None:
+                return offset
 
     def evictable(self, key: bytes) -> bool:
         return self.entries[key].pins == 0

@@ -295,11 +295,8 @@ class Pool(LayerwiseMethods):
         mutex = self._lock
         mutex.acquire()  # not ``with``: see Reservations.put
         try:
-            if blocks.closed:
-                blocks.check_open()  # raises
-            entry = blocks.entries.get(key)
+            entry = self._entry_or_miss(key)
             if entry is None:
-                self._stats.misses += 1
                 return None
             if start or length is not None or type(dst) is not _NDARRAY:
                 want = block_range(start, length, entry.size)

@@ -56,9 +56,7 @@ class Reservations:
             tier = self._place(key, not host and region_is_device(src))
             if tier is None:
                 return False
-            offset = tier.allocator.allocate(size)  # room without eviction: no make_room frame
-            if offset is None:
-                offset = blocks.make_room(tier, size)
+            offset = blocks.make_room(tier, size)
             self._writing[key] = None
             blocks.active += 1
         finally:
