@@ -4,7 +4,8 @@ Unit tests drive ``CommitPipe`` with a recording stand-in for the master
 connection (only the pipe's own rules are under test here); the tests with
 real master and node processes hold the visibility rule with the sender
 thread off (``KVPOOL_PUT_COMMIT_THREAD=0``, the fallback: the writer's thread
-sends), since tests/test_put_pipeline.py runs everything with it on.
+sends), since tests/test_put_pipeline.py runs everything with it on (its
+master-kill test runs both ways).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from poolhelpers import BLOCK, make_keys, payload
 import kvpool
 from kvpool.cluster.client.commits import Acked, CommitPipe, commit_thread_default
 from kvpool.cluster.wire import COMMIT, CommitRequest
-from kvpool.errors import ConnectionLostError, PutCommitError
+from kvpool.errors import ConnectionLostError
 
 
 class Master:
@@ -261,31 +262,6 @@ def test_the_thread_sends_commits_that_others_see_without_a_writer_flush(
         assert writer.stats()["client"]["put_commits_pipelined"] <= len(keys)
         for key in keys:
             writer.remove(key)
-
-
-@pytest.mark.usefixtures("no_thread")
-def test_without_the_thread_a_master_kill_after_the_acks_loses_none() -> None:
-    c = start_cluster(["16MiB", "16MiB"])
-    try:
-        keys = make_keys(16, seed=73)
-        with kvpool.connect(c.url, timeout=5) as writer:
-            assert wait_until(lambda: len(writer.stats()["nodes"]) == 2, timeout=15)
-            for i, key in enumerate(keys):
-                assert writer.put(key, payload(i))
-            c.master.kill()
-            c.master = c.restart_master_process()
-            try:
-                writer.flush()
-            except PutCommitError as exc:  # pragma: no cover - the failure it guards
-                pytest.fail(f"acknowledged puts lost: {exc}")
-            with kvpool.connect(c.url, timeout=5) as reader:
-                assert wait_until(lambda: reader.exists(keys) == [True] * len(keys), timeout=15)
-                out = np.empty(BLOCK, np.uint8)
-                for i, key in enumerate(keys):
-                    assert reader.get_into(key, out) == BLOCK
-                    assert np.array_equal(out, payload(i))
-    finally:
-        c.stop()
 
 
 def test_a_put_whose_write_outlasted_its_grant_window_commits_before_it_returns(

@@ -211,11 +211,16 @@ def test_a_put_that_cannot_be_made_visible_is_raised_not_dropped(
             remove_all(other, keys)
 
 
-@pytest.mark.parametrize("transport", [None, "tcp"])
-def test_a_master_kill_right_after_pipelined_acks_loses_none(transport: str | None) -> None:
+@pytest.mark.parametrize(("transport", "commit_thread"), [(None, "1"), ("tcp", "1"), (None, "0")])
+def test_a_master_kill_right_after_pipelined_acks_loses_none(
+    transport: str | None, commit_thread: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """N puts acknowledged with their commits still in flight (none flushed), the
     master killed -9 at once and restarted: another client finds all N with
-    exact bytes, and the writer's own flush reports nothing lost."""
+    exact bytes, and the writer's own flush reports nothing lost -- with the
+    commits sent by the pipe's sender thread (the default) or by the writer
+    (``KVPOOL_PUT_COMMIT_THREAD=0``)."""
+    monkeypatch.setenv("KVPOOL_PUT_COMMIT_THREAD", commit_thread)
     cluster = start_cluster(["16MiB", "16MiB"])
     try:
         keys = make_keys(24, seed=38)
