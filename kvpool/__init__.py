@@ -19,6 +19,7 @@ from kvpool.errors import (
     PoolClosedError,
     PoolFullError,
     PutCommitError,
+    PutFailedError,
     StorageError,
     TierUnavailableError,
 )
@@ -39,6 +40,7 @@ __all__ = [
     "PoolClosedError",
     "PoolFullError",
     "PutCommitError",
+    "PutFailedError",
     "RemotePool",
     "StorageError",
     "TierUnavailableError",

@@ -119,15 +119,30 @@ class StaleReadError(KVPoolError):
     lease is from an older placement): the read tries another replica or misses."""
 
 
+def _keys_text(keys: Sequence[bytes]) -> str:
+    shown = ", ".join(k.hex()[:16] for k in keys[:4])
+    more = f" and {len(keys) - 4} more" if len(keys) > 4 else ""
+    return f"keys {shown}{more}"
+
+
 class PutCommitError(KVPoolError):
     """Puts were acknowledged, but their blocks could not be made visible (their
     commit was refused and the bytes could not be recovered from the node)."""
 
     def __init__(self, keys: Sequence[bytes], why: str) -> None:
         self.keys = list(keys)
-        shown = ", ".join(k.hex()[:16] for k in self.keys[:4])
-        more = f" and {len(self.keys) - 4} more" if len(self.keys) > 4 else ""
         super().__init__(
             f"{len(self.keys)} acknowledged put(s) could not be made visible "
-            f"(keys {shown}{more}): {why}"
+            f"({_keys_text(self.keys)}): {why}"
         )
+
+
+class PutFailedError(KVPoolError):
+    """Puts could not store their blocks, even after one retry on fresh allocations:
+    the nodes failed or refused the writes (a node died, or the cluster changed
+    master terms mid-put). Nothing was acknowledged and nothing is visible for
+    these keys: the put may simply be retried."""
+
+    def __init__(self, keys: Sequence[bytes], why: str) -> None:
+        self.keys = list(keys)
+        super().__init__(f"{len(self.keys)} put(s) failed ({_keys_text(self.keys)}): {why}")

@@ -38,7 +38,9 @@ def main(url: str, role: str, ident: int, seconds: float) -> None:
         while time.monotonic() < end:
             try:
                 if role == "writer":
-                    pool.put(key_of(ident, i), payload(ident, i), replicas=2)
+                    # Fresh keys: False would claim a block is stored already.
+                    if not pool.put(key_of(ident, i), payload(ident, i), replicas=2):
+                        raise AssertionError(f"put of new key {i} answered False")
                     report["acked"].append(i)
                     report["done"].append(time.monotonic())
                     i += 1

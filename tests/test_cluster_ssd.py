@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 
 import numpy as np
@@ -11,6 +13,7 @@ from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool
 from kvpool import RemotePool
+from kvpool.cluster.client.reads import BUSY_WAIT_S
 
 
 @pytest.fixture
@@ -51,6 +54,47 @@ def test_evicted_blocks_live_on_in_the_ssd_tier(ssd_cluster: tuple[Cluster, str]
         for i in range(192):  # old ones are promoted back from SSD on the way
             assert pool.get_into(keys[i], out) == BLOCK, i
             assert np.array_equal(out, payload(i)), i
+
+
+@pytest.mark.parametrize("freed_after", [0.3, None])
+def test_a_read_waits_a_bounded_time_for_dram_room_to_promote_into(
+    ssd_cluster: tuple[Cluster, str], freed_after: float | None
+) -> None:
+    """Another client leases every block in DRAM, so reading an SSD-only block finds
+    no room to promote it into (``busy``). The read waits: when that lease is
+    released 0.3 s later it succeeds; when it never is, it misses after
+    ``BUSY_WAIT_S``, not sooner and not much later."""
+    cluster, _ = ssd_cluster
+    with (
+        kvpool.connect(cluster.url, timeout=10, put_grant_bytes=0) as pool,
+        kvpool.connect(cluster.url, timeout=10, lease_cache_s=0) as holder,  # release: at once
+    ):
+        assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
+        keys = make_keys(128)
+        fill_and_demote(pool, keys)
+        assert node_stats(pool)["blocks"] == 64  # DRAM full: the newest 64
+        held = holder.lease(keys[64:])
+        assert len(held.keys) == 64  # every DRAM block leased (promotions included)
+        timer = None if freed_after is None else threading.Timer(freed_after, held.release)
+        out = np.empty(BLOCK, np.uint8)
+        try:
+            if timer is not None:
+                timer.start()
+            started = time.monotonic()
+            got = pool.get_into(keys[0], out)  # SSD-only: must be promoted first
+            waited = time.monotonic() - started
+        finally:
+            if timer is not None:
+                timer.join()
+            else:
+                held.release()
+        assert pool.stats()["client"]["lease_busy_retries"] >= 1
+        if freed_after is None:
+            assert got is None and BUSY_WAIT_S <= waited < BUSY_WAIT_S + 2.0
+            assert pool.get_into(keys[0], out) == BLOCK  # room now: promoted and read
+        else:
+            assert got == BLOCK and freed_after <= waited < BUSY_WAIT_S
+        assert np.array_equal(out, payload(0))
 
 
 def test_ssd_blocks_survive_a_node_restart(ssd_cluster: tuple[Cluster, str]) -> None:

@@ -19,7 +19,7 @@ import kvpool
 from kvpool.cluster.client.grants import MAX_STOCK, Grant, GrantStock, grant_budget
 from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.cluster.wire import ALLOCATE, COMMIT, REVOKE, AllocateRequest, CommitRequest, IdsRequest
-from kvpool.errors import ConnectionLostError, InvalidKeyError, RemoteError
+from kvpool.errors import ConnectionLostError, InvalidKeyError, PutFailedError, RemoteError
 from kvpool.rpc.client import RpcClient
 
 DRAM = 8 << 20  # per node: 128 blocks of 64 KiB; the master lends 1/16 of 16 MiB
@@ -246,7 +246,9 @@ def test_a_failed_classic_write_is_retried_once(
         monkeypatch.setattr(p._session, "transport", lambda node_id: Failing(real(node_id)))
         assert p.put(keys[0], payload(0)) is True and calls == [1, 1]
         _stored.append(keys[1])
-        assert p.put(keys[1], payload(1)) is False and len(calls) == 4  # failed twice
+        with pytest.raises(PutFailedError) as failed:  # failed twice: nothing visible
+            p.put(keys[1], payload(1))
+        assert failed.value.keys == [keys[1]] and len(calls) == 4
         monkeypatch.undo()
         assert p.exists(keys) == [True, False]
         assert p.stats()["pending_allocations"] == pending == 0  # the failed ones were revoked

@@ -16,10 +16,15 @@ Invariants:
 - a key's bytes are written (same-host: and sealed) before ``put`` answers True;
   its commit is sent (or queued behind the one in flight) before it returns; a
   failed write's allocation or grant is revoked, never committed;
-- a grant the master no longer knows at a synchronous commit, and any block
-  whose write failed (its node died or restarted), is retried once the classic
-  way; only then does ``put`` answer False for it. A pipelined commit the master
-  refuses is settled by ``CommitPipe`` or raised, never dropped silently;
+- ``put`` never answers for a key that holds no block (the store contract:
+  either way the key then holds exactly one). A block no commit made visible
+  (a grant or allocation the master no longer knows: expired, or a master
+  failover in between), one whose seal its node refused (it started a new
+  master term mid-put) and one whose write failed (its node died or
+  restarted) are retried once the classic way; after that a key found stored
+  answers True, and one still not stored raises ``PutFailedError``. A
+  pipelined commit the master refuses is settled by ``CommitPipe`` or raised,
+  never dropped silently;
 - puts with ``replicas`` > 1 allocate (grants are single placements), commit synchronously.
 """
 
@@ -51,7 +56,7 @@ from kvpool.cluster.wire import (
     IdsRequest,
     KeysRequest,
 )
-from kvpool.errors import KVPoolError
+from kvpool.errors import KVPoolError, PutFailedError
 from kvpool.transport.fencing import WriteStamp
 
 # (index into the batch, allocation or grant id, offset, master term, claimed ahead:
@@ -158,7 +163,7 @@ class RemotePutter:
             retry = self._commit(keys, parents, written, granted, stored) + lost
         sealed = False
         try:
-            self._sealed(sealing, stored)
+            retry += self._sealed(sealing, stored)
             sealed = True
         finally:
             if pipelined:  # if the seals raised, the put raises: none of it was acked
@@ -168,6 +173,7 @@ class RemotePutter:
             self._remember([keys[i] for i, ok in enumerate(stored) if ok])
         if use_grants and not rest:  # after the commit: the master is not kept from it
             self._top_up(sizes[0])
+        retry = sorted({i for i in retry if not stored[i]})  # a replica may have made it
         if retry and again:
             redone, still, error2 = self.put_once(
                 [keys[i] for i in retry],
@@ -181,7 +187,28 @@ class RemotePutter:
                 stored[i] = ok
             full += [retry[j] for j in still]
             error = error or error2
+            self._check_retried(keys, [i for i in retry if not stored[i] and i not in full], stored)
         return stored, full, error
+
+    def _check_retried(self, keys: Sequence[bytes], indices: list[int], stored: list[bool]) -> None:
+        """The retry of ``indices`` stored nothing: a key found stored now is stored
+        (the first attempt's block, re-registered by its node after a master
+        failover, or another client's); any other raises ``PutFailedError``, so a
+        put never answers for a key that holds no block."""
+        if not indices:
+            return
+        found = self._session.rpc.call(EXISTS, KeysRequest([keys[i] for i in indices]))
+        missing = []
+        for i, hit in zip(indices, found, strict=True):
+            stored[i] = bool(hit)
+            if not hit:
+                missing.append(keys[i])
+        if missing:
+            raise PutFailedError(
+                missing,
+                "not stored after a retry on fresh allocations (the nodes failed or refused "
+                "the writes, or another client is still putting the key)",
+            )
 
     def forget_node(self, node_id: str) -> None:
         """The node's region changed or failed: its grants are useless now (the
@@ -318,9 +345,12 @@ class RemotePutter:
         self._revoke(failed)
         return written, lost, sealing
 
-    def _sealed(self, sealing: list[Sealing], stored: list[bool]) -> None:
+    def _sealed(self, sealing: list[Sealing], stored: list[bool]) -> list[int]:
         """Wait for the seals: a put is acknowledged only once its node knows the
-        block is whole (then it outlives a master crash)."""
+        block is whole (then it outlives a master crash). Returns the indices
+        whose seal was refused (the node started a new master term since the
+        claim, or died): not acknowledged, to retry."""
+        refused = []
         for node_id, indices, seals in sealing:
             try:
                 statuses = seals()
@@ -330,7 +360,9 @@ class RemotePutter:
             for i, status in zip(indices, statuses, strict=True):
                 if status != fenced.OK and stored[i]:
                     stored[i] = False  # committed, but its node may not re-register it
-                    log.warning("node %s refused the seal of a committed block", node_id)
+                    refused.append(i)
+                    log.info("node %s refused a seal (new master term?): retried", node_id)
+        return refused
 
     def _commit(
         self,
@@ -340,7 +372,11 @@ class RemotePutter:
         granted: set[int],
         stored: list[bool],
     ) -> list[int]:
-        """Commit what was written; fills ``stored``; returns grant indices to retry."""
+        """Commit what was written; fills ``stored``; returns the indices to retry:
+        those no commit made visible, except grants whose key was stored already
+        (False: the caller's bytes were not needed). An allocation's commit is
+        refused (False) when the master no longer knows it: it expired, its node
+        re-registered, or the commit reached a new master after a failover."""
         if not written:
             return []
         ids = [item[1] for item, _ in written]
@@ -351,10 +387,9 @@ class RemotePutter:
         done = self._session.rpc.call(COMMIT, request)
         retry = []
         for ((i, *_), _), ok in zip(written, done, strict=True):
-            if ok is None and i in granted:
+            stored[i] = stored[i] or bool(ok)
+            if not ok and not (ok is False and i in granted):
                 retry.append(i)
-            else:
-                stored[i] = stored[i] or bool(ok)
         return retry
 
     def _revoke(self, ids: list[int]) -> None:
@@ -393,8 +428,11 @@ class RemotePutter:
                 parents.append(a.parent)
             held.append(ok)
         if keys:
-            stored, full, why = self.put_once(keys, bufs, parents, 1, use_grants=False)
-            if full or not all(stored):
-                log.info("recovery put: stored %s, no room for %s %s", stored, full, why)
+            try:
+                stored, full, why = self.put_once(keys, bufs, parents, 1, use_grants=False)
+                if full or not all(stored):
+                    log.info("recovery put: stored %s, no room for %s %s", stored, full, why)
+            except PutFailedError as exc:  # not visible yet: the caller tries again
+                log.info("recovery put: %s", exc)
         found = session.rpc.call(EXISTS, KeysRequest([a.key for a in items]))
         return [True if f else (None if h else False) for f, h in zip(found, held, strict=True)]

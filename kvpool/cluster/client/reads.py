@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
@@ -50,6 +51,12 @@ Order = tuple[int, Placement, int, int]
 
 #: A leased block: its replicas, its size and the cached lease that pins it.
 Found = tuple[list[Placement], int, CachedLease]
+
+#: How long a read waits for DRAM room to promote SSD-only blocks into, before
+#: they count as misses (a read of SSD blocks while every DRAM block is leased):
+#: longer than another client's cached lease outlives its last read (the default
+#: hold, 1 s, plus a janitor tick, 0.5 s).
+BUSY_WAIT_S = 2.0
 
 
 class LeasedReads:
@@ -220,9 +227,8 @@ class LeasedReads:
         request = LeaseRequest(list(keys), prefix)
         session.counts["lease_renewals" if renewal else "lease_round_trips"] += 1
         reply = session.rpc.call(LEASE, request, response_type=LeaseReply)
-        if reply.busy and not renewal and self.release_cached():  # SSD blocks found no room
-            session.rpc.submit(RELEASE, ReleaseRequest([reply.lease_id] if reply.lease_id else []))
-            reply = session.rpc.call(LEASE, request, response_type=LeaseReply)
+        if reply.busy and not renewal:
+            reply = self._wait_for_room(request, reply)
         session.learn(reply.nodes)
         held = [
             (key, [Placement(n, o, block[0]) for n, o in block[1]], block[0])
@@ -242,6 +248,29 @@ class LeasedReads:
         if superseded:
             self.hand_back(superseded, wait=False)
         return lease, held
+
+    def _wait_for_room(self, request: LeaseRequest, reply: LeaseReply) -> LeaseReply:
+        """The lease found SSD-only blocks and no DRAM room to promote them into
+        (``busy``: every DRAM block there is leased or being written). Hand back
+        this client's own cached leases and ask again; while still busy, ask again
+        with backoff for up to ``BUSY_WAIT_S`` (other clients' cached leases end
+        within their hold, the janitor's hand-backs land) before the blocks count as
+        misses. Each superseded reply's lease goes back at once."""
+        session = self._session
+        give_up, pause = time.monotonic() + BUSY_WAIT_S, 0.005
+        while reply.busy:
+            if not self.release_cached():  # nothing of ours to free: give others time
+                left = give_up - time.monotonic()
+                if left <= 0:
+                    break
+                time.sleep(min(pause, left))
+                pause = min(2 * pause, 0.1)
+            elif time.monotonic() > give_up:
+                break
+            session.rpc.submit(RELEASE, ReleaseRequest([reply.lease_id] if reply.lease_id else []))
+            session.counts["lease_busy_retries"] += 1
+            reply = session.rpc.call(LEASE, request, response_type=LeaseReply)
+        return reply
 
     def _unpin(self, lease: CachedLease) -> None:
         with self._lock:

@@ -124,8 +124,9 @@ class RemotePool(LayerwiseMethods):
     def put(
         self, key: bytes, data: Buffer, *, parent: bytes | None = None, replicas: int = 1
     ) -> bool:
-        """Store ``data`` under ``key``; False if it is already stored (or if its
-        write failed twice, on the nodes the master chose: then nothing is visible)."""
+        """Store ``data`` under ``key``; False if it is already stored. Raises
+        ``PutFailedError`` if its write failed twice (on the nodes the master chose,
+        then on fresh allocations): then nothing is visible for it."""
         check_key(key)
         check_parent(parent)
         return self._put_regions([key], [data_region(data)], [parent], replicas)[0]
