@@ -145,6 +145,7 @@ def test_hot_blocks_are_renewed_off_the_read_path() -> None:
             assert wait_until(lambda: len(writer.stats()["nodes"]) == 1, timeout=15)
             keys = make_keys(6)
             writer.put_batch(keys, [payload(i) for i in range(6)])
+            writer.flush()  # another client reads next: the visibility rule's bound
             out = np.empty(BLOCK, np.uint8)
             assert reader.get_into(keys[5], out) == BLOCK  # read once (renewed once), then never
             end = time.monotonic() + 2.6
