@@ -1,6 +1,7 @@
 """A client process for the HA storm test: ``python ha_client.py URL ROLE ID SECONDS``.
 
-ROLE ``writer``: puts block ``ID-i`` (replicas=2) every 40 ms; ``reader``:
+ROLE ``writer``: puts block ``ID-i`` (replicas=2) every 40 ms, each a new key,
+so a put answering False (claiming the key is stored already) is an error; ``reader``:
 gets random blocks of writers 0 and 1 and checks their bytes. Prints one
 JSON object at the end: what was acknowledged, completion times
 (``time.monotonic``, system-wide on Linux), errors, wrong reads.

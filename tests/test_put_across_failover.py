@@ -54,6 +54,7 @@ def test_a_seal_refused_by_a_new_term_is_retried(cluster: Cluster, replicas: int
     master and answers True; the block reads back, also after another restart."""
     key = b"\x51" * 16
     with kvpool.connect(cluster.url, timeout=10, put_grant_bytes=0) as pool:
+        assert wait_until(lambda: len(pool.stats()["nodes"]) == 2, timeout=15)
         session = pool._session
         real = session.transport
         cut: list[str] = []
@@ -90,6 +91,7 @@ def test_a_commit_that_reaches_the_new_master_still_answers_true(cluster: Cluste
     put answers True and the bytes read back."""
     key = b"\x52" * 16
     with kvpool.connect(cluster.url, timeout=10, transport="tcp", put_grant_bytes=0) as pool:
+        assert wait_until(lambda: len(pool.stats()["nodes"]) == 2, timeout=15)
         link = pool._session.rpc
         real = link.call
         commits: list[Any] = []
@@ -106,5 +108,7 @@ def test_a_commit_that_reaches_the_new_master_still_answers_true(cluster: Cluste
             assert pool.put(key, payload(2), replicas=2) is True
         finally:
             link.call = real  # type: ignore[method-assign]
-        assert commits == [[False, False]]  # the new master never lent them
+        # The new master never lent them (one per replica written: under load a
+        # replica's write can fail and be left out, which the put tolerates).
+        assert len(commits) == 1 and commits[0] and not any(commits[0])
         assert read_back(pool, key, payload(2))

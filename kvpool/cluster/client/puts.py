@@ -4,6 +4,7 @@ Two-phase by design: bytes land in an allocated range first, then the master
 makes the key visible (``COMMIT``); a write that fails is revoked, so a block
 is never visible half-written. Allocation costs a master round trip unless a
 *grant* (space reserved earlier with no key, kvpool.cluster.client.grants) is in stock.
+The writes and their seals: kvpool.cluster.client.put_writes.
 
 Pipelined commits (the default; kvpool.cluster.client.commits has the rules):
 a put with ``replicas`` == 1 returns once its node holds the block whole with
@@ -33,17 +34,23 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
 from kvpool.bindings.buffers import Region, region_nbytes
-from kvpool.cluster.client import fenced
 from kvpool.cluster.client.claims import GrantClaims
 from kvpool.cluster.client.commits import Acked, CommitPipe
 from kvpool.cluster.client.grants import Grant, GrantStock, use_window
+from kvpool.cluster.client.put_writes import (
+    Sealing,
+    Writes,
+    Written,
+    wait_for_seals,
+    write_all,
+)
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.wire import (
     ALLOCATE,
@@ -57,15 +64,8 @@ from kvpool.cluster.wire import (
     KeysRequest,
 )
 from kvpool.errors import KVPoolError, PutFailedError
-from kvpool.transport.fencing import WriteStamp
 
-# (index into the batch, allocation or grant id, offset, master term, claimed ahead:
-# 0 if not, else the clock in ns read before that claim was sent)
-WriteItem = tuple[int, int, int, int, int]
 MINE_MAX = 1 << 16  # keys remembered as put by this client (own duplicates go synchronous)
-Writes = dict[str, list[WriteItem]]
-# seals in flight: (node id, batch indices, the call that waits for their statuses)
-Sealing = tuple[str, list[int], Callable[[], list[int]]]
 log = logging.getLogger("kvpool.cluster.client")
 
 
@@ -163,7 +163,7 @@ class RemotePutter:
             retry = self._commit(keys, parents, written, granted, stored) + lost
         sealed = False
         try:
-            retry += self._sealed(sealing, stored)
+            retry += wait_for_seals(sealing, stored)
             sealed = True
         finally:
             if pipelined:  # if the seals raised, the put raises: none of it was acked
@@ -315,60 +315,20 @@ class RemotePutter:
         regions: Sequence[Region],
         parents: Sequence[bytes | None],
         sizes: list[int],
-    ) -> tuple[list[tuple[WriteItem, str]], list[int], list[Sealing]]:
-        """Write every block, stamped with its allocation and key (one pipelined
-        exchange per node): (what was written, indices whose write failed or was
-        refused as stale, whose allocations are revoked; seals still in flight,
-        which overlap the commit: the bytes are in place already)."""
-        written, failed, lost, sealing = [], [], [], []
-        for node_id, items in writes.items():
-            stamped = [
-                (WriteStamp(epoch, alloc_id, off, sizes[i], keys[i], parents[i]), regions[i])
-                for i, alloc_id, off, epoch, _ in items
-            ]
-            claimed = {j: item[4] for j, item in enumerate(items) if item[4]}
-            try:
-                statuses, seals = self._session.write_blocks(node_id, stamped, claimed)
-            except TRANSFER_ERRORS:
-                failed += [item[1] for item in items]
-                lost += [item[0] for item in items]
-                self.forget_node(node_id)
-                continue
-            for item, status in zip(items, statuses, strict=True):
-                if status == fenced.OK:
-                    written.append((item, node_id))
-                else:  # stale or busy: that allocation can no longer be filled
-                    failed.append(item[1])
-                    lost.append(item[0])
-            if seals is not None:
-                sealing.append((node_id, [item[0] for item in items], seals))
-        self._revoke(failed)
-        return written, lost, sealing
-
-    def _sealed(self, sealing: list[Sealing], stored: list[bool]) -> list[int]:
-        """Wait for the seals: a put is acknowledged only once its node knows the
-        block is whole (then it outlives a master crash). Returns the indices
-        whose seal was refused (the node started a new master term since the
-        claim, or died): not acknowledged, to retry."""
-        refused = []
-        for node_id, indices, seals in sealing:
-            try:
-                statuses = seals()
-            except TRANSFER_ERRORS as exc:
-                statuses = [-1] * len(indices)
-                log.warning("node %s did not confirm seals: %s", node_id, exc)
-            for i, status in zip(indices, statuses, strict=True):
-                if status != fenced.OK and stored[i]:
-                    stored[i] = False  # committed, but its node may not re-register it
-                    refused.append(i)
-                    log.info("node %s refused a seal (new master term?): retried", node_id)
-        return refused
+    ) -> tuple[list[Written], list[int], list[Sealing]]:
+        """``write_all``, then forget the nodes that failed and revoke what the nodes
+        refused: (what was written, indices to retry, seals still in flight)."""
+        done = write_all(self._session, writes, keys, regions, parents, sizes)
+        for node_id in done.dead:
+            self.forget_node(node_id)
+        self._revoke(done.failed)
+        return done.written, done.lost, done.sealing
 
     def _commit(
         self,
         keys: Sequence[bytes],
         parents: Sequence[bytes | None],
-        written: list[tuple[WriteItem, str]],
+        written: list[Written],
         granted: set[int],
         stored: list[bool],
     ) -> list[int]:

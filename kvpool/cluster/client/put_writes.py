@@ -1,0 +1,105 @@
+"""The write half of a distributed put: stamped writes to each node, then their seals.
+
+``write_all`` writes every block of a batch to the nodes the master chose (or
+that a grant names), each stamped with its allocation and key (one pipelined
+exchange per node: kvpool.cluster.client.fenced). Same-host and UCX copies
+are sealed after the copy; those seals are left in flight so the caller can
+overlap them with the master's commit, and ``wait_for_seals`` collects them.
+
+Invariants:
+- a block is in ``written`` only if its node acknowledged the whole write
+  (TCP: the stamped write; same-host: the claim before the copy); a refused
+  or failed write lands in ``lost`` (to retry) and its allocation in
+  ``failed`` (to revoke, never commit);
+- a block counts as acknowledged only once its seal is confirmed too:
+  ``wait_for_seals`` returns the ones refused (the node started a new
+  master term since the claim, or died), which the caller retries.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from kvpool.bindings.buffers import Region
+from kvpool.cluster.client import fenced
+from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
+from kvpool.transport.fencing import WriteStamp
+
+# (index into the batch, allocation or grant id, offset, master term, claimed ahead:
+# 0 if not, else the clock in ns read before that claim was sent)
+WriteItem = tuple[int, int, int, int, int]
+#: node id -> the blocks to write there
+Writes = dict[str, list[WriteItem]]
+#: a block written whole, and the node holding it
+Written = tuple[WriteItem, str]
+#: seals in flight: (node id, batch indices, the call that waits for their statuses)
+Sealing = tuple[str, list[int], Callable[[], list[int]]]
+log = logging.getLogger("kvpool.cluster.client")
+
+
+@dataclass
+class WriteOutcome:
+    """What ``write_all`` did: see the module's invariants."""
+
+    written: list[Written] = field(default_factory=list)
+    lost: list[int] = field(default_factory=list)  # batch indices to retry
+    failed: list[int] = field(default_factory=list)  # allocation / grant ids to revoke
+    sealing: list[Sealing] = field(default_factory=list)
+    dead: list[str] = field(default_factory=list)  # nodes whose connection failed
+
+
+def write_all(
+    session: ClientSession,
+    writes: Writes,
+    keys: Sequence[bytes],
+    regions: Sequence[Region],
+    parents: Sequence[bytes | None],
+    sizes: list[int],
+) -> WriteOutcome:
+    """Write every block, stamped with its allocation and key (one pipelined
+    exchange per node); the seals stay in flight (the bytes are in place)."""
+    done = WriteOutcome()
+    for node_id, items in writes.items():
+        stamped = [
+            (WriteStamp(epoch, alloc_id, off, sizes[i], keys[i], parents[i]), regions[i])
+            for i, alloc_id, off, epoch, _ in items
+        ]
+        claimed = {j: item[4] for j, item in enumerate(items) if item[4]}
+        try:
+            statuses, seals = session.write_blocks(node_id, stamped, claimed)
+        except TRANSFER_ERRORS:
+            done.failed += [item[1] for item in items]
+            done.lost += [item[0] for item in items]
+            done.dead.append(node_id)
+            continue
+        for item, status in zip(items, statuses, strict=True):
+            if status == fenced.OK:
+                done.written.append((item, node_id))
+            else:  # stale or busy: that allocation can no longer be filled
+                done.failed.append(item[1])
+                done.lost.append(item[0])
+        if seals is not None:
+            done.sealing.append((node_id, [item[0] for item in items], seals))
+    return done
+
+
+def wait_for_seals(sealing: list[Sealing], stored: list[bool]) -> list[int]:
+    """Wait for the seals: a put is acknowledged only once its node knows the
+    block is whole (then it outlives a master crash). Clears ``stored`` of, and
+    returns, the indices whose seal was refused (the node started a new master
+    term since the claim, or died): not acknowledged, to retry."""
+    refused = []
+    for node_id, indices, seals in sealing:
+        try:
+            statuses = seals()
+        except TRANSFER_ERRORS as exc:
+            statuses = [-1] * len(indices)
+            log.warning("node %s did not confirm seals: %s", node_id, exc)
+        for i, status in zip(indices, statuses, strict=True):
+            if status != fenced.OK and stored[i]:
+                stored[i] = False  # committed, but its node may not re-register it
+                refused.append(i)
+                log.info("node %s refused a seal (new master term?): retried", node_id)
+    return refused
