@@ -138,11 +138,14 @@ class PutCommitError(KVPoolError):
 
 
 class PutFailedError(KVPoolError):
-    """Puts could not store their blocks, even after one retry on fresh allocations:
-    the nodes failed or refused the writes (a node died, or the cluster changed
-    master terms mid-put). Nothing was acknowledged and nothing is visible for
-    these keys: the put may simply be retried."""
+    """Puts could not store their blocks, retried on fresh allocations until the
+    failover deadline: the nodes failed or refused the writes (a node died, or
+    the cluster kept changing master terms). Nothing was acknowledged and nothing
+    is visible for these keys: the put may simply be retried."""
 
     def __init__(self, keys: Sequence[bytes], why: str) -> None:
         self.keys = list(keys)
-        super().__init__(f"{len(self.keys)} put(s) failed ({_keys_text(self.keys)}): {why}")
+        super().__init__(
+            f"{len(self.keys)} put(s) not stored after retries on fresh allocations "
+            f"({_keys_text(self.keys)}) within {why}"
+        )

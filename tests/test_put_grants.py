@@ -224,10 +224,10 @@ def test_a_failed_grant_write_is_retried_the_classic_way(
     check_bytes(pool, keys)
 
 
-def test_a_failed_classic_write_is_retried_once(
+def test_a_failed_classic_write_is_retried_until_the_failover_deadline(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    with kvpool.connect(cluster.url, timeout=5, put_grant_bytes=0) as p:
+    with kvpool.connect(cluster.url, timeout=5, put_grant_bytes=0, failover_s=1.0) as p:
         keys = make_keys(2, seed=18)
         real = p._session.transport
         calls: list[int] = []
@@ -246,9 +246,11 @@ def test_a_failed_classic_write_is_retried_once(
         monkeypatch.setattr(p._session, "transport", lambda node_id: Failing(real(node_id)))
         assert p.put(keys[0], payload(0)) is True and calls == [1, 1]
         _stored.append(keys[1])
-        with pytest.raises(PutFailedError) as failed:  # failed twice: nothing visible
+        started = time.monotonic()
+        with pytest.raises(PutFailedError) as failed:  # failing until the deadline
             p.put(keys[1], payload(1))
-        assert failed.value.keys == [keys[1]] and len(calls) == 4
+        assert failed.value.keys == [keys[1]] and len(calls) >= 4
+        assert 1.0 - 0.3 <= time.monotonic() - started < 1.0 + 2.0  # failover_s, not longer
         monkeypatch.undo()
         assert p.exists(keys) == [True, False]
         assert p.stats()["pending_allocations"] == pending == 0  # the failed ones were revoked

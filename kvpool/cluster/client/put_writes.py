@@ -13,7 +13,9 @@ Invariants:
   ``failed`` (to revoke, never commit);
 - a block counts as acknowledged only once its seal is confirmed too:
   ``wait_for_seals`` returns the ones refused (the node started a new
-  master term since the claim, or died), which the caller retries.
+  master term since the claim, or died), which the caller retries;
+- ``read_back`` returns a sealed block's bytes only through the node's
+  checked read: while that block still holds its range, never another's.
 """
 
 from __future__ import annotations
@@ -22,9 +24,13 @@ import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from kvpool.bindings.buffers import Region
 from kvpool.cluster.client import fenced
+from kvpool.cluster.client.commits import Acked
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
+from kvpool.errors import KVPoolError
 from kvpool.transport.fencing import WriteStamp
 
 # (index into the batch, allocation or grant id, offset, master term, claimed ahead:
@@ -103,3 +109,20 @@ def wait_for_seals(sealing: list[Sealing], stored: list[bool]) -> list[int]:
                 refused.append(i)
                 log.info("node %s refused a seal (new master term?): retried", node_id)
     return refused
+
+
+def read_back(session: ClientSession, items: Sequence[Acked]) -> list[np.ndarray | None]:
+    """The sealed bytes of acknowledged puts, read back from their nodes (to put
+    them again when their commit was refused); None where the node no longer
+    holds that block at its range, or cannot be reached."""
+    copies: list[np.ndarray | None] = []
+    for a in items:
+        staging = np.empty(a.size, np.uint8)
+        try:
+            control = session.control(a.node_id)
+            ok = control.read_blocks([(a.offset, staging, a.key, a.offset)])[0]
+        except (KeyError, KVPoolError, *TRANSFER_ERRORS) as exc:
+            log.warning("could not read back block %s: %s", a.key.hex()[:16], exc)
+            ok = False
+        copies.append(staging if ok else None)
+    return copies

@@ -17,15 +17,13 @@ Invariants:
 - a key's bytes are written (same-host: and sealed) before ``put`` answers True;
   its commit is sent (or queued behind the one in flight) before it returns; a
   failed write's allocation or grant is revoked, never committed;
-- ``put`` never answers for a key that holds no block (the store contract:
-  either way the key then holds exactly one). A block no commit made visible
-  (a grant or allocation the master no longer knows: expired, or a master
-  failover in between), one whose seal its node refused (it started a new
-  master term mid-put) and one whose write failed (its node died or
-  restarted) are retried once the classic way; after that a key found stored
-  answers True, and one still not stored raises ``PutFailedError``. A
-  pipelined commit the master refuses is settled by ``CommitPipe`` or raised,
-  never dropped silently;
+- ``put`` never answers for a key that holds no block (the store contract).
+  A block no commit made visible (its grant or allocation unknown to the
+  master: expired, or a failover in between), whose seal was refused (its node
+  started a new master term) or whose write failed is put again on fresh
+  allocations until stored or found stored, within the failover deadline;
+  then ``PutFailedError``. A pipelined commit the master refuses is settled by
+  ``CommitPipe`` or raised, never dropped silently;
 - puts with ``replicas`` > 1 allocate (grants are single placements), commit synchronously.
 """
 
@@ -38,8 +36,6 @@ from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import Any
 
-import numpy as np
-
 from kvpool.bindings.buffers import Region, region_nbytes
 from kvpool.cluster.client.claims import GrantClaims
 from kvpool.cluster.client.commits import Acked, CommitPipe
@@ -48,10 +44,11 @@ from kvpool.cluster.client.put_writes import (
     Sealing,
     Writes,
     Written,
+    read_back,
     wait_for_seals,
     write_all,
 )
-from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
+from kvpool.cluster.client.session import ClientSession
 from kvpool.cluster.wire import (
     ALLOCATE,
     COMMIT,
@@ -175,40 +172,51 @@ class RemotePutter:
             self._top_up(sizes[0])
         retry = sorted({i for i in retry if not stored[i]})  # a replica may have made it
         if retry and again:
-            redone, still, error2 = self.put_once(
-                [keys[i] for i in retry],
-                [regions[i] for i in retry],
-                [parents[i] for i in retry],
+            error = self._put_again(keys, regions, parents, replicas, retry, stored, full) or error
+        return stored, full, error
+
+    def _put_again(
+        self,
+        keys: Sequence[bytes],
+        regions: Sequence[Region],
+        parents: Sequence[bytes | None],
+        replicas: int,
+        indices: list[int],
+        stored: list[bool],
+        full: list[int],
+    ) -> str:
+        """Put ``indices`` again on fresh allocations until each is stored or found
+        stored (re-registered by its node after a failover, or another client's)
+        within the failover deadline, else ``PutFailedError``. Fills ``stored``
+        and ``full``; returns the master's reason for ``full``."""
+        rpc, error, pause = self._session.rpc, "", 0.02
+        give_up = time.monotonic() + rpc.deadline
+        while True:
+            redone, still, why = self.put_once(
+                [keys[i] for i in indices],
+                [regions[i] for i in indices],
+                [parents[i] for i in indices],
                 replicas,
                 use_grants=False,
                 again=False,
             )
-            for i, ok in zip(retry, redone, strict=True):
+            for i, ok in zip(indices, redone, strict=True):
                 stored[i] = ok
-            full += [retry[j] for j in still]
-            error = error or error2
-            self._check_retried(keys, [i for i in retry if not stored[i] and i not in full], stored)
-        return stored, full, error
-
-    def _check_retried(self, keys: Sequence[bytes], indices: list[int], stored: list[bool]) -> None:
-        """The retry of ``indices`` stored nothing: a key found stored now is stored
-        (the first attempt's block, re-registered by its node after a master
-        failover, or another client's); any other raises ``PutFailedError``, so a
-        put never answers for a key that holds no block."""
-        if not indices:
-            return
-        found = self._session.rpc.call(EXISTS, KeysRequest([keys[i] for i in indices]))
-        missing = []
-        for i, hit in zip(indices, found, strict=True):
-            stored[i] = bool(hit)
-            if not hit:
-                missing.append(keys[i])
-        if missing:
-            raise PutFailedError(
-                missing,
-                "not stored after a retry on fresh allocations (the nodes failed or refused "
-                "the writes, or another client is still putting the key)",
-            )
+            full += [indices[j] for j in still]
+            error = error or why
+            indices = [i for i in indices if not stored[i] and i not in full]
+            if indices:
+                found = rpc.call(EXISTS, KeysRequest([keys[i] for i in indices]))
+                for i, hit in zip(indices, found, strict=True):
+                    stored[i] = bool(hit)
+                indices = [i for i in indices if not stored[i]]
+            if not indices:
+                return error
+            if time.monotonic() + pause > give_up:
+                why = "nodes failed or refused the writes, or another client puts the key"
+                raise PutFailedError([keys[i] for i in indices], f"{rpc.deadline:g} s: {why}")
+            time.sleep(pause)
+            pause = min(2 * pause, 0.25)
 
     def forget_node(self, node_id: str) -> None:
         """The node's region changed or failed: its grants are useless now (the
@@ -373,26 +381,17 @@ class RemotePutter:
         holds its range), then a classic put. Per item (``commits.Recover``): True
         visible, None read back but not visible yet, False the bytes are gone."""
         session = self._session
-        keys, bufs, parents, held = [], [], [], []
-        for a in items:
-            staging = np.empty(a.size, np.uint8)
+        copies = read_back(session, items)
+        back = [(a, c) for a, c in zip(items, copies, strict=True) if c is not None]
+        if back:
+            keys, parents = [a.key for a, _ in back], [a.parent for a, _ in back]
             try:
-                control = session.control(a.node_id)
-                ok = control.read_blocks([(a.offset, staging, a.key, a.offset)])[0]
-            except (KeyError, KVPoolError, *TRANSFER_ERRORS) as exc:
-                log.warning("could not read back block %s: %s", a.key.hex()[:16], exc)
-                ok = False
-            if ok:
-                keys.append(a.key)
-                bufs.append(staging)
-                parents.append(a.parent)
-            held.append(ok)
-        if keys:
-            try:
+                bufs = [c for _, c in back]
                 stored, full, why = self.put_once(keys, bufs, parents, 1, use_grants=False)
                 if full or not all(stored):
                     log.info("recovery put: stored %s, no room for %s %s", stored, full, why)
             except PutFailedError as exc:  # not visible yet: the caller tries again
                 log.info("recovery put: %s", exc)
         found = session.rpc.call(EXISTS, KeysRequest([a.key for a in items]))
+        held = [c is not None for c in copies]
         return [True if f else (None if h else False) for f, h in zip(found, held, strict=True)]

@@ -125,8 +125,8 @@ class RemotePool(LayerwiseMethods):
         self, key: bytes, data: Buffer, *, parent: bytes | None = None, replicas: int = 1
     ) -> bool:
         """Store ``data`` under ``key``; False if it is already stored. Raises
-        ``PutFailedError`` if its write failed twice (on the nodes the master chose,
-        then on fresh allocations): then nothing is visible for it."""
+        ``PutFailedError`` if its writes kept failing until the failover deadline
+        (nodes died, or master failovers cut them): then nothing is visible for it."""
         check_key(key)
         check_parent(parent)
         return self._put_regions([key], [data_region(data)], [parent], replicas)[0]
