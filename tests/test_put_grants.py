@@ -61,6 +61,24 @@ def test_stock_gives_back_dropped_stale_and_remaining_grants() -> None:
     assert stock.drain() == [2] and len(stock) == 0 and stock.stale() == []
 
 
+def test_a_grant_too_old_to_take_is_handed_back_with_its_claim() -> None:
+    """``take`` skips a grant past its use window; ``stale`` then returns it, so the
+    janitor releases its claim on the node and revokes it. (Dropped silently, its
+    claim held the range for good: after a master restart made puts wait past their
+    grants' window, every later allocation there failed BUSY.)"""
+    stock = GrantStock()
+    stock.add(BLOCK, [grant(1, expires_in=0.05), grant(2)])
+    claiming = stock.to_claim()
+    assert [g.alloc_id for g, _ in claiming] == [1, 2]
+    assert stock.claimed(claiming, [True, True], at_ns=5) == []
+    time.sleep(0.06)
+    taken = stock.take(BLOCK)
+    assert taken is not None and taken.alloc_id == 2 and stock.was_claimed(2) == 5
+    assert stock.stale() == [1]
+    assert [(g.alloc_id, size) for g, size in stock.claims_of([1])] == [(1, BLOCK)]
+    assert stock.stale() == [] and len(stock) == 0
+
+
 def test_grant_budget_from_argument_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPOOL_PUT_GRANT_BYTES", "1048576")
     assert grant_budget() == 1 << 20 and grant_budget(0) == 0

@@ -88,6 +88,11 @@ class GrantStock:
                     if grant.alloc_id in self._claiming:
                         self._taken_while_claiming.add(grant.alloc_id)
                     return grant
+                # Too old to use: ``stale`` hands it to the janitor, which releases its
+                # claim on the node and revokes it (dropped here silently, its claim
+                # held the range for ever: every later claim there failed BUSY, seen
+                # after a master restart made puts wait past their grants' window).
+                self._dead.append(grant.alloc_id)
         return None
 
     def wants_refill(self, size: int) -> int:
