@@ -40,7 +40,7 @@ from kvpool.errors import (
     RemoteError,
 )
 from kvpool.rpc.auth import resolve_token
-from kvpool.rpc.frame import DEFAULT_MAX_FRAME, encode_frame, read_frame, tune_socket
+from kvpool.rpc.frame import DEFAULT_MAX_FRAME, FrameReader, encode_frame, tune_socket
 from kvpool.rpc.messages import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -51,7 +51,6 @@ from kvpool.rpc.messages import (
     WireMessage,
     decode_envelope,
     encode_envelope,
-    to_wire,
 )
 
 W = TypeVar("W", bound=WireMessage)
@@ -102,11 +101,12 @@ class RpcClient:
             raise ConnectionLostError(f"connect to {self.host}:{self.port} timed out") from exc
         except OSError as exc:
             raise ConnectionLostError(f"cannot connect to {self.host}:{self.port}: {exc}") from exc
+        reader = FrameReader(sock)
         try:
             tune_socket(sock)
             hello = Hello(version=PROTOCOL_VERSION, token=self.token, name=self.name)
             sock.sendall(encode_frame(encode_envelope(hello)))
-            body = read_frame(sock, max_frame=self.max_frame, idle_ok=False)
+            body = reader.read(max_frame=self.max_frame, idle_ok=False)
             if body is None:
                 raise ConnectionLostError(f"{self.host}:{self.port} closed during handshake")
             reply = decode_envelope(body)
@@ -128,13 +128,13 @@ class RpcClient:
         self.server_name = reply.server
         sock.settimeout(max(self.timeout, 1.0))  # paces the reader; sends time out with it
         self._sock = sock
-        threading.Thread(target=self._reader, args=(sock,), daemon=True).start()
+        threading.Thread(target=self._reader, args=(sock, reader), daemon=True).start()
 
-    def _reader(self, sock: socket.socket) -> None:
+    def _reader(self, sock: socket.socket, reader: FrameReader) -> None:
         reason = "connection closed by server"
         try:
             while True:
-                body = read_frame(sock, max_frame=self.max_frame, idle_ok=True)
+                body = reader.read(max_frame=self.max_frame, idle_ok=True)
                 if body is None:
                     break
                 msg = decode_envelope(body)
@@ -170,7 +170,7 @@ class RpcClient:
     def submit(self, method: str, params: Any = None) -> Future[Any]:
         """Send one request now; the Future resolves to its result (or raises)."""
         fut: Future[Any] = Future()
-        req = Request(next(self._ids), method, to_wire(params))
+        req = Request(next(self._ids), method, params)  # encoding walks params once
         frame = encode_frame(encode_envelope(req), max_frame=self.max_frame)
         with self._lock:
             if self._closed:

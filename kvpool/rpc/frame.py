@@ -10,7 +10,9 @@ Layout of one frame (network byte order)::
 
 Invariants:
 - a receiver never allocates more than ``max_frame`` bytes for a body: the
-  declared length is checked against it before any body byte is read;
+  declared length is checked against it before a body buffer is allocated
+  (a ``FrameReader`` may have read ahead into its fixed receive buffer, which
+  never grows);
 - a body is decoded with msgpack only (no ext hooks, no pickle); anything that
   is not a single map is a ``ProtocolError``;
 - ``read_frame`` returns ``None`` only on a clean EOF between frames; an EOF
@@ -42,9 +44,11 @@ def encode_frame(body: dict[str, Any], *, max_frame: int = DEFAULT_MAX_FRAME) ->
     return HEADER.pack(MAGIC, FRAME_VERSION, 0, len(payload)) + payload
 
 
-def parse_header(header: bytes, *, max_frame: int = DEFAULT_MAX_FRAME) -> int:
-    """Validate a frame header and return the body length."""
-    magic, version, flags, length = HEADER.unpack(header)
+def parse_header(
+    header: bytes | bytearray | memoryview, *, max_frame: int = DEFAULT_MAX_FRAME, offset: int = 0
+) -> int:
+    """Validate the frame header at ``header[offset:]`` and return the body length."""
+    magic, version, flags, length = HEADER.unpack_from(header, offset)
     if magic != MAGIC:
         raise ProtocolError(f"bad frame magic {magic!r} (expected {MAGIC!r})")
     if version != FRAME_VERSION:
@@ -67,25 +71,30 @@ def decode_body(payload: bytes | bytearray | memoryview) -> dict[str, Any]:
     return body
 
 
-def recv_exact(sock: socket.socket, view: memoryview, *, idle_ok: bool = False) -> bool:
+def recv_exact(
+    sock: socket.socket, view: memoryview, *, idle_ok: bool = False, stalled: int = 0
+) -> bool:
     """Fill ``view`` from ``sock``; False on clean EOF before the first byte.
 
     Before the first byte, a socket timeout is retried forever with
     ``idle_ok`` (an idle connection between frames) and propagates as
     ``TimeoutError`` otherwise. After the first byte, a whole socket timeout
     without progress means the peer stalled mid-frame: ConnectionLostError,
-    as is EOF mid-frame.
+    as is EOF mid-frame. ``stalled`` > 0: that many bytes of the frame came
+    before ``view`` (a timeout is then a stall from the first byte on).
     """
     got, n = 0, len(view)
     while got < n:
         try:
             k = sock.recv_into(view[got:], n - got)
         except TimeoutError:
-            if got == 0 and idle_ok:
+            if got == 0 and idle_ok and not stalled:
                 continue
-            if got == 0:
+            if got == 0 and not stalled:
                 raise
-            raise ConnectionLostError(f"peer stalled mid-frame ({got} of {n} B received)") from None
+            raise ConnectionLostError(
+                f"peer stalled mid-frame ({stalled + got} of {stalled + n} B received)"
+            ) from None
         except OSError as exc:
             raise ConnectionLostError(f"connection lost while receiving: {exc}") from exc
         if k == 0:
@@ -112,6 +121,90 @@ def read_frame(
     if not complete:
         raise ConnectionLostError("connection closed after a frame header (truncated frame)")
     return decode_body(payload)
+
+
+class FrameReader:
+    """Reads the frames of one socket through a fixed receive buffer.
+
+    ``read_frame`` costs two receive calls per frame (header, then body); a
+    control-plane frame is usually a few hundred bytes sent in one piece, so
+    one ``recv_into`` of up to ``buffer_size`` bytes brings it whole (and, when
+    calls are pipelined, the next frames too). A frame larger than the buffer
+    gets its own body buffer (after its length was checked against
+    ``max_frame``), filled from what was read ahead, then from the socket.
+
+    Same answers as ``read_frame``: None only on a clean EOF between frames;
+    EOF or a stall (a socket timeout without progress) after the first byte
+    of a frame is a ``ConnectionLostError``; a timeout before it is retried
+    with ``idle_ok`` and raised as ``TimeoutError`` otherwise. Not
+    thread-safe: one reader thread per socket.
+    """
+
+    def __init__(self, sock: socket.socket, *, buffer_size: int = 16384) -> None:
+        if buffer_size < HEADER_SIZE:
+            raise ValueError(f"buffer_size must be >= {HEADER_SIZE}")
+        self.sock = sock
+        self._buf = bytearray(buffer_size)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0  # unread bytes: _buf[_start:_end]
+
+    def read(
+        self, *, max_frame: int = DEFAULT_MAX_FRAME, idle_ok: bool = True
+    ) -> dict[str, Any] | None:
+        """The next frame's body, decoded; None on a clean EOF between frames."""
+        if self._end - self._start < HEADER_SIZE and not self._fill(HEADER_SIZE, idle_ok):
+            return None
+        length = parse_header(self._buf, max_frame=max_frame, offset=self._start)
+        start = self._start + HEADER_SIZE
+        total = HEADER_SIZE + length
+        if total <= len(self._buf):
+            if self._end - self._start < total:
+                self._fill(total, False)
+                start = self._start + HEADER_SIZE
+            self._start = start + length
+            with self._view[start : self._start] as body:
+                return decode_body(body)
+        payload = bytearray(length)  # a large frame: its own buffer, filled once
+        have = self._end - start
+        payload[:have] = self._view[start : self._end]
+        self._start = self._end = 0
+        if not recv_exact(self.sock, memoryview(payload)[have:], stalled=HEADER_SIZE + have):
+            raise ConnectionLostError(
+                f"connection closed mid-frame ({HEADER_SIZE + have} of {total} B received)"
+            )
+        return decode_body(payload)
+
+    def _fill(self, need: int, idle_ok: bool) -> bool:
+        """Read until ``need`` unread bytes are buffered (compacting first when they
+        would not fit); False on EOF before any byte of the frame."""
+        if self._start + need > len(self._buf):
+            unread = self._end - self._start
+            self._buf[:unread] = bytes(self._view[self._start : self._end])  # may overlap
+            self._start, self._end = 0, unread
+        elif self._start == self._end:
+            self._start = self._end = 0
+        while self._end - self._start < need:
+            got = self._end - self._start
+            try:
+                k = self.sock.recv_into(self._view[self._end :])
+            except TimeoutError:
+                if got == 0 and idle_ok:
+                    continue
+                if got == 0:
+                    raise
+                raise ConnectionLostError(
+                    f"peer stalled mid-frame ({got} of {need} B received)"
+                ) from None
+            except OSError as exc:
+                raise ConnectionLostError(f"connection lost while receiving: {exc}") from exc
+            if k == 0:
+                if got == 0:
+                    return False
+                raise ConnectionLostError(
+                    f"connection closed mid-frame ({got} of {need} B received)"
+                )
+            self._end += k
+        return True
 
 
 # --- socket helpers shared by every kvpool server and client ---------------------

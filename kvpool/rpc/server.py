@@ -36,10 +36,10 @@ from kvpool.errors import ConnectionLostError, FrameTooLargeError, KVPoolError, 
 from kvpool.rpc.auth import check_bind, resolve_token, token_matches
 from kvpool.rpc.frame import (
     DEFAULT_MAX_FRAME,
+    FrameReader,
     encode_frame,
     linger_close,
     listen,
-    read_frame,
     tune_socket,
 )
 from kvpool.rpc.messages import (
@@ -53,7 +53,6 @@ from kvpool.rpc.messages import (
     WireMessage,
     decode_envelope,
     encode_envelope,
-    to_wire,
 )
 
 log = logging.getLogger("kvpool.rpc")
@@ -98,12 +97,16 @@ class Connection:
 
     def __init__(self, sock: socket.socket, peer: Any, conn_id: int, max_frame: int) -> None:
         self.sock, self.peer, self.id, self.client_name = sock, peer, conn_id, ""
+        self.reader = FrameReader(sock)  # used by the connection's reader thread only
         self._max_frame = max_frame
         self._send_lock = threading.Lock()
         self.closed = False
 
     def send(self, msg: Envelope) -> None:
-        frame = encode_frame(encode_envelope(msg), max_frame=self._max_frame)
+        self.send_frame(encode_frame(encode_envelope(msg), max_frame=self._max_frame))
+
+    def send_frame(self, frame: bytes) -> None:
+        """Send one encoded frame whole (frames from several threads never interleave)."""
         with self._send_lock:
             self.sock.sendall(frame)
 
@@ -221,7 +224,7 @@ class RpcServer:
     def _handshake(self, conn: Connection) -> bool:
         conn.sock.settimeout(self.config.handshake_timeout)
         try:
-            body = read_frame(conn.sock, max_frame=self.config.hello_max_frame, idle_ok=False)
+            body = conn.reader.read(max_frame=self.config.hello_max_frame, idle_ok=False)
             if body is None:
                 return False
             hello = decode_envelope(body)
@@ -263,7 +266,7 @@ class RpcServer:
         slots = threading.BoundedSemaphore(self.config.max_in_flight)
         while not conn.closed:
             try:
-                body = read_frame(conn.sock, max_frame=self.config.max_frame, idle_ok=True)
+                body = conn.reader.read(max_frame=self.config.max_frame, idle_ok=True)
                 if body is None:
                     return
                 req = decode_envelope(body)
@@ -295,7 +298,7 @@ class RpcServer:
                 self._pool.submit(self._run, conn, later, req, slots)
                 slots = None  # that run releases it
                 return
-            reply = Response(req.id, to_wire(result))
+            reply = Response(req.id, result)  # encoded (and checked) by _send
         except ProtocolError as exc:
             reply = ErrorReply(req.id, "bad_params", str(exc), type(exc).__name__)
         except KVPoolError as exc:
@@ -310,9 +313,11 @@ class RpcServer:
 
     def _send(self, conn: Connection, reply: Envelope) -> None:
         try:
-            conn.send(reply)
-        except (TypeError, ValueError, KVPoolError) as exc:  # result not encodable
-            with contextlib.suppress(OSError):
-                conn.send(ErrorReply(reply.id, "internal", f"unencodable result: {exc}"))  # type: ignore[union-attr]
+            frame = encode_frame(encode_envelope(reply), max_frame=self.config.max_frame)
+        except Exception as exc:  # result not encodable (msgpack's TypeError, too large, ...)
+            error = ErrorReply(reply.id, "internal", f"unencodable result: {exc}")  # type: ignore[union-attr]
+            frame = encode_frame(encode_envelope(error), max_frame=self.config.max_frame)
+        try:
+            conn.send_frame(frame)
         except OSError:
             conn.close()
