@@ -169,6 +169,18 @@ def send_parts(sock: socket.socket, header: bytes, payload: memoryview | None) -
         sock.sendall(payload[done:])
 
 
+def send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    """Send every part, in order, with gather ``sendmsg`` calls (one, nearly always)."""
+    views = [memoryview(p) for p in parts]
+    while views:
+        sent = sock.sendmsg([v[:MAX_CHUNK] for v in views])
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
+
+
 def byte_view(arr: object) -> memoryview:
     """A flat unsigned-byte memoryview of a (host) buffer."""
     mv = memoryview(arr)  # type: ignore[arg-type]
