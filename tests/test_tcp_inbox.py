@@ -182,3 +182,62 @@ def test_transport_batches_read_while_other_connections_write(served) -> None:
         assert not errors, errors
     finally:
         tcp.close()
+
+
+def test_recv_scatter_fills_views_in_order_across_short_receives(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One receive nearly always; the loop after a short one (here: receives capped
+    by a tiny MAX_CHUNK) fills the rest in order; EOF midway raises."""
+    data = bytes(range(256)) * 4
+    a, b = socket.socketpair()
+    with a, b:
+        views = [memoryview(bytearray(n)) for n in (16, 0, 100, 908)]
+        a.sendall(data)
+        w.recv_scatter(b, list(views), len(data))
+        assert b"".join(bytes(v) for v in views) == data
+        monkeypatch.setattr(w, "MAX_CHUNK", 7)
+        views = [memoryview(bytearray(n)) for n in (16, 0, 100, 908)]
+        a.sendall(data)
+        w.recv_scatter(b, list(views), len(data))
+        assert b"".join(bytes(v) for v in views) == data
+        monkeypatch.undo()
+        a.sendall(data[:500])
+        a.shutdown(socket.SHUT_WR)
+        with pytest.raises(ConnectionLostError):
+            w.recv_scatter(b, [memoryview(bytearray(1024))], 1024)
+
+
+def test_a_refused_checked_read_answers_as_many_bytes_as_an_ok_one(served) -> None:
+    """Even for blocks shorter than the refusal's message: a pipeline of tiny
+    checked reads, refused and served, stays in sync (one scatter receive)."""
+    _, _, info = served
+    conn = DataConn("127.0.0.1", info.tcp_port, None, 5.0, info.tcp_instance)
+    try:
+        tiny = np.full(3, 9, np.uint8)
+        st = WriteStamp(EPOCH, 1, 0, 3, key(1)).pack()
+        assert conn.stamped_many([(w.OP_WRITE_FINAL, st, 0, tiny)]) == [w.ST_OK]
+        for rounds in range(70):  # every pad on the way
+            outs = [np.zeros(3, np.uint8) for _ in range(3)]
+            items = [(0, outs[0], IDENT.pack(key(2), 0)), (0, outs[1], IDENT.pack(key(1), 0))]
+            items.append((0, outs[2], IDENT.pack(key(1), 0)))
+            assert conn.read_blocks(items) == [False, True, True], rounds
+            assert (outs[1] == 9).all() and (outs[2] == 9).all()
+            assert conn.read_block(0, outs[0], IDENT.pack(key(3), 0)) is False
+            assert conn.read_block(0, outs[0], IDENT.pack(key(1), 0)) is True
+    finally:
+        conn.close()
+
+
+def test_send_all_keeps_the_stream_in_order_past_max_chunk(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(w, "MAX_CHUNK", 5)
+    parts: list[bytes | memoryview] = [b"abc", memoryview(bytes(range(40))), b"", b"xyz" * 9]
+    a, b = socket.socketpair()
+    with a, b:
+        w.send_all(a, list(parts))
+        want = b"".join(bytes(p) for p in parts)
+        got = bytearray(len(want))
+        w.recv_into_exact(b, memoryview(got))
+        assert bytes(got) == want

@@ -322,10 +322,9 @@ class TcpDataServer:
         held = None if fence is None else fence.begin_read(key, block_offset, offset, length)
         pad = -(sent + w.RESP.size) % w.ALIGN  # w.read_pad, inline
         if held is None:
-            fill = pad + length if offset + length <= self.size else 0
-            msg = _STALE_MSG.ljust(fill, b"\0")
-            sock.sendall(w.RESP.pack(w.ST_STALE, rid, len(msg)) + msg)
-            return w.RESP.size + len(msg)
+            reply = _stale_reply(rid, pad + length if offset + length <= self.size else 0)
+            sock.sendall(reply)
+            return len(reply)
         try:
             reply = w.READ_RESP.pack(w.ST_OK, pad, rid, length) + _ZEROS[:pad]
             w.send_parts(sock, reply, self._mv[offset : offset + length])
@@ -359,10 +358,9 @@ class TcpDataServer:
                 entry = None if begin is None else begin(key, block_offset, offset, length)
                 pad = -(sent + w.RESP.size) % w.ALIGN  # w.read_pad, inline
                 if entry is None:
-                    fill = pad + length if offset + length <= size else 0
-                    msg = _STALE_MSG.ljust(fill, b"\0")
-                    parts.append(w.RESP.pack(w.ST_STALE, rid, len(msg)) + msg)
-                    sent += w.RESP.size + len(msg)
+                    reply = _stale_reply(rid, pad + length if offset + length <= size else 0)
+                    parts.append(reply)
+                    sent += len(reply)
                 else:
                     held.append(entry)
                     parts.append(w.READ_RESP.pack(w.ST_OK, pad, rid, length) + _ZEROS[:pad])
@@ -397,6 +395,15 @@ class TcpDataServer:
         return self._error(
             sock, w.ST_STALE, rid, "stale write: the range belongs to a newer allocation"
         )
+
+
+def _stale_reply(rid: int, fill: int) -> bytes:
+    """A refused checked read's reply: its message cut or NUL-filled to ``fill``
+    bytes (the pad + payload of an ok reply), so the reply is exactly as long as
+    an ok one and a client may place every reply of a pipeline before any
+    arrives (``fill`` 0, a range outside the region: the whole message)."""
+    msg = _STALE_MSG[:fill].ljust(fill, b"\0") if fill else _STALE_MSG
+    return w.RESP.pack(w.ST_STALE, rid, len(msg)) + msg
 
 
 def _request_extra(op: int) -> int:
