@@ -43,9 +43,7 @@ from kvpool.transport.tcp_inbox import Inbox
 log = logging.getLogger("kvpool.transport.tcp")
 _ZEROS = bytes(w.ALIGN)
 _STALE_MSG = b"that block no longer holds this range"
-#: Checked reads answered with one gather send, at most: requests (two iovecs
-#: each, far below IOV_MAX) and payload bytes (past ~1 MiB a syscall per reply
-#: costs nothing measurable, and a smaller group holds fewer entries at once).
+#: Checked reads one gather send answers, at most: requests, payload bytes so far
 GATHER_MAX, GATHER_BYTES = 64, 1 << 20
 _BLOCK_REQ = w.REQ.size + IDENT.size  # a checked read's request: REQ + IDENT
 
@@ -230,7 +228,7 @@ class TcpDataServer:
                 op, pad, rid, offset, length = unpack_from(buf, inbox.take(req_size))
             except ConnectionLostError:
                 return False
-            received += req_size + _request_extra(op)
+            received += req_size + (STAMP.size if op in w.STAMPED_OPS else 0)
             if op in w.PAYLOAD_OPS:
                 if pad != w.write_pad(received):
                     self._error(sock, w.ST_BAD_OP, rid, "data stream out of sync (write pad)")
@@ -312,8 +310,10 @@ class TcpDataServer:
         return self._fence_reply(sock, rid, status)
 
     def _read_block(self, sock: socket.socket, inbox: Inbox, sent: int) -> int:
-        """The checked read at the head of ``inbox``, alone (``_read_blocks`` of one,
-        without its lists: the hot path of single reads); the bytes sent."""
+        """The checked read at the head of ``inbox``, alone (the single-read hot path:
+        ``_read_blocks`` without its lists); the bytes sent. Served only while the
+        named block holds the range, its entry held until the send ends; else
+        ``ST_STALE`` as long as an ok reply."""
         buf = inbox.buf
         at = inbox.take(_BLOCK_REQ)
         _, _, rid, offset, length = w.REQ.unpack_from(buf, at)
@@ -335,14 +335,9 @@ class TcpDataServer:
         return len(reply) + length
 
     def _read_blocks(self, sock: socket.socket, inbox: Inbox, sent: int) -> tuple[int, int]:
-        """Checked reads (READ_BLOCK + IDENT): the one at the head of ``inbox`` and
-        each whole one already buffered behind it (a pipelined batch; at most
-        ``GATHER_MAX`` of them, joining while the payloads so far are under
-        ``GATHER_BYTES``), answered with one gather send; (bytes sent, bytes
-        received). A read is served only while the named block holds the range,
-        and its entry is held (no newer claim takes the range) until its bytes
-        are sent; otherwise ``ST_STALE``, padded to the length of an ok reply (a
-        client scatters each reply of a pipeline into buffers of that size)."""
+        """The checked read at the head of ``inbox`` and each whole one buffered behind
+        it (a pipelined batch, up to GATHER_*), answered with one gather send; each
+        entry held until the send ends; (bytes sent, bytes received)."""
         buf, fence, size = inbox.buf, self.fence, self.size
         req_unpack, ident_unpack = w.REQ.unpack_from, IDENT.unpack_from
         begin = None if fence is None else fence.begin_read
@@ -398,16 +393,7 @@ class TcpDataServer:
 
 
 def _stale_reply(rid: int, fill: int) -> bytes:
-    """A refused checked read's reply: its message cut or NUL-filled to ``fill``
-    bytes (the pad + payload of an ok reply), so the reply is exactly as long as
-    an ok one and a client may place every reply of a pipeline before any
-    arrives (``fill`` 0, a range outside the region: the whole message)."""
+    """A refused checked read's reply, its message cut or NUL-filled to ``fill`` (an
+    ok reply's pad + payload: as long as an ok reply; 0: the whole message)."""
     msg = _STALE_MSG[:fill].ljust(fill, b"\0") if fill else _STALE_MSG
     return w.RESP.pack(w.ST_STALE, rid, len(msg)) + msg
-
-
-def _request_extra(op: int) -> int:
-    """Bytes a request carries between its REQ and its pad / payload."""
-    if op == w.OP_READ_BLOCK:
-        return IDENT.size
-    return STAMP.size if op in w.STAMPED_OPS else 0

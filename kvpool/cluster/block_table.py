@@ -37,27 +37,18 @@ Invariants (all under one lock):
   (placeholder key) has its record cleared before it is granted; a record
   naming it (claimed, not aborted) is adopted as a ``SEAL`` would be, and a
   new term aborts it only once past its deadline + margin (waits for that).
-
-Reads (``begin_read`` / ``end_read``) are the node's hottest path: every TCP
-or UCX read takes and gives back its entry. They take the plain lock (no
-``Condition`` method calls) and wake waiters only when some thread waits:
-``_waiting`` counts the threads inside ``_wait`` (a newer claim waiting for a
-read or write in flight, ``take_over``, ``new_term``), always changed under
-the lock, so an ``end_read`` that sees 0 has no one to wake (a waiter counts
-itself before it releases the lock to wait, and rechecks after it wakes).
 """
 
 from __future__ import annotations
 
 import bisect
 import dataclasses
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.cluster.block_entry import CLAIMED, COMMITTED, NO_KEY, WRITTEN, Entry
+from kvpool.cluster.block_entry import CLAIMED, COMMITTED, NO_KEY, WRITTEN, Entry, Waits
 from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, FENCE_STALE, WriteStamp
 from kvpool.transport.shm_ident import BlockIdents
 from kvpool.transport.shm_seal import SealRecords, now_ns
@@ -83,9 +74,8 @@ class BlockTable:
         self.claim_wait = claim_wait
         self.epoch = 0  # the term served now (0: none, every claim is stale)
         self.highest = 0  # the highest term ever served (a lower master is stale)
-        self._lock = threading.Lock()  # guards everything below; never re-entered
-        self._cond = threading.Condition(self._lock)
-        self._waiting = 0  # threads inside _wait (end_read notifies only if > 0)
+        self._waits = Waits()  # reads take its plain lock; end_read notifies only if waited on
+        self._lock, self._cond = self._waits.lock, self._waits.cond
         self._entries: dict[int, Entry] = {}
         self._offsets: list[int] = []  # sorted keys of _entries
         self._owners: dict[object, Counter[Entry]] = {}
@@ -122,7 +112,7 @@ class BlockTable:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return FENCE_BUSY
-                self._wait(left)
+                self._waits.wait(left)
 
     def finish(
         self, stamp: WriteStamp, owner: object, *, ok: bool, seal: bool, any_owner: bool = False
@@ -156,16 +146,14 @@ class BlockTable:
     def begin_read(self, key: bytes, block_offset: int, offset: int, length: int) -> Any:
         """The whole block ``key`` at ``block_offset`` covering the range, held (no
         newer claim takes it) until ``end_read``; None if the range holds
-        something else now (the reader's lease is from an older placement).
-        Never waits (only for the lock)."""
+        something else now (the reader's lease is from an older placement)."""
         with self._lock:
             entry = self._entries.get(block_offset)
-            if entry is None:
-                return None
-            if entry.granted_ns:  # a claim sealable in shared memory: sealed by now?
+            if entry is not None:
                 self._adopt_sealed(entry)
             if (
-                entry.stamp.key != key
+                entry is None
+                or entry.stamp.key != key
                 or entry.state == CLAIMED
                 or entry.aborted
                 or not entry.stamp.covers(offset, length)
@@ -175,14 +163,12 @@ class BlockTable:
             return entry
 
     def end_read(self, entry: Any) -> None:
-        """Give back a read's hold; wakes the waiters (a newer claim of the range,
-        ``take_over``) only when there are any."""
         with self._lock:
             entry.inflight -= 1
-            if entry.aborted:
-                self._settle(entry)
-            if self._waiting:
-                self._cond.notify_all()
+            self._settle(entry)
+            self._waits.notify_all()
+
+    waiting = property(lambda self: self._waits.waiting, doc="threads waiting in the table now")
 
     # -- terms, registration, heartbeat events -----------------------------------------
 
@@ -207,7 +193,7 @@ class BlockTable:
                 ]
                 if not waiting:
                     break
-                self._wait((min(waiting) + d.hold_ns + d.margin_ns - now) / 1e9 + 0.001)
+                self._waits.wait((min(waiting) + d.hold_ns + d.margin_ns - now) / 1e9 + 0.001)
             for entry in list(self._entries.values()):
                 if entry.state == CLAIMED:
                     entry.aborted = True
@@ -292,7 +278,7 @@ class BlockTable:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._wait(left)
+                self._waits.wait(left)
             for entry in overlapped:
                 self._remove(entry)
             self._cond.notify_all()
@@ -314,20 +300,6 @@ class BlockTable:
             return None if entry is None else entry.state
 
     # -- helpers (under the lock) -------------------------------------------------------
-
-    def _wait(self, timeout: float) -> None:
-        """Wait (lock released) for a notify or ``timeout`` seconds, counted in
-        ``_waiting`` so that ``end_read`` knows to notify."""
-        self._waiting += 1
-        try:
-            self._cond.wait(timeout)
-        finally:
-            self._waiting -= 1
-
-    @property
-    def waiting(self) -> int:
-        """Threads waiting now for reads or writes in flight (or seal deadlines)."""
-        return self._waiting
 
     def _seal(self, entry: Entry, stamp: WriteStamp) -> None:
         """Whole: no write of it in flight (a claim taken ahead ends too); key named."""
