@@ -30,6 +30,8 @@ from kvpool.errors import CallTimeoutError, ConnectionLostError, HandshakeRefuse
 from kvpool.transport import tcp_wire as w
 
 _ZEROS = bytes(w.ALIGN)
+#: Replies one scatter receive takes at most (two iovecs each, far below IOV_MAX).
+SCATTER_REPLIES = 64
 
 
 class DataConn:
@@ -89,14 +91,15 @@ class DataConn:
             raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")
         return int(length)
 
-    def _recv_read(self, rid: int, payload: memoryview) -> None:
+    def _recv_read(self, rid: int, payload: memoryview, flags: int = 0) -> None:
         """One READ reply: header, pad, payload in one scatter ``recvmsg_into``. The
         buffers are exactly the expected lengths, so an ok reply never over-reads
-        into the next one."""
+        into the next one. ``MSG_WAITALL`` in ``flags`` (checked reads, whose every
+        reply is at least as long as an ok one): one syscall for the whole reply."""
         n, h = payload.nbytes, w.RESP.size
         pad = -(self._received + h) % w.ALIGN  # w.read_pad, inline: the hot path
         hdr = self._resp_mv[: h + pad]
-        got = self.sock.recvmsg_into([hdr, payload] if n else [hdr])[0]
+        got = self.sock.recvmsg_into([hdr, payload] if n else [hdr], 0, flags)[0]
         if got == 0:
             raise ConnectionLostError("peer closed the data connection")
         if got < h:
@@ -143,20 +146,28 @@ class DataConn:
             self._recv_read(rid, w.byte_view(host))
 
     def read_block(self, offset: int, host: np.ndarray, ident: bytes) -> bool:
-        """One checked read (``read_blocks`` of one, without its lists)."""
+        """One checked read (``read_blocks`` of one, without its lists) into ``host``,
+        a flat contiguous uint8 array (``plain_host``)."""
         self._rid = rid = (self._rid + 1) & 0xFFFFFFFF  # _next_rid, inline: the hot path
         request = w.REQ.pack(w.OP_READ_BLOCK, 0, rid, offset, host.nbytes) + ident
         self.sock.sendall(request)
         self._sent += len(request)
         try:
-            self._recv_read(rid, w.byte_view(host))
+            self._recv_read(rid, memoryview(host), socket.MSG_WAITALL)  # type: ignore[arg-type]
         except RemoteError:  # the error reply was read whole: the stream is in sync
             return False
         return True
 
     def read_blocks(self, plan: list[tuple[int, Any, bytes]]) -> list[bool]:
         """Checked reads (offset, host region, packed IDENT), pipelined: per read,
-        True, or False when the node no longer holds that block there."""
+        True, or False when the node no longer holds that block there.
+
+        Every reply to a checked read is exactly as long as an ok one (a refusal
+        is padded, see tcp_server), so where each header, pad and payload lands
+        is known before any arrives: the replies are received with scatter
+        ``recvmsg_into(MSG_WAITALL)`` calls of up to ``SCATTER_REPLIES`` replies
+        each (one syscall for a batch, instead of one or more per reply), then
+        each header is checked."""
         rids = [self._next_rid() for _ in plan]
         requests = b"".join(
             w.REQ.pack(w.OP_READ_BLOCK, 0, rid, off, host.nbytes) + ident
@@ -164,13 +175,46 @@ class DataConn:
         )
         self.sock.sendall(requests)
         self._sent += len(requests)
+        found: list[bool] = []
+        for at in range(0, len(plan), SCATTER_REPLIES):
+            part = plan[at : at + SCATTER_REPLIES]
+            found += self._recv_replies(rids[at : at + SCATTER_REPLIES], [h for _, h, _ in part])
+        return found
+
+    def _recv_replies(self, rids: list[int], hosts: list[Any]) -> list[bool]:
+        """The replies to pipelined checked reads into ``hosts``, in one scatter
+        receive; per reply True, or False when refused (ST_STALE)."""
+        h, align = w.RESP.size, w.ALIGN
+        step = h + align  # room for a header and its largest pad, per reply
+        heads = memoryview(bytearray(step * len(hosts)))
+        views, pads = [], []
+        received = first = self._received
+        for i, host in enumerate(hosts):
+            pad = -(received + h) % align  # w.read_pad, inline
+            views.append(heads[i * step : i * step + h + pad])
+            if host.nbytes:
+                views.append(w.byte_view(host))
+            pads.append(pad)
+            received += h + pad + host.nbytes
+        w.recv_scatter(self.sock, views, received - first)
         found = []
-        for rid, (_, host, _) in zip(rids, plan, strict=True):
-            try:
-                self._recv_read(rid, w.byte_view(host))
+        unpack = w.RESP.unpack_from
+        for i, (rid, pad, host) in enumerate(zip(rids, pads, hosts, strict=True)):
+            status, got_rid, length = unpack(heads, i * step)
+            if got_rid != rid:
+                raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")
+            if status == w.ST_OK:
+                if length != host.nbytes or heads[i * step + 1] != pad:
+                    raise ConnectionLostError(f"data stream out of sync (reply {rid}: {length} B)")
                 found.append(True)
-            except RemoteError:  # the error reply was read whole: the stream is in sync
-                found.append(False)
+                continue
+            if length != pad + host.nbytes:  # an error not padded like an ok reply
+                raise ConnectionLostError("data stream out of sync (short error reply)")
+            if status != w.ST_STALE:
+                msg = bytes(heads[i * step + h : i * step + h + pad]) + bytes(w.byte_view(host))
+                raise RemoteError("data", msg.rstrip(b"\0").decode(errors="replace"))
+            found.append(False)
+        self._received = received
         return found
 
     def stamped_many(self, plan: list[tuple[int, bytes, int, Any]]) -> list[int]:

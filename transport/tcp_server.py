@@ -38,9 +38,14 @@ from kvpool.transport.fencing import (
     WriteFence,
     WriteStamp,
 )
+from kvpool.transport.tcp_inbox import Inbox
 
 log = logging.getLogger("kvpool.transport.tcp")
 _ZEROS = bytes(w.ALIGN)
+_STALE_MSG = b"that block no longer holds this range"
+#: Checked reads one gather send answers, at most: requests, payload bytes so far
+GATHER_MAX, GATHER_BYTES = 64, 1 << 20
+_BLOCK_REQ = w.REQ.size + IDENT.size  # a checked read's request: REQ + IDENT
 
 
 class TcpDataServer:
@@ -190,31 +195,40 @@ class TcpDataServer:
         """Serve requests; False when the peer hung up, True after a fatal protocol error.
 
         ``sent`` counts every byte sent on the connection: it fixes each READ's pad;
-        ``received`` every byte received: it fixes each WRITE's pad.
+        ``received`` every byte received: it fixes each WRITE's pad. Requests come
+        out of an ``Inbox`` (one recv for a request, or for a pipelined batch).
         """
-        head = bytearray(w.REQ.size)
-        hview = memoryview(head)
+        inbox = Inbox(sock)
+        buf = inbox.buf
         skip = memoryview(bytearray(w.ALIGN))
-        unpack, req_size, recv_into = w.REQ.unpack, w.REQ.size, sock.recv_into
-        read_block, block_req = w.OP_READ_BLOCK, w.REQ.size + IDENT.size
+        unpack_from, req_size = w.REQ.unpack_from, w.REQ.size
+        read_block, block_req = w.OP_READ_BLOCK, _BLOCK_REQ
+        batch = 2 * block_req  # two checked reads buffered whole: serve them as a batch
         while True:
-            try:
-                got = recv_into(hview)  # one recv fills the header nearly always
-            except BlockingIOError:
-                continue  # write_timeout passed with no request: an idle client, keep it
-            if got < req_size:
-                if not got:
-                    return False  # the peer hung up
+            if inbox.start == inbox.end:  # nothing buffered: wait for the next request
                 try:
-                    w.recv_into_exact(sock, hview[got:])
+                    if not inbox.recv_more():
+                        return False  # the peer hung up
+                except BlockingIOError:
+                    continue  # write_timeout passed with no request: an idle client, keep it
+            if buf[inbox.start] == read_block:  # the common request first, fewest steps
+                try:
+                    start = inbox.start
+                    if inbox.end - start < batch or buf[start + block_req] != read_block:
+                        sent += self._read_block(sock, inbox, sent)  # one alone
+                        received += block_req
+                    else:  # a pipelined batch: one gather send for those here whole
+                        n_sent, n_received = self._read_blocks(sock, inbox, sent)
+                        sent += n_sent
+                        received += n_received
                 except ConnectionLostError:
                     return False
-            op, pad, rid, offset, length = unpack(head)
-            if op == read_block:  # the common request first, with the fewest steps
-                received += block_req
-                sent += self._read_block(sock, rid, offset, length, sent)
                 continue
-            received += req_size + _request_extra(op)
+            try:
+                op, pad, rid, offset, length = unpack_from(buf, inbox.take(req_size))
+            except ConnectionLostError:
+                return False
+            received += req_size + (STAMP.size if op in w.STAMPED_OPS else 0)
             if op in w.PAYLOAD_OPS:
                 if pad != w.write_pad(received):
                     self._error(sock, w.ST_BAD_OP, rid, "data stream out of sync (write pad)")
@@ -225,7 +239,7 @@ class TcpDataServer:
                 sent += w.RESP.size
                 continue
             if op in w.STAMPED_OPS:
-                n = self._stamped(sock, op, rid, offset, length, sent, skip[:pad])
+                n = self._stamped(sock, inbox, op, rid, offset, length, skip[:pad])
                 if n is None:
                     return True
                 sent += n
@@ -254,7 +268,7 @@ class TcpDataServer:
                 sent += len(reply) + length
                 self.bytes_read += length
             else:
-                w.recv_padded(sock, skip[:pad], span)
+                inbox.read_into(skip[:pad], span)
                 sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
                 sent += w.RESP.size
                 self.bytes_written += length
@@ -262,21 +276,17 @@ class TcpDataServer:
     def _stamped(
         self,
         sock: socket.socket,
+        inbox: Inbox,
         op: int,
         rid: int,
         offset: int,
         length: int,
-        sent: int,
         pad: memoryview,
     ) -> int | None:
-        """One fenced op: the bytes it sent back, or None after a fatal error (the
-        stream is unusable). ``sent`` (bytes sent so far) fixes a checked READ's pad;
-        ``pad`` receives a write's pad bytes."""
-        if op == w.OP_READ_BLOCK:
-            return self._read_block(sock, rid, offset, length, sent)
-        raw = bytearray(STAMP.size)
-        w.recv_into_exact(sock, memoryview(raw))
-        stamp = WriteStamp.unpack(raw)
+        """One fenced write op (its STAMP next in ``inbox``): the bytes it sent back,
+        or None after a fatal error (the stream is unusable). ``pad`` receives a
+        write's pad bytes."""
+        stamp = WriteStamp.unpack(inbox.buf[(at := inbox.take(STAMP.size)) : at + STAMP.size])
         payload = length if op in (w.OP_WRITE_FINAL, w.OP_WRITE_PART) else 0
         fence = self.fence
         if fence is None:
@@ -292,31 +302,29 @@ class TcpDataServer:
         status = fence.claim(stamp, sock)
         if status != FENCE_OK or op == w.OP_CLAIM:
             if op in w.PAYLOAD_OPS:
-                _drain(sock, pad.nbytes + payload)
+                inbox.discard(pad.nbytes + payload)
             return self._fence_reply(sock, rid, status)
-        w.recv_padded(sock, pad, self._mv[offset : offset + length])  # <= write_timeout stalls
+        inbox.read_into(pad, self._mv[offset : offset + length])  # <= write_timeout stalls
         status = fence.finish(stamp, sock, ok=True, seal=op == w.OP_WRITE_FINAL)
         self.bytes_written += length
         return self._fence_reply(sock, rid, status)
 
-    def _read_block(
-        self, sock: socket.socket, rid: int, offset: int, length: int, sent: int
-    ) -> int:
-        """A READ served only while the named block holds the range (padded like
-        READ); the bytes sent. The hot path of every checked read: one recv of the
-        IDENT, one gather send of header + pad + payload."""
-        raw = bytearray(IDENT.size)
-        w.recv_into_exact(sock, memoryview(raw))  # one recv: the IDENT came with its REQ
-        key, block_offset = IDENT.unpack(raw)
+    def _read_block(self, sock: socket.socket, inbox: Inbox, sent: int) -> int:
+        """The checked read at the head of ``inbox``, alone (the single-read hot path:
+        ``_read_blocks`` without its lists); the bytes sent. Served only while the
+        named block holds the range, its entry held until the send ends; else
+        ``ST_STALE`` as long as an ok reply."""
+        buf = inbox.buf
+        at = inbox.take(_BLOCK_REQ)
+        _, _, rid, offset, length = w.REQ.unpack_from(buf, at)
+        key, block_offset = IDENT.unpack_from(buf, at + w.REQ.size)
         fence = self.fence
         held = None if fence is None else fence.begin_read(key, block_offset, offset, length)
         pad = -(sent + w.RESP.size) % w.ALIGN  # w.read_pad, inline
         if held is None:
-            # As long as an ok reply: a client reading a pipeline of checked reads
-            # scatters each reply into buffers of that size, and a shorter reply
-            # would spill the next one's bytes into them.
-            fill = pad + length if offset + length <= self.size else 0
-            return self._error(sock, w.ST_STALE, rid, "that block no longer holds this range", fill)
+            reply = _stale_reply(rid, pad + length if offset + length <= self.size else 0)
+            sock.sendall(reply)
+            return len(reply)
         try:
             reply = w.READ_RESP.pack(w.ST_OK, pad, rid, length) + _ZEROS[:pad]
             w.send_parts(sock, reply, self._mv[offset : offset + length])
@@ -325,6 +333,50 @@ class TcpDataServer:
             assert fence is not None
             fence.end_read(held)
         return len(reply) + length
+
+    def _read_blocks(self, sock: socket.socket, inbox: Inbox, sent: int) -> tuple[int, int]:
+        """The checked read at the head of ``inbox`` and each whole one buffered behind
+        it (a pipelined batch, up to GATHER_*), answered with one gather send; each
+        entry held until the send ends; (bytes sent, bytes received)."""
+        buf, fence, size = inbox.buf, self.fence, self.size
+        req_unpack, ident_unpack = w.REQ.unpack_from, IDENT.unpack_from
+        begin = None if fence is None else fence.begin_read
+        block_req, read_block = _BLOCK_REQ, w.OP_READ_BLOCK
+        parts: list[bytes | memoryview] = []
+        held: list[Any] = []
+        first, nbytes, count = sent, 0, 0
+        try:
+            while True:
+                at = inbox.take(block_req)
+                _, _, rid, offset, length = req_unpack(buf, at)
+                key, block_offset = ident_unpack(buf, at + w.REQ.size)
+                entry = None if begin is None else begin(key, block_offset, offset, length)
+                pad = -(sent + w.RESP.size) % w.ALIGN  # w.read_pad, inline
+                if entry is None:
+                    reply = _stale_reply(rid, pad + length if offset + length <= size else 0)
+                    parts.append(reply)
+                    sent += len(reply)
+                else:
+                    held.append(entry)
+                    parts.append(w.READ_RESP.pack(w.ST_OK, pad, rid, length) + _ZEROS[:pad])
+                    parts.append(self._mv[offset : offset + length])
+                    sent += w.RESP.size + pad + length
+                    nbytes += length
+                count += 1
+                if (
+                    count >= GATHER_MAX
+                    or nbytes >= GATHER_BYTES
+                    or inbox.end - inbox.start < block_req
+                    or buf[inbox.start] != read_block
+                ):
+                    break
+            w.send_all(sock, parts)
+            self.bytes_read += nbytes
+        finally:
+            for entry in held:
+                assert fence is not None
+                fence.end_read(entry)
+        return sent - first, count * block_req
 
     def _fence_reply(self, sock: socket.socket, rid: int, status: int) -> int:
         """The fence's verdict as a reply; the bytes sent."""
@@ -340,17 +392,8 @@ class TcpDataServer:
         )
 
 
-def _request_extra(op: int) -> int:
-    """Bytes a request carries between its REQ and its pad / payload."""
-    if op == w.OP_READ_BLOCK:
-        return IDENT.size
-    return STAMP.size if op in w.STAMPED_OPS else 0
-
-
-def _drain(sock: socket.socket, n: int) -> None:
-    """Read and discard ``n`` payload bytes (a refused write keeps the stream in sync)."""
-    scratch = memoryview(bytearray(min(n, 1 << 20)))
-    while n:
-        k = min(n, scratch.nbytes)
-        w.recv_into_exact(sock, scratch[:k])
-        n -= k
+def _stale_reply(rid: int, fill: int) -> bytes:
+    """A refused checked read's reply, its message cut or NUL-filled to ``fill`` (an
+    ok reply's pad + payload: as long as an ok reply; 0: the whole message)."""
+    msg = _STALE_MSG[:fill].ljust(fill, b"\0") if fill else _STALE_MSG
+    return w.RESP.pack(w.ST_STALE, rid, len(msg)) + msg

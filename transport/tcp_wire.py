@@ -21,7 +21,10 @@ Then any number of requests, answered strictly in order:
   write made another way (same-host shared memory, UCX). A refused stamp
   gets ``ST_STALE`` or ``ST_BUSY`` (its pad and payload are drained: the
   connection stays usable); ``READ_BLOCK`` (+ ``IDENT``) is a READ answered ``ST_STALE``
-  when the range no longer holds the named block;
+  when the range no longer holds the named block, that refusal exactly as long as
+  an ok reply (its message cut or NUL-filled to the ok reply's pad + payload), so a
+  client places every reply of a pipeline of checked reads before any arrives (one
+  scatter receive); a server may answer a batch of them with one gather send;
 - ``RESP`` (status, request id, length); for an ok READ or READ_BLOCK ``pad``
   zero bytes (``RESP``'s second byte, 0-63) and then ``length`` payload bytes
   follow; for an error, ``length`` bytes of UTF-8 message follow (no pad).
@@ -167,6 +170,52 @@ def send_parts(sock: socket.socket, header: bytes, payload: memoryview | None) -
     done = sent - len(header)
     if done < payload.nbytes:
         sock.sendall(payload[done:])
+
+
+def recv_scatter(sock: socket.socket, views: list[memoryview], total: int) -> None:
+    """Fill every view (``total`` bytes in all), in order, with scatter
+    ``recvmsg_into(MSG_WAITALL)`` calls: one, unless a timeout or a signal cuts it
+    short or it is over ``MAX_CHUNK``; EOF -> ConnectionLostError."""
+    if total <= MAX_CHUNK:
+        got = sock.recvmsg_into(views, 0, socket.MSG_WAITALL)[0]
+        if got == total:
+            return
+    else:
+        got = 0
+    while True:  # the rest, after a short receive
+        while views and got >= views[0].nbytes:
+            got -= views[0].nbytes
+            views.pop(0)
+        if not views:
+            return
+        views[0] = views[0][got:]
+        got = sock.recvmsg_into(_iov(views), 0, socket.MSG_WAITALL)[0]
+        if got == 0:
+            raise ConnectionLostError(f"peer closed the data connection ({total} B expected)")
+
+
+def send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    """Send every part, in order, with gather ``sendmsg`` calls (one, nearly always)."""
+    views = [memoryview(p) for p in parts]
+    while views:
+        sent = sock.sendmsg(_iov(views))
+        while views and sent >= views[0].nbytes:
+            sent -= views[0].nbytes
+            views.pop(0)
+        if sent:
+            views[0] = views[0][sent:]
+
+
+def _iov(views: list[memoryview]) -> list[memoryview]:
+    """The views one scatter/gather call may take: up to the first over ``MAX_CHUNK``,
+    cut to it (the views after it wait: the stream's bytes stay in order)."""
+    out = []
+    for v in views:
+        if v.nbytes > MAX_CHUNK:
+            out.append(v[:MAX_CHUNK])
+            break
+        out.append(v)
+    return out
 
 
 def byte_view(arr: object) -> memoryview:

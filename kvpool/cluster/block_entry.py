@@ -6,6 +6,7 @@ the node), ``COMMITTED`` (the master made it visible, or it was re-registered).
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,3 +29,27 @@ class Entry:
         """As a registration reports it: [key, offset, size, checksum, parent]."""
         s = self.stamp
         return [s.key, s.offset, s.size, self.checksum, s.parent]
+
+
+class Waits:
+    """The block table's lock and condition, counting the threads that wait on it
+    (a newer claim for a read or write in flight, ``take_over``, ``new_term``):
+    ``notify_all`` is skipped when none waits, so ending a read (the node's hot
+    path) costs one plain lock. The count changes only under the lock: a waiter
+    counts itself before ``wait`` releases it, and rechecks after it wakes."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # never re-entered
+        self.cond = threading.Condition(self.lock)
+        self.waiting = 0
+
+    def wait(self, timeout: float) -> None:
+        self.waiting += 1
+        try:
+            self.cond.wait(timeout)
+        finally:
+            self.waiting -= 1
+
+    def notify_all(self) -> None:
+        if self.waiting:
+            self.cond.notify_all()

@@ -43,13 +43,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.cluster.block_entry import CLAIMED, COMMITTED, NO_KEY, WRITTEN, Entry
+from kvpool.cluster.block_entry import CLAIMED, COMMITTED, NO_KEY, WRITTEN, Entry, Waits
 from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, FENCE_STALE, WriteStamp
 from kvpool.transport.shm_ident import BlockIdents
 from kvpool.transport.shm_seal import SealRecords, now_ns
@@ -75,7 +74,8 @@ class BlockTable:
         self.claim_wait = claim_wait
         self.epoch = 0  # the term served now (0: none, every claim is stale)
         self.highest = 0  # the highest term ever served (a lower master is stale)
-        self._cond = threading.Condition()
+        self._waits = Waits()  # reads take its plain lock; end_read notifies only if waited on
+        self._lock, self._cond = self._waits.lock, self._waits.cond
         self._entries: dict[int, Entry] = {}
         self._offsets: list[int] = []  # sorted keys of _entries
         self._owners: dict[object, Counter[Entry]] = {}
@@ -112,7 +112,7 @@ class BlockTable:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return FENCE_BUSY
-                self._cond.wait(left)
+                self._waits.wait(left)
 
     def finish(
         self, stamp: WriteStamp, owner: object, *, ok: bool, seal: bool, any_owner: bool = False
@@ -147,7 +147,7 @@ class BlockTable:
         """The whole block ``key`` at ``block_offset`` covering the range, held (no
         newer claim takes it) until ``end_read``; None if the range holds
         something else now (the reader's lease is from an older placement)."""
-        with self._cond:
+        with self._lock:
             entry = self._entries.get(block_offset)
             if entry is not None:
                 self._adopt_sealed(entry)
@@ -163,10 +163,12 @@ class BlockTable:
             return entry
 
     def end_read(self, entry: Any) -> None:
-        with self._cond:
+        with self._lock:
             entry.inflight -= 1
             self._settle(entry)
-            self._cond.notify_all()
+            self._waits.notify_all()
+
+    waiting = property(lambda self: self._waits.waiting, doc="threads waiting in the table now")
 
     # -- terms, registration, heartbeat events -----------------------------------------
 
@@ -191,7 +193,7 @@ class BlockTable:
                 ]
                 if not waiting:
                     break
-                self._cond.wait((min(waiting) + d.hold_ns + d.margin_ns - now) / 1e9 + 0.001)
+                self._waits.wait((min(waiting) + d.hold_ns + d.margin_ns - now) / 1e9 + 0.001)
             for entry in list(self._entries.values()):
                 if entry.state == CLAIMED:
                     entry.aborted = True
@@ -276,7 +278,7 @@ class BlockTable:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._cond.wait(left)
+                self._waits.wait(left)
             for entry in overlapped:
                 self._remove(entry)
             self._cond.notify_all()
