@@ -188,7 +188,7 @@ def test_a_changed_node_region_drops_its_grants(pool: RemotePool) -> None:
     assert all(g.node_id != node_id for q in stock._stock.values() for g in q)
     dropped = stock.stale()
     assert set(mine) <= set(dropped)
-    pool._putter._revoke(dropped)  # what the janitor does with them
+    pool._putter.supply.revoke(dropped)  # what the janitor does with them
     pool._session.learn({node_id: region})
 
 

@@ -183,6 +183,11 @@ class GrantStock:
             found = self._claimed.pop(alloc_id, None)
             return 0 if found is None else max(1, found[2])
 
+    def claimed_in_stock(self) -> int:
+        """How many grants in stock hold their node's claim already."""
+        with self._lock:
+            return sum(g.alloc_id in self._claimed for s in self._stock.values() for g in s)
+
     def claims_of(self, ids: list[int]) -> list[tuple[Grant, int]]:
         """Remove and return the claims held by these (dropped) grants."""
         with self._lock:

@@ -3,14 +3,15 @@
 Two-phase by design: bytes land in an allocated range first, then the master
 makes the key visible (``COMMIT``); a write that fails is revoked, so a block
 is never visible half-written. Allocation costs a master round trip unless a
-*grant* (space reserved earlier with no key, kvpool.cluster.client.grants) is in stock.
-The writes and their seals: kvpool.cluster.client.put_writes.
+*grant* (space reserved earlier with no key, kvpool.cluster.client.grant_supply)
+is in stock. The writes and their seals: kvpool.cluster.client.put_writes.
 
 Pipelined commits (the default; kvpool.cluster.client.commits has the rules):
 a put with ``replicas`` == 1 returns once its node holds the block whole with
 its key (what makes it outlive a master crash); its ``COMMIT`` is answered in
 the background, so a put with a grant in stock costs the node's round trip
-only. A put of a key this client already put goes the synchronous way and
+only (same host: none, when its claim was taken ahead and the seal goes in shared
+memory). A put of a key this client already put goes the synchronous way and
 answers exactly; ``pipelined=False`` (or ``replicas`` > 1) commits synchronously.
 
 Invariants:
@@ -33,13 +34,14 @@ import contextlib
 import logging
 import time
 from collections.abc import Sequence
-from concurrent.futures import Future
-from typing import Any
+
+import numpy as np
 
 from kvpool.bindings.buffers import Region, region_nbytes
-from kvpool.cluster.client.claims import GrantClaims
+from kvpool.cluster.client import fenced
 from kvpool.cluster.client.commits import Acked, CommitPipe
-from kvpool.cluster.client.grants import Grant, GrantStock, use_window
+from kvpool.cluster.client.grant_supply import GrantSupply
+from kvpool.cluster.client.grants import Grant
 from kvpool.cluster.client.put_writes import (
     Sealing,
     Writes,
@@ -48,19 +50,19 @@ from kvpool.cluster.client.put_writes import (
     wait_for_seals,
     write_all,
 )
-from kvpool.cluster.client.session import ClientSession
+from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.wire import (
     ALLOCATE,
     COMMIT,
     EXISTS,
-    REVOKE,
     AllocateReply,
     AllocateRequest,
     CommitRequest,
-    IdsRequest,
     KeysRequest,
 )
-from kvpool.errors import KVPoolError, PutFailedError
+from kvpool.errors import PutFailedError
+from kvpool.transport.fencing import WriteStamp
+from kvpool.transport.shm import ShmTransport
 
 MINE_MAX = 1 << 16  # keys remembered as put by this client (own duplicates go synchronous)
 log = logging.getLogger("kvpool.cluster.client")
@@ -72,12 +74,12 @@ class RemotePutter:
     def __init__(self, session: ClientSession, grant_bytes: int, pipelined: bool = True) -> None:
         self._session = session
         self.pipelined = pipelined
-        self.grants = GrantStock(grant_bytes)
-        self._claims = GrantClaims(session, self.grants)
+        self.supply = GrantSupply(session, grant_bytes)
+        self.grants = self.supply.stock
         self.commits = CommitPipe(session.rpc, self._recover, session.rpc.deadline)
         self._mine: dict[bytes, None] = {}  # insertion-ordered, bounded by MINE_MAX
         self.late_commits = 0  # pipelined puts committed synchronously: grant window passed
-        session.on_region_change(self.forget_node)
+        session.on_region_change(self.supply.forget_node)
 
     def put(
         self,
@@ -90,10 +92,69 @@ class RemotePutter:
         docstring); raises ``PutCommitError`` first for earlier puts known lost."""
         self.commits.check()
         pipelined = self.pipelined and replicas == 1
+        if pipelined and len(keys) == 1 and (one := self._put_one(keys[0], regions[0], parents[0])):
+            return one
         if pipelined and any(k in self._mine for k in keys):
             self.commits.flush()  # its earlier commit decides the exact answer
             pipelined = False
         return self.put_once(keys, regions, parents, replicas, pipelined=pipelined)
+
+    def _put_one(
+        self, key: bytes, region: Region, parent: bytes | None
+    ) -> tuple[list[bool], list[int], str] | None:
+        """``put_once`` of one new key, pipelined, in fewer steps: the common single
+        put. None (nothing done) unless a grant is in stock; a same-host block
+        whose grant holds its claim and whose node publishes seal records is
+        written here (the same calls and checks as ``put_once`` takes for it, in
+        the same order), anything else goes to ``put_once`` with the grant."""
+        if key in self._mine or not self.supply.enabled:
+            return None
+        size = region_nbytes(region)
+        taken = self.supply.take(size)
+        if taken is None:
+            return None
+        grant, claimed_at = taken
+        node_id, session = grant.node_id, self._session
+        data = session.transport(node_id)
+        seals = session.seals(node_id) if claimed_at > 1 and type(region) is np.ndarray else None
+        if seals is None or type(data) is not ShmTransport:
+            return self.put_once([key], [region], [parent], 1, pipelined=True, taken=taken)
+        stamp = WriteStamp(grant.epoch, grant.alloc_id, grant.offset, size, key, parent)
+        try:
+            control = session.control(node_id)
+            items = [(stamp, grant.offset, region)]
+            ok, sealing = fenced.write_blocks_begin(
+                data, control, items, {0: claimed_at}, seals, session.counts
+            )
+        except TRANSFER_ERRORS:
+            ok = None
+        stored, retry = [ok == [fenced.OK]], [0]
+        if not stored[0]:  # as ``write_all`` + ``_write``: put again on fresh allocations
+            if ok is None:
+                self.supply.forget_node(node_id)
+            self.supply.revoke([grant.alloc_id])
+        elif time.monotonic() > grant.expires:  # as in ``put_once``: commit now
+            self.late_commits += 1
+            written = [((0, grant.alloc_id, grant.offset, grant.epoch, claimed_at), node_id)]
+            retry = self._commit([key], [parent], written, {0}, stored)
+            if sealing is not None:
+                retry += wait_for_seals([(node_id, [0], sealing)], stored)
+        else:
+            acked = [Acked(key, parent, grant.alloc_id, node_id, grant.offset, size, True)]
+            self.commits.send(acked)
+            sealed = False
+            try:
+                retry = [] if sealing is None else wait_for_seals([(node_id, [0], sealing)], stored)
+                sealed = True
+            finally:
+                self.commits.answered(acked, [] if sealed and stored[0] else [grant.alloc_id])
+            if stored[0]:
+                self._remember([key])
+        full = list[int]()
+        if stored[0] or not retry:
+            self.supply.top_up(size)
+            return stored, full, ""
+        return stored, full, self._put_again([key], [region], [parent], 1, [0], stored, full)
 
     def forget_key(self, key: bytes) -> None:
         """This client removed ``key``: a put of it is no longer an own duplicate."""
@@ -108,29 +169,34 @@ class RemotePutter:
         use_grants: bool = True,
         again: bool = True,
         pipelined: bool = False,
+        taken: tuple[Grant, int] | None = None,
     ) -> tuple[list[bool], list[int], str]:
         """(stored per key, indices that found no room, the master's reason).
 
         ``again``: retry, once and without grants, what this pass could not
         finish (a forgotten grant, or a write whose node failed). ``pipelined``:
         send the commit without waiting for it (``replicas`` must be 1).
+        ``taken``: the first key's grant, taken from the stock already.
         """
         if not keys:
             return [], [], ""
         sizes = [region_nbytes(r) for r in regions]
-        use_grants = use_grants and replicas == 1 and self.grants.budget_bytes > 0
+        use_grants = use_grants and replicas == 1 and self.supply.enabled
         writes: Writes = {}
         granted: set[int] = set()
         rest = []
         use_by = float("inf")  # the earliest use deadline of the grants taken
         for i, size in enumerate(sizes):
-            grant = self._take(size) if use_grants else None
-            if grant is None:
+            if i == 0 and taken is not None:
+                got: tuple[Grant, int] | None = taken
+            else:
+                got = self.supply.take(size) if use_grants else None
+            if got is None:
                 rest.append(i)
             else:
+                grant, claimed = got
                 granted.add(i)
                 use_by = min(use_by, grant.expires)
-                claimed = self.grants.was_claimed(grant.alloc_id)
                 item = (i, grant.alloc_id, grant.offset, grant.epoch, claimed)
                 writes.setdefault(grant.node_id, []).append(item)
         full: list[int] = []
@@ -169,7 +235,7 @@ class RemotePutter:
         if pipelined:
             self._remember([keys[i] for i, ok in enumerate(stored) if ok])
         if use_grants and not rest:  # after the commit: the master is not kept from it
-            self._top_up(sizes[0])
+            self.supply.top_up(sizes[0])
         retry = sorted({i for i in retry if not stored[i]})  # a replica may have made it
         if retry and again:
             error = self._put_again(keys, regions, parents, replicas, retry, stored, full) or error
@@ -218,42 +284,15 @@ class RemotePutter:
             time.sleep(pause)
             pause = min(2 * pause, 0.25)
 
-    def forget_node(self, node_id: str) -> None:
-        """The node's region changed or failed: its grants are useless now (the
-        janitor revokes them: this may run on the RPC reader thread)."""
-        self.grants.forget_node(node_id)
-
-    def revoke_stale(self) -> None:
-        stale = self.grants.stale()
-        self._claims.release(stale)
-        self._revoke(stale)
-
     def close(self) -> None:
         """Flush the pipelined commits (``PutCommitError`` for puts lost), then give
         back the grants."""
         try:
             self.commits.close()
         finally:
-            self._close_grants()
-
-    def _close_grants(self) -> None:
-        self.grants.settle(timeout=1.0)
-        self._claims.close()
-        unused = self.grants.drain()
-        self._claims.release(unused)
-        self._revoke(unused)
+            self.supply.close()
 
     # -- helpers --------------------------------------------------------------------
-
-    def _take(self, size: int) -> Grant | None:
-        """A grant whose node still has the region it was granted in."""
-        regions = self._session.regions
-        while (grant := self.grants.take(size)) is not None:
-            if regions.get(grant.node_id) == grant.region:
-                return grant
-            self._claims.release([grant.alloc_id])  # never revoke a range still claimed
-            self._revoke([grant.alloc_id])
-        return None
 
     def _allocate(
         self,
@@ -267,7 +306,7 @@ class RemotePutter:
     ) -> tuple[list[int], str]:
         """Allocate ``rest`` (asking for spare grants on the way); adds to ``writes``."""
         spare_size = sizes[rest[0]]
-        spare = self.grants.wants_refill(spare_size) if use_grants else 0
+        spare = self.supply.wants(spare_size) if use_grants else 0
         request = AllocateRequest(
             [keys[i] for i in rest],
             [sizes[i] for i in rest],
@@ -277,44 +316,11 @@ class RemotePutter:
             spare_size=spare_size if spare else 0,
         )
         reply = self._session.rpc.call(ALLOCATE, request, response_type=AllocateReply)
-        self._absorb_reply(spare_size, reply)
+        self.supply.absorb(spare_size, reply)
         for i, placements in zip(rest, reply.placements, strict=True):
             for alloc_id, node_id, offset in placements or ():
                 writes.setdefault(node_id, []).append((i, alloc_id, offset, reply.epoch, False))
         return [rest[j] for j in reply.full], reply.error
-
-    def _top_up(self, size: int) -> None:
-        """Ask for more grants of ``size`` without waiting, when the stock runs low."""
-        want = self.grants.wants_refill(size)
-        if not want:
-            return
-        request = AllocateRequest([], [], [], spare=want, spare_size=size)
-        try:
-            fut = self._session.rpc.submit(ALLOCATE, request)
-        except KVPoolError:
-            return  # the next put allocates the classic way
-        self.grants.refilling(size, fut, lambda f: self._refilled(size, f))
-
-    def _refilled(self, size: int, fut: Future[Any]) -> None:
-        """Runs on the RPC reader thread: stock the grants (cheap, no calls)."""
-        reply = None
-        with contextlib.suppress(Exception):
-            reply = AllocateReply.from_dict(fut.result(timeout=0))
-        if reply is None:
-            self.grants.add(size, [], fut)
-        else:
-            self._absorb_reply(size, reply, fut)
-
-    def _absorb_reply(
-        self, size: int, reply: AllocateReply, fut: Future[Any] | None = None
-    ) -> None:
-        self._session.learn(reply.nodes)
-        expires = time.monotonic() + use_window(reply.spare_ttl)
-        regions = self._session.regions
-        grants = [Grant(a, n, o, regions.get(n), expires, reply.epoch) for a, n, o in reply.spares]
-        self.grants.add(size, grants, fut)
-        if grants:
-            self._claims.claim_soon()  # same-host puts then skip their claim
 
     def _write(
         self,
@@ -328,8 +334,8 @@ class RemotePutter:
         refused: (what was written, indices to retry, seals still in flight)."""
         done = write_all(self._session, writes, keys, regions, parents, sizes)
         for node_id in done.dead:
-            self.forget_node(node_id)
-        self._revoke(done.failed)
+            self.supply.forget_node(node_id)
+        self.supply.revoke(done.failed)
         return done.written, done.lost, done.sealing
 
     def _commit(
@@ -359,11 +365,6 @@ class RemotePutter:
             if not ok and not (ok is False and i in granted):
                 retry.append(i)
         return retry
-
-    def _revoke(self, ids: list[int]) -> None:
-        if ids:
-            with contextlib.suppress(KVPoolError):
-                self._session.rpc.submit(REVOKE, IdsRequest(ids))
 
     # -- pipelined commits -----------------------------------------------------------
 

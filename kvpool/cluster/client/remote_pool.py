@@ -380,7 +380,7 @@ class RemotePool(LayerwiseMethods):
             with contextlib.suppress(KVPoolError, OSError):
                 self._reads.renew_hot(2 * interval)
                 self._reads.hand_back_due()
-                self._putter.revoke_stale()
+                self._putter.supply.revoke_stale()
                 self._putter.commits.settle()  # refused commits: visible within a tick
 
     def _contribute(self, master: str, dram_bytes: int) -> Any:

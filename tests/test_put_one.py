@@ -1,0 +1,162 @@
+"""The single same-host put's short path (``RemotePutter._put_one``, issue 17), with
+real master and node processes.
+
+A single put of a new key whose grant holds its claim and whose node publishes
+seal records takes the short path: copy, seal record, commit handed to the
+pipe. These tests hold that it is taken, that it makes no round trip on the
+writer's thread, and that each way it can fail ends as ``put_once`` would: the
+grant is given back and the block is put again, so ``put`` answers True and
+the bytes read back (the store contract: after ``put`` returns, the key holds
+a block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+import pytest
+from clusterhelpers import Cluster, start_cluster, wait_until
+
+import kvpool
+import kvpool.cluster.client.puts as puts_module
+from kvpool.cluster.client import fenced
+
+BLOCK = 256 << 10
+
+
+def payload(i: int) -> np.ndarray:
+    return np.random.default_rng(5200 + i).integers(0, 256, BLOCK, dtype=np.uint8)
+
+
+def key(i: int) -> bytes:
+    return bytes([0x60 + i]) * 16
+
+
+@pytest.fixture
+def cluster() -> Iterator[Cluster]:
+    c = start_cluster(["16MiB"])
+    yield c
+    c.stop()
+
+
+def writer_with_claimed_grants(cluster: Cluster) -> kvpool.RemotePool:
+    """A same-host writer whose stock holds grants claimed on their node."""
+    pool = kvpool.connect(cluster.url, timeout=10)
+    assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
+    assert pool.put(b"\x5f" * 16, payload(99))  # allocates, and asks for grants
+    assert pool.stats()["transport"] == "shm"
+    stock = pool._putter.grants
+    assert wait_until(lambda: stock.claimed_in_stock() > 2, timeout=10)
+    return pool
+
+
+def reads_back(cluster: Cluster, k: bytes, data: np.ndarray) -> bool:
+    with kvpool.connect(cluster.url, timeout=10) as reader:
+        out = np.empty(BLOCK, np.uint8)
+        return reader.get_into(k, out) == BLOCK and np.array_equal(out, data)
+
+
+def test_a_single_same_host_put_makes_no_round_trip_on_the_writers_thread(
+    cluster: Cluster,
+) -> None:
+    with writer_with_claimed_grants(cluster) as pool:
+        session = pool._session
+        calls: list[str] = []
+        real_call, real_control = session.rpc.call, session.control
+
+        def call(method: str, *args: Any, **kwargs: Any) -> Any:
+            calls.append(method)
+            return real_call(method, *args, **kwargs)
+
+        session.rpc.call = call  # type: ignore[method-assign]
+        session.control = lambda n: calls.append("control") or real_control(n)  # type: ignore[method-assign,func-returns-value]
+        shm_seals = session.counts["seals_shm"]
+        try:
+            assert pool.put(key(1), payload(1)) is True
+        finally:
+            session.rpc.call = real_call  # type: ignore[method-assign]
+            session.control = real_control  # type: ignore[method-assign]
+        # the control transport is looked up (for a late seal), never used
+        assert [c for c in calls if c != "control"] == []
+        assert session.counts["seals_shm"] == shm_seals + 1
+        pool.flush()
+        assert reads_back(cluster, key(1), payload(1))
+        assert pool.put(key(1), payload(2)) is False  # its own duplicate: exact answer
+
+
+@pytest.mark.parametrize("failure", ["connection", "copy"])
+def test_a_failed_short_path_write_gives_its_grant_back_and_puts_again(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, failure: str
+) -> None:
+    """The node's connection breaks (the node releases the claim it held), or the
+    copy itself fails (the write fence releases the claim): the grant is revoked,
+    never committed, and the block is put again on a fresh allocation."""
+    with writer_with_claimed_grants(cluster) as pool:
+        supply = pool._putter.supply
+        revoked: list[int] = []
+        real_revoke = supply.revoke
+        monkeypatch.setattr(supply, "revoke", lambda ids: revoked.extend(ids) or real_revoke(ids))
+        real_write = fenced.write_blocks_begin
+        failed: list[int] = []
+
+        def write_blocks_begin(data: Any, control: Any, items: Any, *args: Any) -> Any:
+            if failed:
+                return real_write(data, control, items, *args)
+            stamp = items[0][0]
+            failed.append(stamp.alloc_id)
+            if failure == "connection":
+                fenced.release_quietly(control, [stamp])  # what the node does on a broken link
+                raise ConnectionResetError("injected")
+            broken = FailingCopy(data)
+            return real_write(broken, control, items, *args)
+
+        monkeypatch.setattr(puts_module.fenced, "write_blocks_begin", write_blocks_begin)
+        assert pool.put(key(2), payload(2)) is True
+        monkeypatch.undo()
+        assert failed and failed[0] in revoked
+        pool.flush()
+        assert reads_back(cluster, key(2), payload(2))
+
+
+class FailingCopy:
+    """A data transport whose copies fail (``OSError``, as a closed mapping would)."""
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+
+    def write_many(self, plan: list) -> None:
+        raise OSError("injected: the copy failed")
+
+
+def test_a_short_path_put_cut_by_a_master_restart_after_its_copy_is_stored(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The master restarts between the copy and the seal record: the node's new
+    term aborts the claim once its seal deadline passed, the late seal is refused,
+    and the put is made again on the new master. It answers True; the bytes read
+    back, also after another restart (the retried block was sealed)."""
+    with writer_with_claimed_grants(cluster) as pool:
+        node_id = next(iter(pool._session.regions))
+        data = pool._session.transport(node_id)
+        real_write_many = data.write_many
+        cut: list[str] = []
+
+        def write_many(plan: list) -> None:
+            real_write_many(plan)
+            if not cut:
+                cut.append("restarted")
+                cluster.restart_master()
+                with kvpool.connect(cluster.url, timeout=10) as probe:
+                    assert wait_until(lambda: len(probe.stats()["nodes"]) == 1, timeout=15)
+
+        monkeypatch.setattr(data, "write_many", write_many)
+        assert pool.put(key(3), payload(3)) is True
+        monkeypatch.undo()
+        assert cut == ["restarted"]
+        assert reads_back(cluster, key(3), payload(3))
+        cluster.restart_master()
+        with kvpool.connect(cluster.url, timeout=10) as probe:
+            assert wait_until(lambda: probe.exists([key(3)]) == [True], timeout=15)
+        assert reads_back(cluster, key(3), payload(3))
