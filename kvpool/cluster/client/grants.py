@@ -35,7 +35,7 @@ from typing import Any
 
 DEFAULT_GRANT_BYTES = 64 << 20  # per client and block size
 MAX_STOCK = 64  # grants per block size, at most
-MIN_STOCK = 16  # grants per block size where the budget allows
+MIN_STOCK = 32  # grants per block size where the budget allows (a refill lasts 16 puts)
 STOCK_BYTES = 4 << 20  # small blocks: stock this many bytes (a refill lasts ~1 ms at 64 KiB)
 MAX_USE_S = 1.0  # below the master's default re-join grace (2 s)
 
