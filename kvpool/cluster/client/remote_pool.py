@@ -129,7 +129,9 @@ class RemotePool(LayerwiseMethods):
         (nodes died, or master failovers cut them): then nothing is visible for it."""
         check_key(key)
         check_parent(parent)
-        return self._put_regions([key], [data_region(data)], [parent], replicas)[0]
+        # the common buffer as it is (data_region's checks, for a flat uint8 array)
+        region = data if plain_host(data) and data.nbytes else data_region(data)
+        return self._put_regions([key], [region], [parent], replicas)[0]
 
     def put_batch(
         self,
