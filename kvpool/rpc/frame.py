@@ -85,24 +85,39 @@ def recv_exact(
     """
     got, n = 0, len(view)
     while got < n:
-        try:
-            k = sock.recv_into(view[got:], n - got)
-        except TimeoutError:
-            if got == 0 and idle_ok and not stalled:
-                continue
-            if got == 0 and not stalled:
-                raise
-            raise ConnectionLostError(
-                f"peer stalled mid-frame ({stalled + got} of {stalled + n} B received)"
-            ) from None
-        except OSError as exc:
-            raise ConnectionLostError(f"connection lost while receiving: {exc}") from exc
+        k = receive(sock, view[got:], got, n, idle_ok=idle_ok, stalled=stalled)
+        if k is None:
+            continue
         if k == 0:
-            if got == 0:
-                return False
-            raise ConnectionLostError(f"connection closed mid-frame ({got} of {n} B received)")
+            return False
         got += k
     return True
+
+
+def receive(
+    sock: socket.socket, view: memoryview, got: int, need: int, *, idle_ok: bool, stalled: int = 0
+) -> int | None:
+    """One ``recv_into(view)`` of a frame's bytes, ``got`` of ``need`` already in
+    (after ``stalled`` earlier ones): the byte count; 0 on EOF before the first
+    byte; None on an idle timeout to wait through (``idle_ok``, first byte). The
+    errors as ``recv_exact`` states them (its loop and ``FrameReader``'s share this)."""
+    try:
+        k = sock.recv_into(view)
+    except TimeoutError:
+        if got == 0 and not stalled:
+            if idle_ok:
+                return None
+            raise
+        raise ConnectionLostError(
+            f"peer stalled mid-frame ({stalled + got} of {stalled + need} B received)"
+        ) from None
+    except OSError as exc:
+        raise ConnectionLostError(f"connection lost while receiving: {exc}") from exc
+    if k == 0 and got:
+        raise ConnectionLostError(
+            f"connection closed mid-frame ({stalled + got} of {stalled + need} B received)"
+        )
+    return k
 
 
 def read_frame(
@@ -185,24 +200,11 @@ class FrameReader:
             self._start = self._end = 0
         while self._end - self._start < need:
             got = self._end - self._start
-            try:
-                k = self.sock.recv_into(self._view[self._end :])
-            except TimeoutError:
-                if got == 0 and idle_ok:
-                    continue
-                if got == 0:
-                    raise
-                raise ConnectionLostError(
-                    f"peer stalled mid-frame ({got} of {need} B received)"
-                ) from None
-            except OSError as exc:
-                raise ConnectionLostError(f"connection lost while receiving: {exc}") from exc
+            k = receive(self.sock, self._view[self._end :], got, need, idle_ok=idle_ok)
+            if k is None:
+                continue
             if k == 0:
-                if got == 0:
-                    return False
-                raise ConnectionLostError(
-                    f"connection closed mid-frame ({got} of {need} B received)"
-                )
+                return False
             self._end += k
         return True
 
