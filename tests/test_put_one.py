@@ -1,10 +1,12 @@
 """The single same-host put's short path (``RemotePutter._put_one``, issue 17), with
 real master and node processes.
 
-A single put of a new key whose grant holds its claim and whose node publishes
-seal records takes the short path: copy, seal record, commit handed to the
-pipe. These tests hold that it is taken, that it makes no round trip on the
-writer's thread, and that each way it can fail ends as ``put_once`` would: the
+A single put of a new key with a grant in stock takes the short path when its
+write is a TCP one (the stamp rides in it), or a same-host one whose grant
+holds its claim and whose node publishes seal records (copy, seal record,
+commit handed to the pipe). These tests hold that it is taken, that a
+same-host one makes no round trip on the writer's thread, and that each way
+it can fail ends as ``put_once`` would: the
 grant is given back and the block is put again, so ``put`` answers True and
 the bytes read back (the store contract: after ``put`` returns, the key holds
 a block).
@@ -41,14 +43,17 @@ def cluster() -> Iterator[Cluster]:
     c.stop()
 
 
-def writer_with_claimed_grants(cluster: Cluster) -> kvpool.RemotePool:
-    """A same-host writer whose stock holds grants claimed on their node."""
-    pool = kvpool.connect(cluster.url, timeout=10)
+def writer_with_grants(cluster: Cluster, transport: str = "shm") -> kvpool.RemotePool:
+    """A writer whose stock holds grants (same host: claimed on their node)."""
+    pool = kvpool.connect(cluster.url, timeout=10, transport=transport)
     assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
     assert pool.put(b"\x5f" * 16, payload(99))  # allocates, and asks for grants
-    assert pool.stats()["transport"] == "shm"
+    assert pool.stats()["transport"] == transport
     stock = pool._putter.grants
-    assert wait_until(lambda: stock.claimed_in_stock() > 2, timeout=10)
+    if transport == "shm":
+        assert wait_until(lambda: stock.claimed_in_stock() > 2, timeout=10)
+    else:  # over TCP the stamp rides in the write: nothing is claimed ahead
+        assert wait_until(lambda: len(stock) > 2, timeout=10)
     return pool
 
 
@@ -61,7 +66,7 @@ def reads_back(cluster: Cluster, k: bytes, data: np.ndarray) -> bool:
 def test_a_single_same_host_put_makes_no_round_trip_on_the_writers_thread(
     cluster: Cluster,
 ) -> None:
-    with writer_with_claimed_grants(cluster) as pool:
+    with writer_with_grants(cluster) as pool:
         session = pool._session
         calls: list[str] = []
         real_call, real_control = session.rpc.call, session.control
@@ -86,14 +91,42 @@ def test_a_single_same_host_put_makes_no_round_trip_on_the_writers_thread(
         assert pool.put(key(1), payload(2)) is False  # its own duplicate: exact answer
 
 
-@pytest.mark.parametrize("failure", ["connection", "copy"])
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_single_put_of_a_new_key_takes_the_short_path(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, transport: str
+) -> None:
+    with writer_with_grants(cluster, transport) as pool:
+        putter = pool._putter
+        general: list[int] = []
+        real_put_once = putter.put_once
+
+        def put_once(*args: Any, **kwargs: Any) -> Any:
+            general.append(1)
+            return real_put_once(*args, **kwargs)
+
+        monkeypatch.setattr(putter, "put_once", put_once)
+        used = putter.grants.used
+        for i in range(3):
+            assert pool.put(key(10 + i), payload(10 + i)) is True
+        assert general == [] and putter.grants.used == used + 3
+        assert pool.put(key(10), payload(0)) is False  # an own duplicate: the general path
+        assert general == [1]
+        monkeypatch.undo()
+        pool.flush()
+        for i in range(3):
+            assert reads_back(cluster, key(10 + i), payload(10 + i))
+
+
+@pytest.mark.parametrize(
+    ("transport", "failure"), [("shm", "connection"), ("shm", "copy"), ("tcp", "connection")]
+)
 def test_a_failed_short_path_write_gives_its_grant_back_and_puts_again(
-    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, failure: str
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, transport: str, failure: str
 ) -> None:
     """The node's connection breaks (the node releases the claim it held), or the
     copy itself fails (the write fence releases the claim): the grant is revoked,
     never committed, and the block is put again on a fresh allocation."""
-    with writer_with_claimed_grants(cluster) as pool:
+    with writer_with_grants(cluster, transport) as pool:
         supply = pool._putter.supply
         revoked: list[int] = []
         real_revoke = supply.revoke
@@ -137,7 +170,7 @@ def test_a_short_path_put_cut_by_a_master_restart_after_its_copy_is_stored(
     term aborts the claim once its seal deadline passed, the late seal is refused,
     and the put is made again on the new master. It answers True; the bytes read
     back, also after another restart (the retried block was sealed)."""
-    with writer_with_claimed_grants(cluster) as pool:
+    with writer_with_grants(cluster) as pool:
         node_id = next(iter(pool._session.regions))
         data = pool._session.transport(node_id)
         real_write_many = data.write_many

@@ -63,6 +63,7 @@ from kvpool.cluster.wire import (
 from kvpool.errors import PutFailedError
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.shm import ShmTransport
+from kvpool.transport.tcp import TcpTransport
 
 MINE_MAX = 1 << 16  # keys remembered as put by this client (own duplicates go synchronous)
 log = logging.getLogger("kvpool.cluster.client")
@@ -102,11 +103,12 @@ class RemotePutter:
     def _put_one(
         self, key: bytes, region: Region, parent: bytes | None
     ) -> tuple[list[bool], list[int], str] | None:
-        """``put_once`` of one new key, pipelined, in fewer steps: the common single
-        put. None (nothing done) unless a grant is in stock; a same-host block
-        whose grant holds its claim and whose node publishes seal records is
-        written here (the same calls and checks as ``put_once`` takes for it, in
-        the same order), anything else goes to ``put_once`` with the grant."""
+        """``put_once`` of one new key, pipelined, in fewer steps. None (nothing done)
+        unless a grant is in stock. A TCP write (the stamp rides in it), or a same-host
+        one whose grant holds its claim and whose node publishes seal records, is written
+        here with the calls and checks ``put_once`` makes for it, in the same order;
+        anything else (a same-host write that must claim its range, UCX) goes to
+        ``put_once`` with the grant."""
         if key in self._mine or not self.supply.enabled:
             return None
         size = region_nbytes(region)
@@ -115,20 +117,21 @@ class RemotePutter:
             return None
         grant, claimed_at = taken
         node_id, session = grant.node_id, self._session
-        data = session.transport(node_id)
-        seals = session.seals(node_id) if claimed_at > 1 and type(region) is np.ndarray else None
-        if seals is None or type(data) is not ShmTransport:
+        data, seals = session.transport(node_id), None
+        if type(data) is ShmTransport and claimed_at > 1 and type(region) is np.ndarray:
+            seals = session.seals(node_id)
+        if seals is None and type(data) is not TcpTransport:
             return self.put_once([key], [region], [parent], 1, pipelined=True, taken=taken)
         stamp = WriteStamp(grant.epoch, grant.alloc_id, grant.offset, size, key, parent)
+        items = [(stamp, grant.offset, region)]
         try:
-            control = session.control(node_id)
-            items = [(stamp, grant.offset, region)]
             ok, sealing = fenced.write_blocks_begin(
-                data, control, items, {0: claimed_at}, seals, session.counts
+                data, session.control(node_id), items, {0: claimed_at}, seals, session.counts
             )
         except TRANSFER_ERRORS:
-            ok = None
+            ok, sealing = None, None
         stored, retry = [ok == [fenced.OK]], [0]
+        seal: list[Sealing] = [] if sealing is None else [(node_id, [0], sealing)]
         if not stored[0]:  # as ``write_all`` + ``_write``: put again on fresh allocations
             if ok is None:
                 self.supply.forget_node(node_id)
@@ -137,14 +140,13 @@ class RemotePutter:
             self.late_commits += 1
             written = [((0, grant.alloc_id, grant.offset, grant.epoch, claimed_at), node_id)]
             retry = self._commit([key], [parent], written, {0}, stored)
-            if sealing is not None:
-                retry += wait_for_seals([(node_id, [0], sealing)], stored)
+            retry += wait_for_seals(seal, stored)
         else:
             acked = [Acked(key, parent, grant.alloc_id, node_id, grant.offset, size, True)]
             self.commits.send(acked)
             sealed = False
             try:
-                retry = [] if sealing is None else wait_for_seals([(node_id, [0], sealing)], stored)
+                retry = wait_for_seals(seal, stored)
                 sealed = True
             finally:
                 self.commits.answered(acked, [] if sealed and stored[0] else [grant.alloc_id])
