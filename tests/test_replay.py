@@ -68,11 +68,18 @@ class FakeHandler(BaseHTTPRequestHandler):
         self.wfile.write(b"data: [DONE]\n\n")
 
 
+class FakeServer(ThreadingHTTPServer):
+    # The replay opens up to 30 connections at once: with socketserver's default
+    # listen backlog (5), a loaded machine overflowed it and the dropped handshakes
+    # came back as read errors or ~1 s SYN retries (seen once in a local suite run).
+    request_queue_size = 128
+
+
 @pytest.fixture()
 def server():
     FakeHandler.seen = []
     FakeHandler.prefixes = set()
-    srv = ThreadingHTTPServer(("127.0.0.1", 0), FakeHandler)
+    srv = FakeServer(("127.0.0.1", 0), FakeHandler)
     thread = threading.Thread(target=srv.serve_forever, daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{srv.server_address[1]}"
