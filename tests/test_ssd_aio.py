@@ -87,28 +87,39 @@ def test_a_misaligned_buffer_is_refused_and_nothing_stays_in_flight(tmp_path: An
 
 
 class _FakeSyscall:
-    """io_getevents as a signal would interrupt it: the first call raises in Python
-    (a handler's KeyboardInterrupt), the second reports the completion."""
+    """io_getevents as a signal would interrupt it. ``completed_first=False``: the
+    first call raises in Python (a handler's KeyboardInterrupt) before any
+    completion, the second reports it. ``completed_first=True``: the completion is
+    delivered and the handler's exception lands right after, before the caller saw
+    the return value; a second call would block forever on a real kernel."""
 
-    def __init__(self, writer: DirectWriter) -> None:
-        self.writer, self.calls = writer, 0
+    def __init__(self, writer: DirectWriter, completed_first: bool) -> None:
+        self.writer, self.completed_first, self.calls = writer, completed_first, 0
 
     def __call__(self, *args: Any) -> int:
         self.calls += 1
-        if self.calls == 1:
+        if self.completed_first:
+            assert self.calls == 1, "waited again for a completion already delivered"
+        elif self.calls == 1:
             raise KeyboardInterrupt
-        self.writer._event.res = 8192  # what the kernel would fill in
+        self.writer._event.res = 8192  # what the kernel fills in
+        self.writer._event.obj = 1
+        if self.completed_first:
+            raise KeyboardInterrupt
         return 1
 
 
-def test_a_signal_during_wait_is_raised_only_after_the_write_completed() -> None:
+@pytest.mark.parametrize("completed_first", [False, True])
+def test_a_signal_during_wait_is_raised_only_after_the_write_completed(
+    completed_first: bool,
+) -> None:
     writer = DirectWriter(0, (-1, -1, -1, -1))  # never reaches the kernel: fake syscall
     writer._inflight = np.zeros(1, np.uint8)
-    fake = _FakeSyscall(writer)
+    fake = _FakeSyscall(writer, completed_first)
     writer._syscall = fake  # type: ignore[assignment]
     with pytest.raises(KeyboardInterrupt):
         writer.wait()
-    assert fake.calls == 2  # waited for the completion first
+    assert fake.calls == (1 if completed_first else 2)  # waited for the completion, once
     assert writer._inflight is None
 
 

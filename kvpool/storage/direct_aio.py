@@ -129,14 +129,13 @@ class DirectWriter:
         """
         held: BaseException | None = None
         number = ctypes.c_long(self._numbers[3])
-        while True:
+        event = self._event
+        event.obj = 0  # the kernel sets it (our iocb's address) with the completion
+        while not event.obj:  # not ``got == 1``: an exception may land before that test
             try:
                 got = self._syscall(number, self._ctx, self._one, self._one, self._event_ptr, None)
-                if got == 1:
-                    break
-                if got < 0 and ctypes.get_errno() == errno.EINTR:
-                    continue
-                raise AioLost(f"io_getevents failed: {os.strerror(ctypes.get_errno())}")
+                if got < 0 and ctypes.get_errno() != errno.EINTR:
+                    raise AioLost(f"io_getevents failed: {os.strerror(ctypes.get_errno())}")
             except AioLost:
                 raise
             except BaseException as exc:  # raised by a signal handler between calls
@@ -144,7 +143,7 @@ class DirectWriter:
         self._inflight = None
         if held is not None:
             raise held
-        res = self._event.res
+        res = event.res
         if res < 0:
             raise OSError(-res, os.strerror(-res))
         return int(res)
