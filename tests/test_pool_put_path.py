@@ -123,3 +123,22 @@ def test_uint8_arrays_off_the_fast_path_still_store_and_read_exact() -> None:
         with pytest.raises(BufferSpecError):
             pool.get_into(keys[0], strided)
         assert pool.stats()["hits"] == 1  # refused outputs changed nothing
+
+
+def test_the_fast_put_keeps_admission_eviction_and_counters() -> None:
+    """The host put runs _place / make_room / insert inline: the admission filter
+    still refuses (and counts) a first sight, a full tier still evicts the least
+    recently used block, and the counters match what was stored."""
+    keys = make_keys(4)
+    with Pool.embedded(dram_bytes=2 * BLOCK, policy="lru+admit2") as pool:
+        assert pool.put(keys[0], payload(0)) is False  # first sight: not admitted
+        assert pool.stats()["not_admitted"] == 1 and len(pool) == 0
+        for i in range(3):  # the third needs room: keys[0], the oldest, is evicted
+            assert pool.put(keys[i], payload(i)) or pool.put(keys[i], payload(i))
+        assert pool.exists(keys[:3]) == [False, True, True]
+        stats = pool.stats()
+        assert stats["puts"] == 3 and stats["bytes_written"] == 3 * BLOCK
+        assert stats["tiers"]["dram"]["puts"] == 3 and stats["tiers"]["dram"]["evictions"] == 1
+        assert stats["tiers"]["dram"]["used_bytes"] == 2 * BLOCK
+        out = np.empty(BLOCK, np.uint8)
+        assert pool.get_into(keys[2], out) == BLOCK and np.array_equal(out, payload(2))

@@ -1,7 +1,7 @@
 """The SSD tier's process-crash story, tested with a real process killed -9 mid-stream.
 
-A child process stores blocks (small ones written inline, large ones through
-the I/O thread), deletes old ones so extents are reused, and prints each key
+A child process stores blocks (small ones written inline, large ones queued
+with native AIO and hashed meanwhile), deletes old ones so extents are reused, and prints each key
 right after its ``store`` returns. The parent kills it with SIGKILL while it
 is writing, reopens the directory and checks the contract stated in
 ``kvpool/storage/ssd_tier.py``: every acknowledged block that was not deleted
@@ -24,7 +24,7 @@ from kvpool.eviction import make_policy
 from kvpool.storage.ssd_tier import SsdTier
 
 _CAPACITY = 48 << 20
-_SIZES = (64_000, 700_000, 4096, 1 << 20)  # inline and I/O-thread paths, odd and page sizes
+_SIZES = (64_000, 700_000, 4096, 1 << 20)  # inline and AIO paths, odd and page sizes
 
 _CHILD = textwrap.dedent(
     """

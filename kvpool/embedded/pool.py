@@ -51,6 +51,7 @@ from kvpool.layerwise.api import LayerwiseMethods
 from kvpool.storage.ssd_tier import SsdRecord, SsdTier
 
 _NDARRAY = np.ndarray  # a global, not a module attribute load, on the hot paths
+_U8 = np.dtype(np.uint8)  # a singleton: ``is`` compares it
 
 EMBEDDED_NODE = "embedded"
 
@@ -101,7 +102,13 @@ class Pool(LayerwiseMethods):
             check_key(key)
         if parent is not None:
             check_parent(parent)
-        if plain_host(data) and data.size:  # already a host region: skip the adapter
+        if (  # bindings.buffers.plain_host(data), inlined: already a host region
+            type(data) is _NDARRAY
+            and data.dtype is _U8
+            and data.ndim == 1
+            and data.flags.c_contiguous
+            and data.size
+        ):
             return self._reservations.put(key, data, parent)
         return self._reservations.put(key, data_region(data), parent)
 

@@ -1,0 +1,204 @@
+"""The SSD tier's native-AIO write path (kvpool.storage.direct_aio).
+
+Real kernel AIO on a real file where this Linux offers it (the writer tests
+skip elsewhere); the hold-back of a signal's exception and the lost-write rule
+use a fake syscall / writer, since neither can be provoked on demand.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+import kvpool.storage.direct_aio as aio_module
+import kvpool.storage.ssd_tier as ssd_tier_module
+from kvpool.errors import StorageError
+from kvpool.eviction import make_policy
+from kvpool.storage.direct_aio import AioLost, DirectWriter
+from kvpool.storage.ssd_tier import SsdTier
+
+_PAGE = 4096
+
+
+def _aligned(nbytes: int, seed: int) -> np.ndarray:
+    """Page-aligned anonymous memory with bytes unique to ``seed``."""
+    array = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    array[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    return array
+
+
+def _writer() -> DirectWriter:
+    writer = DirectWriter.open()
+    if writer is None:
+        pytest.skip("native AIO is not available here")
+    return writer
+
+
+def _direct_file(path: str, size: int) -> tuple[int, int]:
+    plain = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    os.posix_fallocate(plain, 0, size)
+    try:
+        direct = os.open(path, os.O_RDWR | os.O_DIRECT)
+    except OSError:
+        os.close(plain)
+        pytest.skip("no O_DIRECT on this filesystem")
+    return plain, direct
+
+
+def test_a_submitted_write_lands_whole_and_wait_reports_its_bytes(tmp_path: Any) -> None:
+    writer = _writer()
+    plain, direct = _direct_file(str(tmp_path / "data.bin"), 4 << 20)
+    try:
+        data = _aligned(1 << 20, 1)
+        assert writer.submit(direct, data, 2 * _PAGE)
+        assert writer.wait() == data.nbytes
+        assert os.pread(plain, data.nbytes, 2 * _PAGE) == data.tobytes()
+        again = _aligned(3 * _PAGE, 2)  # the context takes the next write
+        assert writer.submit(direct, again, 0)
+        assert writer.wait() == again.nbytes
+        assert os.pread(plain, again.nbytes, 0) == again.tobytes()
+    finally:
+        writer.close()
+        writer.close()  # idempotent
+        os.close(direct)
+        os.close(plain)
+
+
+def test_a_misaligned_buffer_is_refused_and_nothing_stays_in_flight(tmp_path: Any) -> None:
+    writer = _writer()
+    plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
+    try:
+        data = _aligned(2 * _PAGE, 3)[1 : 1 + _PAGE]  # not page-aligned: O_DIRECT refuses
+        if writer.submit(direct, data, 0):  # the kernel reports it at submit or at completion
+            with pytest.raises(OSError) as err:
+                writer.wait()
+            assert err.value.errno == 22  # EINVAL
+        aligned = _aligned(_PAGE, 4)
+        assert writer.submit(direct, aligned, 0)  # not stuck on the refused one
+        assert writer.wait() == _PAGE
+    finally:
+        writer.close()
+        os.close(direct)
+        os.close(plain)
+
+
+class _FakeSyscall:
+    """io_getevents as a signal would interrupt it. ``completed_first=False``: the
+    first call raises in Python (a handler's KeyboardInterrupt) before any
+    completion, the second reports it. ``completed_first=True``: the completion is
+    delivered and the handler's exception lands right after, before the caller saw
+    the return value; a second call would block forever on a real kernel."""
+
+    def __init__(self, writer: DirectWriter, completed_first: bool) -> None:
+        self.writer, self.completed_first, self.calls = writer, completed_first, 0
+
+    def __call__(self, *args: Any) -> int:
+        self.calls += 1
+        if self.completed_first:
+            assert self.calls == 1, "waited again for a completion already delivered"
+        elif self.calls == 1:
+            raise KeyboardInterrupt
+        self.writer._event.res = 8192  # what the kernel fills in
+        self.writer._event.obj = 1
+        if self.completed_first:
+            raise KeyboardInterrupt
+        return 1
+
+
+@pytest.mark.parametrize("completed_first", [False, True])
+def test_a_signal_during_wait_is_raised_only_after_the_write_completed(
+    completed_first: bool,
+) -> None:
+    writer = DirectWriter(0, (-1, -1, -1, -1))  # never reaches the kernel: fake syscall
+    writer._inflight = np.zeros(1, np.uint8)
+    fake = _FakeSyscall(writer, completed_first)
+    writer._syscall = fake  # type: ignore[assignment]
+    with pytest.raises(KeyboardInterrupt):
+        writer.wait()
+    assert fake.calls == (1 if completed_first else 2)  # waited for the completion, once
+    assert writer._inflight is None
+
+
+def test_large_stores_through_aio_read_back_exact_and_survive_a_reopen(tmp_path: Any) -> None:
+    path = str(tmp_path / "tier")
+    sizes = (1 << 20, 700_000, 3 << 20, (600 << 10) + 5)  # whole and odd page counts
+    tier = SsdTier(path, 16 << 20, make_policy("lru"))
+    wanted: dict[bytes, np.ndarray] = {}
+    try:
+        for i, size in enumerate(sizes):
+            rounded = -(-size // _PAGE) * _PAGE
+            slot = _aligned(rounded, 10 + i)  # an arena-like slot owning its extent
+            key = bytes([i]) * 16
+            assert tier.store(key, slot, size, None) is not None
+            wanted[key] = slot[:size].copy()
+        odd = _aligned(2 << 20, 20)[1 : 1 + (1 << 20)]  # misaligned: the buffered path
+        assert tier.store(b"u" * 16, odd, odd.nbytes, None) is not None
+        wanted[b"u" * 16] = odd.copy()
+    finally:
+        tier.close()
+    tier = SsdTier(path, 16 << 20, make_policy("lru"))
+    try:
+        records = dict(tier.load_records())
+        assert set(records) == set(wanted)
+        for key, data in wanted.items():
+            out = _aligned(4 << 20, 0)
+            assert tier.read_into(records[key], out)
+            assert np.array_equal(out[: data.nbytes], data)
+    finally:
+        tier.close()
+
+
+def test_without_native_aio_large_stores_are_written_synchronously(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(aio_module.DirectWriter, "open", classmethod(lambda cls: None))
+    tier = SsdTier(str(tmp_path / "tier"), 8 << 20, make_policy("lru"))
+    try:
+        slot = _aligned(1 << 20, 5)
+        record = tier.store(b"k" * 16, slot, slot.nbytes, None)
+        assert record is not None
+        out = _aligned(1 << 20, 0)
+        assert tier.read_into(record, out) and np.array_equal(out, slot)
+    finally:
+        tier.close()
+
+
+class _LostWriter:
+    """A writer whose kernel will not say whether the write finished."""
+
+    def submit(self, fd: int, data: np.ndarray, offset: int) -> bool:
+        return True
+
+    def wait(self) -> int:
+        raise AioLost("io_getevents failed: test")
+
+    def close(self) -> None:
+        pass
+
+
+def test_a_lost_write_keeps_its_extent_used_and_commits_no_record(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The write may still land: its extent must never be handed out again, and
+    no record names it (so the block is simply not stored)."""
+    monkeypatch.setattr(
+        ssd_tier_module.DirectWriter, "open", classmethod(lambda cls: _LostWriter())
+    )
+    path = str(tmp_path / "tier")
+    tier = SsdTier(path, 8 << 20, make_policy("lru"))
+    try:
+        slot = _aligned(1 << 20, 6)
+        with pytest.raises(StorageError, match="io_getevents"):
+            tier.store(b"k" * 16, slot, slot.nbytes, None)
+        assert tier.allocator.used_bytes == 1 << 20  # not freed
+    finally:
+        tier.close()
+    tier = SsdTier(path, 8 << 20, make_policy("lru"))
+    try:
+        assert dict(tier.load_records()) == {}
+    finally:
+        tier.close()
