@@ -241,3 +241,19 @@ def test_send_all_keeps_the_stream_in_order_past_max_chunk(
         got = bytearray(len(want))
         w.recv_into_exact(b, memoryview(got))
         assert bytes(got) == want
+
+
+@pytest.mark.parametrize("done", [0, 2, 3, 10, 43, 70])
+def test_send_all_sends_the_rest_after_a_short_send(done: int) -> None:
+    """``done`` bytes already gone (a short ``sendmsg`` in the server's single-read
+    path): the rest follows in order, whichever part the cut falls in."""
+    parts: list[bytes | memoryview] = [b"abc", b"", memoryview(bytes(range(40))), b"xyz" * 9]
+    want = b"".join(bytes(p) for p in parts)
+    a, b = socket.socketpair()
+    with a, b:
+        w.send_all(a, list(parts), done)
+        got = bytearray(len(want) - done)
+        w.recv_into_exact(b, memoryview(got))
+        assert bytes(got) == want[done:]
+        a.close()
+        assert b.recv(1) == b""  # nothing more than the rest was sent

@@ -80,6 +80,15 @@ def test_a_read_the_node_never_answers_times_out(stalls: RegionInfo) -> None:
         assert TIMEOUT * 0.8 < _times_out(t.read_into, 0, np.empty(1 << 20, np.uint8)) < TIMEOUT + 2
 
 
+def test_a_checked_read_the_node_never_answers_times_out(stalls: RegionInfo) -> None:
+    """The single checked read (its own inline borrow of a connection) maps the
+    kernel timeout like every other op, and drops the connection it used."""
+    with TcpTransport(stalls, timeout=TIMEOUT) as t:
+        out = np.empty(64 << 10, np.uint8)
+        assert TIMEOUT * 0.8 < _times_out(t.read_block, 0, 0, out, bytes(16)) < TIMEOUT + 2
+        assert not t._idle and t._open == 0  # closed, not lent out again
+
+
 def test_a_write_the_node_never_drains_times_out(stalls: RegionInfo) -> None:
     data = np.ones(48 << 20, np.uint8)  # more than both kernel buffers hold
     with TcpTransport(stalls, timeout=TIMEOUT) as t:

@@ -187,7 +187,16 @@ class TcpTransport(Transport):
         n = out.nbytes
         if offset < 0 or offset + n > self.info.size:
             check_range(offset, n, self.info.size)  # raises the usual error
-        ok = self._io(DataConn.read_block, offset, out, IDENT.pack(key, block_offset))
+        try:  # _io, inline: the hot path (_acquire's own fast path first)
+            conn = self._idle.pop()
+        except IndexError:
+            conn = self._acquire()
+        try:
+            ok = conn.read_block(offset, out, IDENT.pack(key, block_offset))
+        except BaseException as exc:
+            self._release(conn, False)
+            _raise_transfer_error(self.info.node_id, exc)
+        self._release(conn, True)
         if ok:
             self.bytes_read += n
         return ok
@@ -284,7 +293,7 @@ def _raise_transfer_error(node_id: str, exc: BaseException) -> NoReturn:
     """Raise the kvpool error for a failed data-path operation (as ``_io`` maps them)."""
     if isinstance(exc, KVPoolError) or not isinstance(exc, OSError):
         raise exc
-    if isinstance(exc, TimeoutError):
+    if isinstance(exc, (TimeoutError, BlockingIOError)):  # BlockingIOError: SO_RCVTIMEO/SNDTIMEO
         raise CallTimeoutError(f"data transfer with {node_id} timed out") from exc
     raise ConnectionLostError(f"data connection to {node_id}: {exc}") from exc
 

@@ -1,19 +1,14 @@
 """Node side of the TCP data path: serves (offset, length) ranges of one region.
 
-One thread per client connection. READ sends the range straight from the
-region (``sendmsg`` of a memoryview, no copy into Python objects), after a
-header padded so the payload sits at an aligned stream offset (see
-``tcp_wire``); WRITE receives its pad and payload straight into the region
-with one scatter ``recvmsg_into`` (the client pads too, so the payload sits
-at an aligned offset of the client's stream).
-The server knows nothing about blocks: the master decides which ranges are
-valid to read or write; this server only refuses ranges outside the region,
-and, given a ``fence`` (kvpool.transport.fencing), passes every stamped op
-through it before a byte lands (the node's block table checks the epoch and
-allocation).
-
-The token rule of ``kvpool.rpc.auth`` applies (a non-loopback bind needs a
-token; a wrong token is refused and logged).
+One thread per client connection. READ sends the range straight from the region
+(``sendmsg`` of a memoryview, no copy), after a header padded so the payload sits at
+an aligned stream offset (see ``tcp_wire``); WRITE receives its pad and payload
+straight into the region (the client pads too). The server knows nothing about
+blocks: the master decides which ranges are valid; this server only refuses ranges
+outside the region and, given a ``fence`` (kvpool.transport.fencing), passes every
+stamped op through it before a byte lands (the node's block table checks the epoch
+and allocation) and serves a checked read only while its block holds the range. The
+token rule of ``kvpool.rpc.auth`` applies (a non-loopback bind needs a token).
 """
 
 from __future__ import annotations
@@ -22,6 +17,7 @@ import contextlib
 import logging
 import secrets
 import socket
+import struct
 import threading
 from typing import Any
 
@@ -41,11 +37,12 @@ from kvpool.transport.fencing import (
 from kvpool.transport.tcp_inbox import Inbox
 
 log = logging.getLogger("kvpool.transport.tcp")
-_ZEROS = bytes(w.ALIGN)
 _STALE_MSG = b"that block no longer holds this range"
 #: Checked reads one gather send answers, at most: requests, payload bytes so far
 GATHER_MAX, GATHER_BYTES = 64, 1 << 20
-_BLOCK_REQ = w.REQ.size + IDENT.size  # a checked read's request: REQ + IDENT
+_BLOCK = struct.Struct(w.REQ.format + IDENT.format[1:])  # a checked read's request: REQ + IDENT
+_BLOCK_REQ = _BLOCK.size
+_PADS = tuple(bytes(n) for n in range(w.ALIGN))  # an ok reply's pad, by length: no slicing
 
 
 class TcpDataServer:
@@ -263,7 +260,7 @@ class TcpDataServer:
             span = self._mv[offset : offset + length]
             if op == w.OP_READ:
                 pad = w.read_pad(sent)
-                reply = w.READ_RESP.pack(w.ST_OK, pad, rid, length) + _ZEROS[:pad]
+                reply = w.READ_RESP.pack(w.ST_OK, pad, rid, length) + _PADS[pad]
                 w.send_parts(sock, reply, span)
                 sent += len(reply) + length
                 self.bytes_read += length
@@ -310,14 +307,15 @@ class TcpDataServer:
         return self._fence_reply(sock, rid, status)
 
     def _read_block(self, sock: socket.socket, inbox: Inbox, sent: int) -> int:
-        """The checked read at the head of ``inbox``, alone (the single-read hot path:
-        ``_read_blocks`` without its lists); the bytes sent. Served only while the
-        named block holds the range, its entry held until the send ends; else
-        ``ST_STALE`` as long as an ok reply."""
-        buf = inbox.buf
-        at = inbox.take(_BLOCK_REQ)
-        _, _, rid, offset, length = w.REQ.unpack_from(buf, at)
-        key, block_offset = IDENT.unpack_from(buf, at + w.REQ.size)
+        """The checked read at the head of ``inbox``, alone (``_read_blocks`` without its
+        lists, Inbox.take inline); the bytes sent. Served only while the named block
+        holds the range, held until the send ends; else ST_STALE as long as an ok reply."""
+        at = inbox.start
+        if inbox.end - at >= _BLOCK_REQ:
+            inbox.start = at + _BLOCK_REQ
+        else:
+            at = inbox.take(_BLOCK_REQ)
+        _, _, rid, offset, length, key, block_offset = _BLOCK.unpack_from(inbox.buf, at)
         fence = self.fence
         held = None if fence is None else fence.begin_read(key, block_offset, offset, length)
         pad = -(sent + w.RESP.size) % w.ALIGN  # w.read_pad, inline
@@ -325,21 +323,24 @@ class TcpDataServer:
             reply = _stale_reply(rid, pad + length if offset + length <= self.size else 0)
             sock.sendall(reply)
             return len(reply)
+        total = w.RESP.size + pad + length
         try:
-            reply = w.READ_RESP.pack(w.ST_OK, pad, rid, length) + _ZEROS[:pad]
-            w.send_parts(sock, reply, self._mv[offset : offset + length])
+            head = w.READ_RESP.pack(w.ST_OK, pad, rid, length)
+            parts: list[bytes | memoryview] = [head, _PADS[pad], self._mv[offset : offset + length]]
+            done = sock.sendmsg(parts)  # one gather send, nearly always the whole reply
+            if done < total:
+                w.send_all(sock, parts, done)
             self.bytes_read += length
         finally:
             assert fence is not None
             fence.end_read(held)
-        return len(reply) + length
+        return total
 
     def _read_blocks(self, sock: socket.socket, inbox: Inbox, sent: int) -> tuple[int, int]:
         """The checked read at the head of ``inbox`` and each whole one buffered behind
         it (a pipelined batch, up to GATHER_*), answered with one gather send; each
         entry held until the send ends; (bytes sent, bytes received)."""
-        buf, fence, size = inbox.buf, self.fence, self.size
-        req_unpack, ident_unpack = w.REQ.unpack_from, IDENT.unpack_from
+        buf, fence, size, unpack = inbox.buf, self.fence, self.size, _BLOCK.unpack_from
         begin = None if fence is None else fence.begin_read
         block_req, read_block = _BLOCK_REQ, w.OP_READ_BLOCK
         parts: list[bytes | memoryview] = []
@@ -348,8 +349,7 @@ class TcpDataServer:
         try:
             while True:
                 at = inbox.take(block_req)
-                _, _, rid, offset, length = req_unpack(buf, at)
-                key, block_offset = ident_unpack(buf, at + w.REQ.size)
+                _, _, rid, offset, length, key, block_offset = unpack(buf, at)
                 entry = None if begin is None else begin(key, block_offset, offset, length)
                 pad = -(sent + w.RESP.size) % w.ALIGN  # w.read_pad, inline
                 if entry is None:
@@ -358,7 +358,8 @@ class TcpDataServer:
                     sent += len(reply)
                 else:
                     held.append(entry)
-                    parts.append(w.READ_RESP.pack(w.ST_OK, pad, rid, length) + _ZEROS[:pad])
+                    parts.append(w.READ_RESP.pack(w.ST_OK, pad, rid, length))
+                    parts.append(_PADS[pad])
                     parts.append(self._mv[offset : offset + length])
                     sent += w.RESP.size + pad + length
                     nbytes += length

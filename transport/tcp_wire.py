@@ -194,16 +194,20 @@ def recv_scatter(sock: socket.socket, views: list[memoryview], total: int) -> No
             raise ConnectionLostError(f"peer closed the data connection ({total} B expected)")
 
 
-def send_all(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
-    """Send every part, in order, with gather ``sendmsg`` calls (one, nearly always)."""
+def send_all(sock: socket.socket, parts: list[bytes | memoryview], done: int = 0) -> None:
+    """Send every part, in order, with gather ``sendmsg`` calls (one, nearly always);
+    ``done``: bytes of them already sent (the rest after a short send)."""
     views = [memoryview(p) for p in parts]
-    while views:
-        sent = sock.sendmsg(_iov(views))
+    sent = done
+    while True:
         while views and sent >= views[0].nbytes:
             sent -= views[0].nbytes
             views.pop(0)
+        if not views:
+            return
         if sent:
             views[0] = views[0][sent:]
+        sent = sock.sendmsg(_iov(views))
 
 
 def _iov(views: list[memoryview]) -> list[memoryview]:

@@ -144,20 +144,19 @@ class BlockTable:
             self._cond.notify_all()
 
     def begin_read(self, key: bytes, block_offset: int, offset: int, length: int) -> Any:
-        """The whole block ``key`` at ``block_offset`` covering the range, held (no
-        newer claim takes it) until ``end_read``; None if the range holds
-        something else now (the reader's lease is from an older placement)."""
+        """The whole block ``key`` at ``block_offset`` covering the range, held (no newer
+        claim takes it) until ``end_read``; None if the range holds something else now
+        (the reader's lease is from an older placement). The node's hot path: few calls."""
         with self._lock:
             entry = self._entries.get(block_offset)
-            if entry is not None:
+            if entry is None:
+                return None
+            if entry.state == CLAIMED:  # sealed in shared memory, not adopted yet?
                 self._adopt_sealed(entry)
-            if (
-                entry is None
-                or entry.stamp.key != key
-                or entry.state == CLAIMED
-                or entry.aborted
-                or not entry.stamp.covers(offset, length)
-            ):
+            s = entry.stamp
+            if s.key != key or entry.state == CLAIMED or entry.aborted:
+                return None
+            if offset < s.offset or offset + length > s.offset + s.size:  # not s.covers
                 return None
             entry.inflight += 1
             return entry
@@ -165,8 +164,10 @@ class BlockTable:
     def end_read(self, entry: Any) -> None:
         with self._lock:
             entry.inflight -= 1
-            self._settle(entry)
-            self._waits.notify_all()
+            if entry.aborted:
+                self._settle(entry)
+            if self._waits.waiting:  # (Waits.notify_all, inline)
+                self._waits.cond.notify_all()
 
     waiting = property(lambda self: self._waits.waiting, doc="threads waiting in the table now")
 
