@@ -103,12 +103,10 @@ class RemotePutter:
     def _put_one(
         self, key: bytes, region: Region, parent: bytes | None
     ) -> tuple[list[bool], list[int], str] | None:
-        """``put_once`` of one new key, pipelined, in fewer steps. None (nothing done)
-        unless a grant is in stock. A TCP write (the stamp rides in it), or a same-host
-        one whose grant holds its claim and whose node publishes seal records, is written
-        here with the calls and checks ``put_once`` makes for it, in the same order;
-        anything else (a same-host write that must claim its range, UCX) goes to
-        ``put_once`` with the grant."""
+        """``put_once`` of one new key, pipelined, without its batch bookkeeping; None
+        (nothing done) unless a grant is in stock. Written here: a TCP write, or a same-host
+        one whose grant holds its claim and whose node publishes seal records; anything
+        else (a same-host write that must claim its range, UCX) goes to ``put_once``."""
         if key in self._mine or not self.supply.enabled:
             return None
         size = region_nbytes(region)
@@ -130,33 +128,20 @@ class RemotePutter:
             )
         except TRANSFER_ERRORS:
             ok, sealing = None, None
-        stored, retry = [ok == [fenced.OK]], [0]
-        seal: list[Sealing] = [] if sealing is None else [(node_id, [0], sealing)]
-        if not stored[0]:  # as ``write_all`` + ``_write``: put again on fresh allocations
+        item = (0, grant.alloc_id, grant.offset, grant.epoch, claimed_at)
+        written: list[Written] = [(item, node_id)] if ok == [fenced.OK] else []
+        if not written:  # as ``_write``: forget a failed node, revoke; put again below
             if ok is None:
                 self.supply.forget_node(node_id)
             self.supply.revoke([grant.alloc_id])
-        elif time.monotonic() > grant.expires:  # as in ``put_once``: commit now
-            self.late_commits += 1
-            written = [((0, grant.alloc_id, grant.offset, grant.epoch, claimed_at), node_id)]
-            retry = self._commit([key], [parent], written, {0}, stored)
-            retry += wait_for_seals(seal, stored)
-        else:
-            acked = [Acked(key, parent, grant.alloc_id, node_id, grant.offset, size, True)]
-            self.commits.send(acked)
-            sealed = False
-            try:
-                retry = wait_for_seals(seal, stored)
-                sealed = True
-            finally:
-                self.commits.answered(acked, [] if sealed and stored[0] else [grant.alloc_id])
-            if stored[0]:
-                self._remember([key])
+        seal: list[Sealing] = [] if sealing is None else [(node_id, [0], sealing)]
+        stored, retry = self._acknowledge(
+            [key], [parent], [size], written, [] if written else [0], seal, {0}, grant.expires, True
+        )
+        self.supply.top_up(size)
         full = list[int]()
-        if stored[0] or not retry:
-            self.supply.top_up(size)
-            return stored, full, ""
-        return stored, full, self._put_again([key], [region], [parent], 1, [0], stored, full)
+        why = self._put_again([key], [region], [parent], 1, [0], stored, full) if retry else ""
+        return stored, full, why
 
     def forget_key(self, key: bytes) -> None:
         """This client removed ``key``: a put of it is no longer an own duplicate."""
@@ -173,13 +158,10 @@ class RemotePutter:
         pipelined: bool = False,
         taken: tuple[Grant, int] | None = None,
     ) -> tuple[list[bool], list[int], str]:
-        """(stored per key, indices that found no room, the master's reason).
-
-        ``again``: retry, once and without grants, what this pass could not
-        finish (a forgotten grant, or a write whose node failed). ``pipelined``:
-        send the commit without waiting for it (``replicas`` must be 1).
-        ``taken``: the first key's grant, taken from the stock already.
-        """
+        """(stored per key, indices that found no room, the master's reason). ``again``:
+        put what this pass could not finish again (``_put_again``); ``pipelined``: send
+        the commit without waiting (``replicas`` must be 1); ``taken``: the first key's
+        grant, taken from the stock already."""
         if not keys:
             return [], [], ""
         sizes = [region_nbytes(r) for r in regions]
@@ -206,11 +188,33 @@ class RemotePutter:
         if rest:
             full, error = self._allocate(keys, sizes, parents, replicas, rest, use_grants, writes)
         written, lost, sealing = self._write(writes, keys, regions, parents, sizes)
+        stored, retry = self._acknowledge(
+            keys, parents, sizes, written, lost, sealing, granted, use_by, pipelined
+        )
+        if use_grants and not rest:  # after the commit: the master is not kept from it
+            self.supply.top_up(sizes[0])
+        if retry and again:
+            error = self._put_again(keys, regions, parents, replicas, retry, stored, full) or error
+        return stored, full, error
+
+    def _acknowledge(
+        self,
+        keys: Sequence[bytes],
+        parents: Sequence[bytes | None],
+        sizes: list[int],
+        written: list[Written],
+        lost: list[int],
+        sealing: list[Sealing],
+        granted: set[int],
+        use_by: float,
+        pipelined: bool,
+    ) -> tuple[list[bool], list[int]]:
+        """Commit what was written (sent without waiting when ``pipelined``) and wait
+        for the seals: (stored per key, indices not stored, to put again)."""
         if pipelined and granted and time.monotonic() > use_by:
-            # The write outlasted the grants' use window (a contended node): the master
-            # may expire one before a pipelined commit lands, and after the ack only the
-            # node's copy could be recovered. Commit now: a refused grant is retried the
-            # classic way from the caller's buffer.
+            # The write outlasted the grants' use window (a contended node): the master may
+            # expire one before a pipelined commit lands, and after the ack only the node's
+            # copy could be recovered. Commit now: a refused grant is put again.
             pipelined = False
             self.late_commits += 1
         stored = [False] * len(keys)
@@ -236,12 +240,7 @@ class RemotePutter:
                 self.commits.answered(acked, refused)
         if pipelined:
             self._remember([keys[i] for i, ok in enumerate(stored) if ok])
-        if use_grants and not rest:  # after the commit: the master is not kept from it
-            self.supply.top_up(sizes[0])
-        retry = sorted({i for i in retry if not stored[i]})  # a replica may have made it
-        if retry and again:
-            error = self._put_again(keys, regions, parents, replicas, retry, stored, full) or error
-        return stored, full, error
+        return stored, sorted({i for i in retry if not stored[i]})  # a replica may have made it
 
     def _put_again(
         self,
