@@ -183,12 +183,9 @@ def recv_scatter(sock: socket.socket, views: list[memoryview], total: int) -> No
     else:
         got = 0
     while True:  # the rest, after a short receive
-        while views and got >= views[0].nbytes:
-            got -= views[0].nbytes
-            views.pop(0)
+        _skip(views, got)
         if not views:
             return
-        views[0] = views[0][got:]
         got = sock.recvmsg_into(_iov(views), 0, socket.MSG_WAITALL)[0]
         if got == 0:
             raise ConnectionLostError(f"peer closed the data connection ({total} B expected)")
@@ -198,16 +195,18 @@ def send_all(sock: socket.socket, parts: list[bytes | memoryview], done: int = 0
     """Send every part, in order, with gather ``sendmsg`` calls (one, nearly always);
     ``done``: bytes of them already sent (the rest after a short send)."""
     views = [memoryview(p) for p in parts]
-    sent = done
-    while True:
-        while views and sent >= views[0].nbytes:
-            sent -= views[0].nbytes
-            views.pop(0)
-        if not views:
-            return
-        if sent:
-            views[0] = views[0][sent:]
-        sent = sock.sendmsg(_iov(views))
+    _skip(views, done)
+    while views:
+        _skip(views, sock.sendmsg(_iov(views)))
+
+
+def _skip(views: list[memoryview], n: int) -> None:
+    """Drop the first ``n`` bytes of ``views`` (what a scatter/gather call moved)."""
+    while views and n >= views[0].nbytes:
+        n -= views[0].nbytes
+        views.pop(0)
+    if views and n:
+        views[0] = views[0][n:]
 
 
 def _iov(views: list[memoryview]) -> list[memoryview]:
