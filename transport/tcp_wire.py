@@ -159,17 +159,13 @@ def recv_padded(sock: socket.socket, pad: memoryview, payload: memoryview) -> No
 
 
 def send_parts(sock: socket.socket, header: bytes, payload: memoryview | None) -> None:
-    """Send header + payload with one gather ``sendmsg`` (then ``sendall`` of the rest)."""
+    """Send header + payload with one gather ``sendmsg`` (``send_all`` sends the rest)."""
     if payload is None or payload.nbytes == 0:
         sock.sendall(header)
         return
     sent = sock.sendmsg([header, payload[:MAX_CHUNK]])
-    if sent < len(header):
-        sock.sendall(header[sent:])
-        sent = len(header)
-    done = sent - len(header)
-    if done < payload.nbytes:
-        sock.sendall(payload[done:])
+    if sent < len(header) + payload.nbytes:
+        send_all(sock, [header, payload], sent)
 
 
 def recv_scatter(sock: socket.socket, views: list[memoryview], total: int) -> None:
