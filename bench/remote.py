@@ -55,8 +55,8 @@ from kvpool.api import KVStore
 from kvpool.args import positive_int, size_arg, sizes_arg
 from kvpool.bench.common import Timing, count_for, faulted, paired, write_json
 from kvpool.bench.remote_transport import RawClient, split_cpus
+from kvpool.cluster.client.grants import DEFAULT_GRANT_BYTES
 from kvpool.cluster.client.remote_pool import RemotePool
-from kvpool.cluster.master import MasterConfig
 from kvpool.config import format_size
 from kvpool.procs import spawn_kvpool, stop_by_stdin
 
@@ -127,9 +127,15 @@ def _raw_server(region: int, cpus: set[int] | None) -> Iterator[int]:
 
 
 @contextmanager
-def local_cluster(dram: int, cpus: set[int] | None) -> Iterator[str]:
-    """A master and one node (``dram`` bytes) as separate processes; yields the URL."""
-    master = spawn_kvpool(["master", "--host", "127.0.0.1", "--port", "0"], cpus=cpus)
+def local_cluster(
+    dram: int, cpus: set[int] | None, grant_share: float | None = None
+) -> Iterator[str]:
+    """A master and one node (``dram`` bytes) as separate processes; yields the URL.
+    ``grant_share``: the master's ``--grant-share`` (None: its default)."""
+    master_args = ["master", "--host", "127.0.0.1", "--port", "0"]
+    if grant_share is not None:
+        master_args += ["--grant-share", repr(grant_share)]
+    master = spawn_kvpool(master_args, cpus=cpus)
     procs = [master]
     try:
         node_args = ["node", "--master", master.address, "--dram", str(dram)]
@@ -365,15 +371,23 @@ def run_remote(
         raise ValueError("--batch and --rounds must be at least 1")
     counts = {s: _count(s, batch, working_set) for s in sizes}
     region = max(counts[s] * _rounded(s) for s in sizes)
-    # Headroom, plus room for the client's put grants: the master lends at most
-    # grant_share of the DRAM as grants; let that cover 4 blocks of the largest size.
-    grants = 4 * max(_rounded(s) for s in sizes) / MasterConfig.grant_share
-    dram = max(region + region // 4 + (16 << 20), int(grants))
+    # Headroom, plus room for the put grants of every client (one per transport):
+    # each stocks up to DEFAULT_GRANT_BYTES per block size, and right after a size
+    # change still holds the previous size's for up to grants.MAX_USE_S. With the
+    # master's default share (1/16 of a 1 GiB node) two clients took turns for 64
+    # MiB of grants: at 4 MiB a same-host client refilled 79 times in 96 puts and
+    # sealed 66 of them over TCP in one run (issue 17, session 7), so the rows
+    # measured a small bench cluster's grant budget, not the put path.
+    room = 2 * len(transports) * DEFAULT_GRANT_BYTES
+    dram = region + region // 4 + (16 << 20) + room
     split = split_cpus() if pin else None
     client_cpus, server_cpus = split if split else (None, None)
     saved = os.sched_getaffinity(0)
     rows: list[RemoteRow] = []
-    with local_cluster(dram, server_cpus) as url, _raw_server(region, server_cpus) as raw_port:
+    with (
+        local_cluster(dram, server_cpus, room / dram) as url,
+        _raw_server(region, server_cpus) as raw_port,
+    ):
         usable = _usable(transports, url)
         pools = {t: connect_client(url, t) for t in usable}
         raw = RawClient(raw_port)

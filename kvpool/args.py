@@ -208,6 +208,16 @@ _positive_int = _int_at_least(1, "a positive integer")
 _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
+def _share(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise ValueError(f"expected a share from 0 to 1, got {text!r}") from None
+    if not 0.0 <= x <= 1.0:  # also refuses nan
+        raise ValueError(f"expected a share from 0 to 1, got {text!r}")
+    return x
+
+
 def _port(text: str) -> int:
     n = _non_negative_int(text)
     if n > 65535:
@@ -228,6 +238,8 @@ pool_url_arg = _argtype("pool URL", _pool_url)
 positive_int = _argtype("positive int", _positive_int)
 non_negative_int = _argtype("int >= 0", _non_negative_int)
 port_arg = _argtype("port", _port)
+#: "0.25" -> 0.25 (a fraction from 0 to 1).
+share_arg = _argtype("share", _share)
 
 
 #: "512,1024" -> [512, 1024] (each > 0, at least one).

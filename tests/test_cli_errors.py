@@ -51,6 +51,14 @@ BAD_ARGUMENTS = [
     ),
     (["master", "--port", "99999"], "master: error: argument --port: a port is 0-65535"),
     (["master", "--log-level", "LOUD"], "master: error: argument --log-level: invalid choice"),
+    (
+        ["master", "--grant-share", "1.5"],
+        "master: error: argument --grant-share: expected a share from 0 to 1, got '1.5'",
+    ),
+    (
+        ["master", "--grant-share", "nan"],
+        "master: error: argument --grant-share: expected a share from 0 to 1, got 'nan'",
+    ),
     (["demo", "--dram", "0"], "demo: error: argument --dram: a size must be positive"),
     (["demo", "--requests", "-1"], "demo: error: argument --requests: expected an integer >= 0"),
     (

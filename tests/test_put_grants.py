@@ -18,6 +18,7 @@ from poolhelpers import BLOCK, make_keys, payload
 import kvpool
 from kvpool.cluster.client.grants import MAX_STOCK, Grant, GrantStock, grant_budget
 from kvpool.cluster.client.remote_pool import RemotePool
+from kvpool.cluster.master import MasterConfig
 from kvpool.cluster.wire import ALLOCATE, COMMIT, REVOKE, AllocateRequest, CommitRequest, IdsRequest
 from kvpool.errors import ConnectionLostError, InvalidKeyError, PutFailedError, RemoteError
 from kvpool.rpc.client import RpcClient
@@ -175,6 +176,33 @@ def test_zero_budget_turns_grants_off(cluster: Cluster) -> None:
         for key in keys:
             p.remove(key)
         _stored.clear()
+
+
+@pytest.mark.parametrize("share", ["0.25", "0"])
+def test_the_masters_grant_share_caps_every_clients_grants(share: str) -> None:
+    """``kvpool master --grant-share``: all grants together stay under that share of
+    the DRAM (0.25 of 8 MiB: 32 of the 64 blocks a client stocks; the default 1/16
+    would allow 8); 0 lends none, and puts ask the master for their space."""
+    cluster = start_cluster(["8MiB"], "--grant-share", share)
+    try:
+        with kvpool.connect(cluster.url, timeout=5) as p:
+            assert wait_until(lambda: len(p.stats()["nodes"]) == 1, timeout=15)
+            keys = make_keys(40, seed=21)
+            assert [p.put(k, payload(i)) for i, k in enumerate(keys)] == [True] * 40
+            cap = int(float(share) * (8 << 20))
+            if cap:
+                assert wait_until(lambda: granted(p) > (8 << 20) // 16, timeout=5)
+            assert granted(p) <= cap
+            assert (p.stats()["client"]["put_grants_used"] > 0) == (cap > 0)
+            check_bytes(p, keys)
+    finally:
+        cluster.stop()
+
+
+def test_a_grant_share_outside_0_to_1_is_refused() -> None:
+    for share in (-0.1, 1.5, float("nan")):
+        with pytest.raises(ValueError, match="grant_share must be from 0 to 1"):
+            MasterConfig(grant_share=share)
 
 
 def test_a_changed_node_region_drops_its_grants(pool: RemotePool) -> None:

@@ -8,12 +8,13 @@ Binding to anything but loopback requires a shared token (``--token`` or
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import signal
 import threading
 from typing import Any
 
-from kvpool.args import port_arg, positive_int, size_arg, size_or_zero_arg
+from kvpool.args import port_arg, positive_int, share_arg, size_arg, size_or_zero_arg
 from kvpool.config import DEFAULT_PORT
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -47,6 +48,13 @@ def register(subparsers: Any) -> None:
     )
     master.add_argument(
         "--cool-reads", type=float, default=2.0, help="below this a block loses its extra replicas"
+    )
+    master.add_argument(
+        "--grant-share",
+        type=share_arg,
+        default=None,
+        help="share of the cluster's DRAM all clients' put grants may hold together "
+        "(default 1/16; 0: lend none, every put asks the master for its space)",
     )
     master.add_argument("--half-life", type=float, default=10.0, help="read-heat half-life (s)")
     master.add_argument("--max-replicas", type=positive_int, default=3)
@@ -115,6 +123,8 @@ def _run_master(args: argparse.Namespace) -> int:
         leader_ttl=args.leader_ttl,
         advertise=args.advertise,
     )
+    if args.grant_share is not None:
+        config = dataclasses.replace(config, grant_share=args.grant_share)
     master = Master(config)
     host, port = master.start()
     logging.getLogger("kvpool.cluster.master").info(

@@ -46,3 +46,7 @@ class MasterConfig:
     cluster: str = "default"
     leader_ttl: float = 3.0
     advertise: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.grant_share <= 1.0:  # also refuses nan
+            raise ValueError(f"grant_share must be from 0 to 1, got {self.grant_share!r}")
