@@ -3,6 +3,8 @@ TCP data server: stale and newer stamps, writes in flight, new terms, frees."""
 
 from __future__ import annotations
 
+import select
+import socket
 import threading
 import time
 
@@ -14,6 +16,7 @@ from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import RegionInfo
 from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, FENCE_STALE, WriteStamp
 from kvpool.transport.tcp import TcpTransport
+from kvpool.transport.tcp_conn import DataConn
 from kvpool.transport.tcp_server import TcpDataServer
 
 K1, K2 = b"\x01" * 16, b"\x02" * 16
@@ -212,3 +215,52 @@ def test_read_block_checks_like_read_blocks_and_keeps_the_stream_in_sync(fenced_
         tcp.read_block(tcp.info.size - 100, 0, np.zeros(4096, np.uint8), K2)
     out = np.zeros(4096, np.uint8)
     assert tcp.read_block(0, 0, out, K2) and np.array_equal(out, data)  # still in sync
+
+
+def test_a_pipelined_batch_of_claims_is_answered_in_one_send(fenced_server) -> None:
+    """The replies to payload-less fenced ops buffered together leave in one send
+    (tcp_server's outbox): when the first reply is readable, all of them are."""
+    _, _, tcp = fenced_server
+    stamps = [WriteStamp(3, 100 + i, i * 1024, 1024, K1) for i in range(20)]
+    conn = DataConn("127.0.0.1", tcp.info.tcp_port, None, 5.0, tcp.info.tcp_instance)
+    try:
+        rids = conn.stamped_send([(w.OP_CLAIM, s.pack(), 0, None) for s in stamps])
+        select.select([conn.sock], [], [], 5.0)
+        ready = conn.sock.recv(1 << 16, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        assert len(ready) == len(stamps) * w.RESP.size
+        assert conn.stamped_statuses(rids) == [w.ST_OK] * len(stamps)
+        release = conn.stamped_send([(w.OP_RELEASE, s.pack(), 0, None) for s in stamps])
+        assert conn.stamped_statuses(release) == [w.ST_OK] * len(stamps)
+    finally:
+        conn.close()
+
+
+def test_a_mixed_pipeline_keeps_its_replies_in_order_and_the_stream_in_sync(
+    fenced_server,
+) -> None:
+    """Claims, refused (stale) claims whose replies carry a message, a write with
+    its payload, a seal and a release in one pipelined exchange: each status in
+    request order, the bytes where they belong, and a read after them exact."""
+    region, fence, tcp = fenced_server
+    for rounds in range(3):  # every pad the stream offset can take along the way
+        data = np.full(4096, 8 + rounds, np.uint8)
+        claimed = WriteStamp(3, 60 + 10 * rounds, 16384, 4096, K1)
+        stale = WriteStamp(2, 61 + 10 * rounds, 20480, 4096, K1)  # an older term
+        write = WriteStamp(3, 62 + 10 * rounds, 24576, 4096, K2)
+        spare = WriteStamp(3, 63 + 10 * rounds, 28672, 4096, K1)
+        plan = [
+            (w.OP_CLAIM, claimed.pack(), 0, None),
+            (w.OP_CLAIM, stale.pack(), 0, None),
+            (w.OP_CLAIM, stale.pack(), 0, None),
+            (w.OP_CLAIM, spare.pack(), 0, None),
+            (w.OP_WRITE_FINAL, write.pack(), 24576, data),
+            (w.OP_SEAL, claimed.pack(), 0, None),
+            (w.OP_RELEASE, spare.pack(), 0, None),
+        ]
+        ok, no = w.ST_OK, w.ST_STALE
+        assert tcp.stamped(plan) == [ok, no, no, ok, ok, ok, ok], rounds
+        assert np.array_equal(region[24576 : 24576 + 4096], data)
+        assert fence.state_of(16384) == WRITTEN
+        out = np.zeros(4096, np.uint8)
+        tcp.read_into(24576, out)
+        assert np.array_equal(out, data)

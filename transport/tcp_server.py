@@ -43,6 +43,30 @@ GATHER_MAX, GATHER_BYTES = 64, 1 << 20
 _BLOCK = struct.Struct(w.REQ.format + IDENT.format[1:])  # a checked read's request: REQ + IDENT
 _BLOCK_REQ = _BLOCK.size
 _PADS = tuple(bytes(n) for n in range(w.ALIGN))  # an ok reply's pad, by length: no slicing
+#: Fenced ops with no payload either way (a claim taken ahead, a seal, a release):
+#: their replies to a pipelined batch leave together (``_Outbox``).
+_QUIET_OPS = frozenset((w.OP_CLAIM, w.OP_SEAL, w.OP_RELEASE))
+_QUIET_REQ = w.REQ.size + STAMP.size
+
+
+class _Outbox:
+    """Replies to payload-less fenced ops held while more of them are buffered whole,
+    then sent in one ``sendall``: a refill's claims taken ahead (one pipelined batch)
+    cost the client one wake-up and one receive, not one per claim, and the node one
+    loopback send (issue 17). Invariant: flushed before anything else is sent on the
+    connection and before a receive can wait, so replies keep the requests' order and
+    none waits on the client's next request."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock, self._parts = sock, list[bytes]()
+
+    def sendall(self, data: bytes) -> None:
+        self._parts.append(data)
+
+    def flush(self) -> None:
+        if self._parts:
+            self._sock.sendall(b"".join(self._parts))
+            self._parts.clear()
 
 
 class TcpDataServer:
@@ -181,7 +205,7 @@ class TcpDataServer:
         return True, len(reply), w.hello_size(len(token), len(instance))
 
     def _error(
-        self, sock: socket.socket, status: int, rid: int, message: str, fill: int = 0
+        self, sock: socket.socket | _Outbox, status: int, rid: int, message: str, fill: int = 0
     ) -> int:
         """An error reply (its message NUL-filled to ``fill`` bytes); the bytes sent."""
         msg = message.encode().ljust(fill, b"\0")
@@ -196,6 +220,7 @@ class TcpDataServer:
         out of an ``Inbox`` (one recv for a request, or for a pipelined batch).
         """
         inbox = Inbox(sock)
+        outbox = _Outbox(sock)
         buf = inbox.buf
         skip = memoryview(bytearray(w.ALIGN))
         unpack_from, req_size = w.REQ.unpack_from, w.REQ.size
@@ -203,12 +228,14 @@ class TcpDataServer:
         batch = 2 * block_req  # two checked reads buffered whole: serve them as a batch
         while True:
             if inbox.start == inbox.end:  # nothing buffered: wait for the next request
+                outbox.flush()
                 try:
                     if not inbox.recv_more():
                         return False  # the peer hung up
                 except BlockingIOError:
                     continue  # write_timeout passed with no request: an idle client, keep it
             if buf[inbox.start] == read_block:  # the common request first, fewest steps
+                outbox.flush()
                 try:
                     start = inbox.start
                     if inbox.end - start < batch or buf[start + block_req] != read_block:
@@ -226,6 +253,17 @@ class TcpDataServer:
             except ConnectionLostError:
                 return False
             received += req_size + (STAMP.size if op in w.STAMPED_OPS else 0)
+            if op in _QUIET_OPS:
+                n = self._stamped(sock, inbox, op, rid, offset, length, skip[:0], outbox)
+                if n is None:
+                    outbox.flush()
+                    return True
+                sent += n
+                at = inbox.start
+                if inbox.end - at < _QUIET_REQ or buf[at] not in _QUIET_OPS:
+                    outbox.flush()  # no whole quiet request next: answer the batch now
+                continue
+            outbox.flush()
             if op in w.PAYLOAD_OPS:
                 if pad != w.write_pad(received):
                     self._error(sock, w.ST_BAD_OP, rid, "data stream out of sync (write pad)")
@@ -236,7 +274,7 @@ class TcpDataServer:
                 sent += w.RESP.size
                 continue
             if op in w.STAMPED_OPS:
-                n = self._stamped(sock, inbox, op, rid, offset, length, skip[:pad])
+                n = self._stamped(sock, inbox, op, rid, offset, length, skip[:pad], sock)
                 if n is None:
                     return True
                 sent += n
@@ -279,32 +317,33 @@ class TcpDataServer:
         offset: int,
         length: int,
         pad: memoryview,
+        out: socket.socket | _Outbox,
     ) -> int | None:
-        """One fenced write op (its STAMP next in ``inbox``): the bytes it sent back,
-        or None after a fatal error (the stream is unusable). ``pad`` receives a
-        write's pad bytes."""
+        """One fenced write op (its STAMP next in ``inbox``): the bytes it sent back
+        (through ``out``: the socket, or the outbox of a quiet op), or None after a
+        fatal error (the stream is unusable). ``pad`` receives a write's pad bytes."""
         stamp = WriteStamp.unpack(inbox.buf[(at := inbox.take(STAMP.size)) : at + STAMP.size])
         payload = length if op in (w.OP_WRITE_FINAL, w.OP_WRITE_PART) else 0
         fence = self.fence
         if fence is None:
-            self._error(sock, w.ST_BAD_OP, rid, "this data server takes no stamped writes")
+            self._error(out, w.ST_BAD_OP, rid, "this data server takes no stamped writes")
             return None
         if stamp.offset + stamp.size > self.size or (payload and not stamp.covers(offset, length)):
-            n = self._error(sock, w.ST_RANGE, rid, f"stamp range outside region of {self.size} B")
+            n = self._error(out, w.ST_RANGE, rid, f"stamp range outside region of {self.size} B")
             return None if payload else n  # an undrained payload leaves the stream unusable
         if op == w.OP_SEAL or op == w.OP_RELEASE:
             sealed = op == w.OP_SEAL
             status = fence.finish(stamp, sock, ok=sealed, seal=sealed, any_owner=True)
-            return self._fence_reply(sock, rid, status)
+            return self._fence_reply(out, rid, status)
         status = fence.claim(stamp, sock)
         if status != FENCE_OK or op == w.OP_CLAIM:
             if op in w.PAYLOAD_OPS:
                 inbox.discard(pad.nbytes + payload)
-            return self._fence_reply(sock, rid, status)
+            return self._fence_reply(out, rid, status)
         inbox.read_into(pad, self._mv[offset : offset + length])  # <= write_timeout stalls
         status = fence.finish(stamp, sock, ok=True, seal=op == w.OP_WRITE_FINAL)
         self.bytes_written += length
-        return self._fence_reply(sock, rid, status)
+        return self._fence_reply(out, rid, status)
 
     def _read_block(self, sock: socket.socket, inbox: Inbox, sent: int) -> int:
         """The checked read at the head of ``inbox``, alone (``_read_blocks`` without its
@@ -379,7 +418,7 @@ class TcpDataServer:
                 fence.end_read(entry)
         return sent - first, count * block_req
 
-    def _fence_reply(self, sock: socket.socket, rid: int, status: int) -> int:
+    def _fence_reply(self, sock: socket.socket | _Outbox, rid: int, status: int) -> int:
         """The fence's verdict as a reply; the bytes sent."""
         if status == FENCE_OK:
             sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
