@@ -13,7 +13,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvpool.errors import ConnectionLostError, FrameTooLargeError, ProtocolError
-from kvpool.rpc.frame import HEADER, HEADER_SIZE, MAGIC, FrameReader, encode_frame, read_frame
+from kvpool.rpc.frame import (
+    HEADER,
+    HEADER_SIZE,
+    MAGIC,
+    FrameReader,
+    encode_frame,
+    read_frame,
+    set_io_timeout,
+)
 
 
 @pytest.fixture
@@ -120,11 +128,19 @@ def test_eof_inside_a_frame_is_a_lost_connection(
         FrameReader(b, buffer_size=buffer_size).read()
 
 
+@pytest.mark.parametrize("kernel", [False, True], ids=["settimeout", "set_io_timeout"])
 def test_timeouts_idle_between_frames_stalled_inside(
-    pair: tuple[socket.socket, socket.socket],
+    pair: tuple[socket.socket, socket.socket], kernel: bool
 ) -> None:
+    """The same answers whether the timeout is Python's (TimeoutError from recv) or
+    the kernel's (set_io_timeout: EAGAIN, BlockingIOError from recv, as the RPC
+    client's reader has it)."""
     a, b = pair
-    b.settimeout(0.05)
+    if kernel:
+        set_io_timeout(b, 0.05)
+        assert b.gettimeout() is None  # blocking: no poll before each recv
+    else:
+        b.settimeout(0.05)
     reader = FrameReader(b)
     with pytest.raises(TimeoutError):  # nothing at all, not idle_ok: the caller's timeout
         reader.read(idle_ok=False)

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.errors import CallTimeoutError, ConnectionLostError, HandshakeRefusedError, RemoteError
+from kvpool.rpc.frame import set_io_timeout
 from kvpool.transport import tcp_wire as w
 
 _ZEROS = bytes(w.ALIGN)
@@ -47,7 +48,7 @@ class DataConn:
             raise ConnectionLostError(f"cannot open data connection to {addr}: {exc}") from exc
         try:
             w.tune(sock)
-            w.set_io_timeout(sock, timeout)
+            set_io_timeout(sock, timeout)
             opening = w.hello(token, instance)
             sock.sendall(opening)
             head = bytearray(w.HELLO_REPLY.size)

@@ -24,7 +24,7 @@ from typing import Any
 from kvpool.bindings.buffers import host_view
 from kvpool.errors import ConnectionLostError
 from kvpool.rpc.auth import check_bind, resolve_token, token_matches
-from kvpool.rpc.frame import linger_close, listen
+from kvpool.rpc.frame import linger_close, listen, set_io_timeout
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.fencing import (
     FENCE_BUSY,
@@ -156,7 +156,7 @@ class TcpDataServer:
                 # stops reading a reply gets its connection dropped after write_timeout
                 # without progress, so a stalled writer cannot hold its claim, nor a
                 # stalled reader its block, forever. Idle between requests is fine.
-                w.set_io_timeout(sock, self.write_timeout)
+                set_io_timeout(sock, self.write_timeout)
                 if not self._loop(sock, sent, received):
                     return
             # Refused, or ended on a protocol error: let the peer read our last reply.

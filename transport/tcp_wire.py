@@ -119,20 +119,6 @@ def tune(sock: socket.socket) -> None:
             sock.setsockopt(socket.SOL_SOCKET, opt, SOCK_BUF)
 
 
-def set_io_timeout(sock: socket.socket, timeout: float) -> None:
-    """Blocking socket whose every send/recv call gives up after ``timeout`` seconds
-    without progress (EAGAIN -> ``BlockingIOError``). Both ends use it instead of
-    Python's ``settimeout``, which makes the socket non-blocking and puts a ``poll``
-    before every ``recv`` (see tcp_conn's docstring for the syscall counts)."""
-    sock.settimeout(None)
-    sec = int(timeout)
-    tv = struct.pack("ll", sec, int((timeout - sec) * 1e6))
-    if tv == struct.pack("ll", 0, 0):  # 0 would mean "no timeout" to the kernel
-        tv = struct.pack("ll", 0, 1)
-    for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
-        sock.setsockopt(socket.SOL_SOCKET, opt, tv)
-
-
 def recv_into_exact(sock: socket.socket, view: memoryview) -> None:
     """Fill ``view`` entirely (zero-copy into its memory); EOF -> ConnectionLostError."""
     got, n = 0, view.nbytes

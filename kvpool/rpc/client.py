@@ -40,7 +40,13 @@ from kvpool.errors import (
     RemoteError,
 )
 from kvpool.rpc.auth import resolve_token
-from kvpool.rpc.frame import DEFAULT_MAX_FRAME, FrameReader, encode_frame, tune_socket
+from kvpool.rpc.frame import (
+    DEFAULT_MAX_FRAME,
+    FrameReader,
+    encode_frame,
+    set_io_timeout,
+    tune_socket,
+)
 from kvpool.rpc.messages import (
     PROTOCOL_VERSION,
     ErrorReply,
@@ -126,7 +132,9 @@ class RpcClient:
             sock.close()
             raise HandshakeRefusedError(reply.reason)
         self.server_name = reply.server
-        sock.settimeout(max(self.timeout, 1.0))  # paces the reader; sends time out with it
+        # Paces the reader (an idle wait ends each timeout) and bounds every send. A
+        # kernel timeout, not settimeout: no poll before each of the reader's recvs.
+        set_io_timeout(sock, max(self.timeout, 1.0))
         self._sock = sock
         threading.Thread(target=self._reader, args=(sock, reader), daemon=True).start()
 

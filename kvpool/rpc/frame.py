@@ -103,10 +103,12 @@ def receive(
     errors as ``recv_exact`` states them (its loop and ``FrameReader``'s share this)."""
     try:
         k = sock.recv_into(view)
-    except TimeoutError:
+    except (TimeoutError, BlockingIOError) as exc:  # BlockingIOError: set_io_timeout's
         if got == 0 and not stalled:
             if idle_ok:
                 return None
+            if isinstance(exc, BlockingIOError):
+                raise TimeoutError(f"no frame within the socket's timeout: {exc}") from exc
             raise
         raise ConnectionLostError(
             f"peer stalled mid-frame ({stalled + got} of {stalled + need} B received)"
@@ -212,6 +214,22 @@ class FrameReader:
 # --- socket helpers shared by every kvpool server and client ---------------------
 
 KEEPALIVE_IDLE_S, KEEPALIVE_INTERVAL_S, KEEPALIVE_PROBES = 5, 2, 3
+
+
+def set_io_timeout(sock: socket.socket, timeout: float) -> None:
+    """Blocking socket whose every send/recv call gives up after ``timeout`` seconds
+    without progress (EAGAIN -> ``BlockingIOError``; ``receive`` reports it as the
+    timeout it is). The data path's ends and the RPC client's reader use it instead
+    of Python's ``settimeout``, which makes the socket non-blocking and puts a
+    ``poll`` before every ``recv`` (see kvpool.transport.tcp_conn's docstring for
+    the syscall counts)."""
+    sock.settimeout(None)
+    sec = int(timeout)
+    tv = struct.pack("ll", sec, int((timeout - sec) * 1e6))
+    if tv == struct.pack("ll", 0, 0):  # 0 would mean "no timeout" to the kernel
+        tv = struct.pack("ll", 0, 1)
+    for opt in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+        sock.setsockopt(socket.SOL_SOCKET, opt, tv)
 
 
 def tune_socket(sock: socket.socket) -> None:
