@@ -259,6 +259,31 @@ def test_stalled_half_frame_is_dropped() -> None:
         srv.close()
 
 
+def test_a_client_that_stops_reading_is_dropped_after_io_timeout() -> None:
+    """A send that makes no progress for ``io_timeout`` (the kernel's send timeout on
+    an established connection) drops that client; the server keeps serving others."""
+    srv = RpcServer(ServerConfig(io_timeout=0.3, handshake_timeout=0.3))
+    srv.register("blob", lambda n: b"x" * n)
+    host, port = srv.start()
+    try:
+        with socket.create_connection((host, port), timeout=5) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # fills at once
+            s.sendall(encode_frame(encode_envelope(Hello(version=1))))
+            assert read_frame(s, idle_ok=False) is not None
+            for i in range(64):  # 64 MiB of replies this client never reads
+                s.sendall(encode_frame(encode_envelope(Request(i + 1, "blob", 1 << 20))))
+            time.sleep(1.0)  # > io_timeout with the server's send stuck: it drops us
+            deadline = time.monotonic() + 5
+            with pytest.raises(OSError):  # its socket is gone: a send meets a reset
+                while time.monotonic() < deadline:
+                    s.sendall(encode_frame(encode_envelope(Request(999, "blob", 1))))
+                    time.sleep(0.05)
+        with RpcClient((host, port)) as c:
+            assert c.call("blob", 3) == b"xxx"
+    finally:
+        srv.close()
+
+
 def test_reconnects_after_server_restart() -> None:
     proc, port = _spawn()
     c = RpcClient(("127.0.0.1", port), timeout=5)

@@ -40,6 +40,7 @@ from kvpool.rpc.frame import (
     encode_frame,
     linger_close,
     listen,
+    set_io_timeout,
     tune_socket,
 )
 from kvpool.rpc.messages import (
@@ -207,7 +208,9 @@ class RpcServer:
         try:
             tune_socket(conn.sock)
             if self._handshake(conn):
-                conn.sock.settimeout(self.config.io_timeout)
+                # A kernel timeout, not settimeout: no poll before each recv (the
+                # reader waits through idle timeouts; a send past it drops the client).
+                set_io_timeout(conn.sock, self.config.io_timeout)
                 self._read_loop(conn)
         except (ConnectionLostError, OSError):
             pass
