@@ -1,7 +1,8 @@
 """``kvpool bench remote``: the distributed pool end to end, against raw baselines.
 
 Starts a real cluster as separate processes -- ``kvpool master`` and one
-``kvpool node`` whose DRAM arena holds the working set -- plus the raw-socket
+``kvpool node`` whose DRAM arena holds the working set and every client's full
+stock of put grants (the master's ``--grant-share`` is set to fit them) -- plus the raw-socket
 baseline server of ``kvpool.bench.remote_transport`` (request = op, offset,
 length; reply = the bytes by ``sendall``; puts = ``recv_into`` + 1-byte ack).
 This process is the client: ``kvpool.connect(url, transport=T)`` for each

@@ -1,4 +1,6 @@
-"""The data server's buffered read side of one connection: requests in one recv.
+"""The data server's buffered sides of one connection: requests in one recv
+(``Inbox``), and the replies to a pipelined run of payload-less ops in one send
+(``Outbox``).
 
 A request is small (``REQ``, then an ``IDENT`` or a ``STAMP``) and a client
 often sends several at once (a pipelined batch of checked reads). Reading each
@@ -102,3 +104,23 @@ class Inbox:
             view[:k] = self._mv[self.start : self.start + k]
             self.start += k
         return view[k:]
+
+
+class Outbox:
+    """Replies to payload-less fenced ops held while more of them are buffered whole,
+    then sent in one ``sendall``: a refill's claims taken ahead (one pipelined batch)
+    cost the client one wake-up and one receive, not one per claim, and the node one
+    loopback send (issue 17). Invariant: flushed before anything else is sent on the
+    connection and before a receive can wait, so replies keep the requests' order and
+    none waits on the client's next request."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock, self._parts = sock, list[bytes]()
+
+    def sendall(self, data: bytes) -> None:
+        self._parts.append(data)
+
+    def flush(self) -> None:
+        if self._parts:
+            self._sock.sendall(b"".join(self._parts))
+            self._parts.clear()

@@ -23,7 +23,7 @@ from typing import Any
 
 from kvpool.bindings.buffers import host_view
 from kvpool.errors import ConnectionLostError
-from kvpool.rpc.auth import check_bind, resolve_token, token_matches
+from kvpool.rpc.auth import check_bind, resolve_token
 from kvpool.rpc.frame import linger_close, listen, set_io_timeout
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.fencing import (
@@ -34,7 +34,7 @@ from kvpool.transport.fencing import (
     WriteFence,
     WriteStamp,
 )
-from kvpool.transport.tcp_inbox import Inbox
+from kvpool.transport.tcp_inbox import Inbox, Outbox
 
 log = logging.getLogger("kvpool.transport.tcp")
 _STALE_MSG = b"that block no longer holds this range"
@@ -44,29 +44,9 @@ _BLOCK = struct.Struct(w.REQ.format + IDENT.format[1:])  # a checked read's requ
 _BLOCK_REQ = _BLOCK.size
 _PADS = tuple(bytes(n) for n in range(w.ALIGN))  # an ok reply's pad, by length: no slicing
 #: Fenced ops with no payload either way (a claim taken ahead, a seal, a release):
-#: their replies to a pipelined batch leave together (``_Outbox``).
+#: their replies to a pipelined batch leave together (``Outbox``).
 _QUIET_OPS = frozenset((w.OP_CLAIM, w.OP_SEAL, w.OP_RELEASE))
 _QUIET_REQ = w.REQ.size + STAMP.size
-
-
-class _Outbox:
-    """Replies to payload-less fenced ops held while more of them are buffered whole,
-    then sent in one ``sendall``: a refill's claims taken ahead (one pipelined batch)
-    cost the client one wake-up and one receive, not one per claim, and the node one
-    loopback send (issue 17). Invariant: flushed before anything else is sent on the
-    connection and before a receive can wait, so replies keep the requests' order and
-    none waits on the client's next request."""
-
-    def __init__(self, sock: socket.socket) -> None:
-        self._sock, self._parts = sock, list[bytes]()
-
-    def sendall(self, data: bytes) -> None:
-        self._parts.append(data)
-
-    def flush(self) -> None:
-        if self._parts:
-            self._sock.sendall(b"".join(self._parts))
-            self._parts.clear()
 
 
 class TcpDataServer:
@@ -150,7 +130,7 @@ class TcpDataServer:
         try:
             w.tune(sock)
             sock.settimeout(self.handshake_timeout)
-            ok, sent, received = self._handshake(sock, peer)
+            ok, sent, received = w.answer_hello(sock, self.token, self.instance, peer)
             if ok:
                 # Kernel timeouts from here on: a peer that stops sending mid-request or
                 # stops reading a reply gets its connection dropped after write_timeout
@@ -170,42 +150,8 @@ class TcpDataServer:
                 self._conns.discard(sock)
             sock.close()
 
-    def _handshake(self, sock: socket.socket, peer: Any) -> tuple[bool, int, int]:
-        """(accepted, bytes sent: the hello reply, bytes received: the hello)."""
-        head = bytearray(w.HELLO_HEAD.size)
-        w.recv_into_exact(sock, memoryview(head))
-        magic, version = w.HELLO_HEAD.unpack(head)
-        status, reason = w.ST_OK, ""
-        if magic != w.MAGIC:
-            status, reason = w.ST_BAD_VERSION, "not a kvpool data connection"
-        elif version != w.VERSION:  # answered before reading a body we cannot parse
-            status, reason = w.ST_BAD_VERSION, f"data protocol {version} unsupported"
-        else:
-            lengths = bytearray(w.HELLO_LENGTHS.size)
-            w.recv_into_exact(sock, memoryview(lengths))
-            tlen, ilen = w.HELLO_LENGTHS.unpack(lengths)
-            if tlen > w.MAX_HELLO_FIELD or ilen > w.MAX_HELLO_FIELD:
-                log.warning("refused data connection from %s: oversized hello", peer)
-                return False, 0, 0  # nothing read or allocated past the lengths
-            token, instance = bytearray(tlen), bytearray(ilen)
-            w.recv_into_exact(sock, memoryview(token))
-            w.recv_into_exact(sock, memoryview(instance))
-            if not token_matches(self.token, token.decode(errors="replace")):
-                status, reason = w.ST_BAD_TOKEN, "wrong token" if tlen else "missing token"
-            elif instance and instance.decode(errors="replace") != self.instance:
-                status = w.ST_WRONG_INSTANCE
-                reason = "this data server is another incarnation of the node (it restarted)"
-        if status != w.ST_OK:
-            log.warning("refused data connection from %s: %s", peer, reason)
-        msg = reason.encode()
-        reply = w.HELLO_REPLY.pack(w.MAGIC, status, len(msg)) + msg
-        sock.sendall(reply)
-        if status != w.ST_OK:
-            return False, len(reply), 0
-        return True, len(reply), w.hello_size(len(token), len(instance))
-
     def _error(
-        self, sock: socket.socket | _Outbox, status: int, rid: int, message: str, fill: int = 0
+        self, sock: socket.socket | Outbox, status: int, rid: int, message: str, fill: int = 0
     ) -> int:
         """An error reply (its message NUL-filled to ``fill`` bytes); the bytes sent."""
         msg = message.encode().ljust(fill, b"\0")
@@ -220,7 +166,7 @@ class TcpDataServer:
         out of an ``Inbox`` (one recv for a request, or for a pipelined batch).
         """
         inbox = Inbox(sock)
-        outbox = _Outbox(sock)
+        outbox = Outbox(sock)
         buf = inbox.buf
         skip = memoryview(bytearray(w.ALIGN))
         unpack_from, req_size = w.REQ.unpack_from, w.REQ.size
@@ -317,7 +263,7 @@ class TcpDataServer:
         offset: int,
         length: int,
         pad: memoryview,
-        out: socket.socket | _Outbox,
+        out: socket.socket | Outbox,
     ) -> int | None:
         """One fenced write op (its STAMP next in ``inbox``): the bytes it sent back
         (through ``out``: the socket, or the outbox of a quiet op), or None after a
@@ -418,7 +364,7 @@ class TcpDataServer:
                 fence.end_read(entry)
         return sent - first, count * block_req
 
-    def _fence_reply(self, sock: socket.socket | _Outbox, rid: int, status: int) -> int:
+    def _fence_reply(self, sock: socket.socket | Outbox, rid: int, status: int) -> int:
         """The fence's verdict as a reply; the bytes sent."""
         if status == FENCE_OK:
             sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))

@@ -8,7 +8,8 @@ connection. The instance is a random id each data server draws when it
 starts (advertised in ``RegionInfo.tcp_instance``): a client that learned a
 node's offsets from an earlier incarnation on the same host and port is
 refused (``ST_WRONG_INSTANCE``) instead of reading or writing someone
-else's bytes. An empty instance skips the check.
+else's bytes. An empty instance skips the check. ``hello`` builds the
+client's side, ``answer_hello`` runs the server's.
 
 Then any number of requests, answered strictly in order:
 
@@ -55,12 +56,15 @@ and the connection stays usable.
 from __future__ import annotations
 
 import contextlib
+import logging
 import socket
 import struct
 
 from kvpool.errors import ConnectionLostError
+from kvpool.rpc.auth import token_matches
 from kvpool.rpc.frame import tune_socket
 
+log = logging.getLogger("kvpool.transport.tcp")
 MAGIC = b"KVDT"
 VERSION = 4  # 3: READ payloads aligned (pad after the reply header); 4: WRITE payloads too
 HELLO = struct.Struct("!4sHHH")  # magic, version | token length, instance length
@@ -207,3 +211,42 @@ def byte_view(arr: object) -> memoryview:
     """A flat unsigned-byte memoryview of a (host) buffer."""
     mv = memoryview(arr)  # type: ignore[arg-type]
     return mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+
+
+def answer_hello(
+    sock: socket.socket, token: str | None, instance: str, peer: object
+) -> tuple[bool, int, int]:
+    """The server's side of the handshake: read the client's hello, check its magic,
+    version, token (``kvpool.rpc.auth``) and the incarnation (``instance``) it
+    expects, and answer. (accepted, bytes sent: the reply, bytes received: the hello)."""
+    head = bytearray(HELLO_HEAD.size)
+    recv_into_exact(sock, memoryview(head))
+    magic, version = HELLO_HEAD.unpack(head)
+    status, reason = ST_OK, ""
+    if magic != MAGIC:
+        status, reason = ST_BAD_VERSION, "not a kvpool data connection"
+    elif version != VERSION:  # answered before reading a body we cannot parse
+        status, reason = ST_BAD_VERSION, f"data protocol {version} unsupported"
+    else:
+        lengths = bytearray(HELLO_LENGTHS.size)
+        recv_into_exact(sock, memoryview(lengths))
+        tlen, ilen = HELLO_LENGTHS.unpack(lengths)
+        if tlen > MAX_HELLO_FIELD or ilen > MAX_HELLO_FIELD:
+            log.warning("refused data connection from %s: oversized hello", peer)
+            return False, 0, 0  # nothing read or allocated past the lengths
+        got_token, got_instance = bytearray(tlen), bytearray(ilen)
+        recv_into_exact(sock, memoryview(got_token))
+        recv_into_exact(sock, memoryview(got_instance))
+        if not token_matches(token, got_token.decode(errors="replace")):
+            status, reason = ST_BAD_TOKEN, "wrong token" if tlen else "missing token"
+        elif got_instance and got_instance.decode(errors="replace") != instance:
+            status = ST_WRONG_INSTANCE
+            reason = "this data server is another incarnation of the node (it restarted)"
+    if status != ST_OK:
+        log.warning("refused data connection from %s: %s", peer, reason)
+    msg = reason.encode()
+    reply = HELLO_REPLY.pack(MAGIC, status, len(msg)) + msg
+    sock.sendall(reply)
+    if status != ST_OK:
+        return False, len(reply), 0
+    return True, len(reply), hello_size(tlen, ilen)
