@@ -199,17 +199,9 @@ class TcpDataServer:
             except ConnectionLostError:
                 return False
             received += req_size + (STAMP.size if op in w.STAMPED_OPS else 0)
-            if op in _QUIET_OPS:
-                n = self._stamped(sock, inbox, op, rid, offset, length, skip[:0], outbox)
-                if n is None:
-                    outbox.flush()
-                    return True
-                sent += n
-                at = inbox.start
-                if inbox.end - at < _QUIET_REQ or buf[at] not in _QUIET_OPS:
-                    outbox.flush()  # no whole quiet request next: answer the batch now
-                continue
-            outbox.flush()
+            quiet = op in _QUIET_OPS
+            if not quiet:
+                outbox.flush()
             if op in w.PAYLOAD_OPS:
                 if pad != w.write_pad(received):
                     self._error(sock, w.ST_BAD_OP, rid, "data stream out of sync (write pad)")
@@ -220,10 +212,15 @@ class TcpDataServer:
                 sent += w.RESP.size
                 continue
             if op in w.STAMPED_OPS:
-                n = self._stamped(sock, inbox, op, rid, offset, length, skip[:pad], sock)
+                out = outbox if quiet else sock
+                n = self._stamped(sock, inbox, op, rid, offset, length, skip[:pad], out)
                 if n is None:
+                    outbox.flush()
                     return True
                 sent += n
+                at = inbox.start
+                if inbox.end - at < _QUIET_REQ or buf[at] not in _QUIET_OPS:
+                    outbox.flush()  # no whole quiet request next: answer the batch now
                 continue
             if op not in (w.OP_READ, w.OP_WRITE):
                 self._error(sock, w.ST_BAD_OP, rid, f"unknown op {op}")

@@ -8,7 +8,6 @@ Binding to anything but loopback requires a shared token (``--token`` or
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import logging
 import signal
 import threading
@@ -116,6 +115,7 @@ def _run_master(args: argparse.Namespace) -> int:
         policy=args.policy,
         node_ttl=args.node_ttl,
         lease_ttl=args.lease_ttl,
+        grant_share=MasterConfig.grant_share if args.grant_share is None else args.grant_share,
         metrics_port=args.metrics_port,
         replication=replication,
         etcd=args.etcd,
@@ -123,8 +123,6 @@ def _run_master(args: argparse.Namespace) -> int:
         leader_ttl=args.leader_ttl,
         advertise=args.advertise,
     )
-    if args.grant_share is not None:
-        config = dataclasses.replace(config, grant_share=args.grant_share)
     master = Master(config)
     host, port = master.start()
     logging.getLogger("kvpool.cluster.master").info(
