@@ -134,16 +134,16 @@ def test_a_failed_short_path_write_gives_its_grant_back_and_puts_again(
         real_write = fenced.write_blocks_begin
         failed: list[int] = []
 
-        def write_blocks_begin(data: Any, control: Any, items: Any, *args: Any) -> Any:
+        def write_blocks_begin(data: Any, control: Any, items: Any, *args: Any, **kw: Any) -> Any:
             if failed:
-                return real_write(data, control, items, *args)
+                return real_write(data, control, items, *args, **kw)
             stamp = items[0][0]
             failed.append(stamp.alloc_id)
             if failure == "connection":
                 fenced.release_quietly(control, [stamp])  # what the node does on a broken link
                 raise ConnectionResetError("injected")
             broken = FailingCopy(data)
-            return real_write(broken, control, items, *args)
+            return real_write(broken, control, items, *args, **kw)
 
         monkeypatch.setattr(puts_module.fenced, "write_blocks_begin", write_blocks_begin)
         assert pool.put(key(2), payload(2)) is True

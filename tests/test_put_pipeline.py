@@ -19,7 +19,7 @@ from clusterhelpers import Cluster, start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool
-from kvpool.cluster.client.commits import pipelined_default
+from kvpool.cluster.client.put_modes import pipelined_default
 from kvpool.cluster.wire import REVOKE, IdsRequest
 from kvpool.errors import PutCommitError
 from kvpool.rpc.client import RpcClient

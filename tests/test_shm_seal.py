@@ -82,9 +82,9 @@ def test_a_record_is_read_back_as_written_and_cleared_by_the_node(tmp_path) -> N
     assert writer.deadline == Deadline(500 * MS, 10 * MS)  # the writer reads the node's numbers
     assert node.read(PAGE) is None
     assert writer.write(real(7, PAGE))
-    assert node.read(PAGE) == real(7, PAGE)
+    assert node.read(PAGE) == (real(7, PAGE), False)
     assert writer.write(WriteStamp(3, 8, 2 * PAGE, PAGE, K2))  # no parent
-    assert node.read(2 * PAGE) == WriteStamp(3, 8, 2 * PAGE, PAGE, K2, None)
+    assert node.read(2 * PAGE) == (WriteStamp(3, 8, 2 * PAGE, PAGE, K2, None), False)
     node.clear(PAGE)
     assert node.read(PAGE) is None
     assert not writer.write(real(9, 5))  # not a block start

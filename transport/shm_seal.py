@@ -38,26 +38,49 @@ the buffer drains in far less than ``margin``, so a record the writer counted
 as "before D" is visible to a node reading after ``D + margin``. Weakly
 ordered CPUs (ARM) would need fences: untested.
 
-Layout (native byte order): a 64-byte header (magic, hold ns, margin ns),
-then one ``RECORD`` per ``ALIGN``-byte granule of the arena: sealed u64,
-epoch u64, alloc id u64, size u64, has parent u64, key 16 B, parent 16 B.
+Commits by the node (issue 17): a writer may seal with ``NODE_COMMITS``
+instead of ``SEALED``, asking the node to send the block's master ``COMMIT``
+for it (kvpool.cluster.node_commits), so that a same-host put sends nothing
+at all. Only a node whose header has ``FLAG_NODE_COMMITS`` does so. After
+sealing, the writer rings the doorbell (a header word the node polls and
+clears, then takes its table lock -- a full fence on x86 -- before it reads
+records, so a ring is never lost). The node answers in the record's word:
+``VISIBLE`` (committed, or found stored: the key holds a block) or
+``NOT_COMMITTED`` (the master knew no such grant: the writer settles it as
+a refused pipelined commit). The writer reads that answer only while the
+record still names its allocation (``outcome``); a record reused for a
+later claim is no answer, and the writer looks the key up instead.
+
+Layout (native byte order): a 128-byte header (magic, hold ns, margin ns,
+flags; the doorbell word at byte 64, its own cache line), then one
+``RECORD`` per ``ALIGN``-byte granule of the arena: sealed u64, epoch u64,
+alloc id u64, size u64, has parent u64, key 16 B, parent 16 B.
 """
 
 from __future__ import annotations
 
 import struct
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.shm_side_file import SideFile
 
 ALIGN = 4096
-HEADER = struct.Struct("=QQQ")
-HEADER_BYTES = 64
+HEADER = struct.Struct("=QQQQ")
+HEADER_BYTES = 128
+DOORBELL_WORD = 8  # byte 64
 RECORD = struct.Struct("=QQQQQ16s16s")
 _FIELDS = struct.Struct("=QQQQ16s16s")  # all but ``sealed``
-MAGIC = 0x6B7670736C303031  # "kvpsl001"
+_ALLOC_WORD = 2  # the record's alloc id, in words from its ``sealed`` word
+MAGIC = 0x6B7670736C303032  # "kvpsl002"
+FLAG_NODE_COMMITS = 1  # the node commits records sealed with NODE_COMMITS
+# The record's ``sealed`` word: written 0 by the node (claim granted), 1 or 2 by
+# the writer, then 3 or 4 by the node (only after a 2).
+SEALED, NODE_COMMITS, VISIBLE, NOT_COMMITTED = 1, 2, 3, 4
 #: How long a claim taken ahead may be sealed through shared memory (ns).
 DEFAULT_HOLD_NS = 500_000_000
 #: Slack for store-buffer drain and the node's read after the deadline (ns).
@@ -106,42 +129,91 @@ class SealRecords(SideFile):
         create: bool,
         hold_ns: int = DEFAULT_HOLD_NS,
         margin_ns: int = DEFAULT_MARGIN_NS,
+        node_commits: bool = False,
     ) -> None:
         size = seal_bytes(arena_size)
         what = f"the seal file of a {arena_size} B arena"
         super().__init__(path, size, create=create, writable=True, what=what)
         assert self._mmap is not None
         if create:
-            HEADER.pack_into(self._mmap, 0, MAGIC, hold_ns, margin_ns)
-        magic, hold, margin = HEADER.unpack_from(self._mmap, 0)
+            flags = FLAG_NODE_COMMITS if node_commits else 0
+            HEADER.pack_into(self._mmap, 0, MAGIC, hold_ns, margin_ns, flags)
+        magic, hold, margin, flags = HEADER.unpack_from(self._mmap, 0)
         if magic != MAGIC:
             self.close()
             raise ValueError(f"{path} has no seal header")
         self.deadline = Deadline(hold, margin)
+        #: the node commits the blocks sealed with ``NODE_COMMITS`` (writers may ask)
+        self.node_commits = bool(flags & FLAG_NODE_COMMITS)
         self._records = (size - HEADER_BYTES) // RECORD.size
+        # Every record's ``sealed`` word, for the node's poll of many records at once.
+        self._sealed: np.ndarray | None = np.ndarray(
+            (self._records,), np.uint64, self._mmap, HEADER_BYTES, (RECORD.size,)
+        )
+
+    def close(self) -> None:
+        self._sealed = None  # its export of the mapping first
+        super().close()
 
     # -- the node (under its table's lock) ----------------------------------------------
 
-    def clear(self, offset: int) -> None:
-        """Before a claim at ``offset`` is granted: no seal recorded there."""
+    def clear(self, offset: int) -> bool:
+        """Before a claim at ``offset`` is granted: no seal recorded there (False:
+        ``offset`` has no record)."""
         word = self._word(offset)
-        if word is not None and self._words is not None:
-            self._words[word] = 0
+        if word is None or self._words is None:
+            return False
+        self._words[word] = 0
+        return True
 
-    def read(self, offset: int) -> WriteStamp | None:
-        """The stamp sealed at ``offset`` (None: not sealed)."""
+    def read(self, offset: int) -> tuple[WriteStamp, bool] | None:
+        """The stamp sealed at ``offset`` and whether its writer asked the node to
+        commit it (None: not sealed)."""
         word = self._word(offset)
         words, mm = self._words, self._mmap
-        if word is None or words is None or mm is None or not words[word]:
-            return None  # ``sealed`` first: the fields read next are the record's
+        if word is None or words is None or mm is None:
+            return None
+        sealed = words[word]  # ``sealed`` first: the fields read next are the record's
+        if sealed not in (SEALED, NODE_COMMITS):
+            return None
         epoch, alloc_id, size, has_parent, key, parent = _FIELDS.unpack_from(mm, word * 8 + 8)
-        return WriteStamp(epoch, alloc_id, offset, size, key, parent if has_parent else None)
+        stamp = WriteStamp(epoch, alloc_id, offset, size, key, parent if has_parent else None)
+        return stamp, sealed == NODE_COMMITS
+
+    def sealed_at(self, offsets: Sequence[int]) -> list[int]:
+        """Those of ``offsets`` (records the node may adopt) sealed now: one
+        vectorised read of their ``sealed`` words."""
+        sealed = self._sealed
+        if sealed is None or not offsets:
+            return []
+        words = sealed[np.fromiter(offsets, np.int64, len(offsets)) // ALIGN]
+        hits = np.flatnonzero((words == SEALED) | (words == NODE_COMMITS))
+        return [offsets[i] for i in hits.tolist()]
+
+    def rung(self) -> bool:
+        """Whether a writer rang since the last call (then cleared). The caller must
+        take a lock (a full fence) before it reads records, so no ring is lost."""
+        words = self._words
+        if words is None or not words[DOORBELL_WORD]:
+            return False
+        words[DOORBELL_WORD] = 0
+        return True
+
+    def answer(self, offset: int, alloc_id: int, state: int) -> None:
+        """``VISIBLE`` or ``NOT_COMMITTED`` for the block of allocation ``alloc_id``
+        whose writer asked the node to commit it (a reused record is left alone)."""
+        word, words = self._word(offset), self._words
+        if word is None or words is None or words[word + _ALLOC_WORD] != alloc_id:
+            return
+        if words[word] == NODE_COMMITS:
+            words[word] = state
 
     # -- the writer ---------------------------------------------------------------------
 
-    def write(self, stamp: WriteStamp) -> bool:
+    def write(self, stamp: WriteStamp, node_commits: bool = False) -> bool:
         """Record ``stamp``'s block as whole (its bytes are in place); False if
-        its offset has no record."""
+        its offset has no record. ``node_commits``: ask the node to commit it
+        (only if the header says it does), and ring the doorbell."""
         word = self._word(stamp.offset)
         words, mm = self._words, self._mmap
         if word is None or words is None or mm is None or len(stamp.key) != 16:
@@ -157,8 +229,21 @@ class SealRecords(SideFile):
             stamp.key,
             parent,
         )
-        words[word] = 1  # last: the node reads this word before the fields
+        if node_commits and self.node_commits:
+            words[word] = NODE_COMMITS  # last: the node reads this word before the fields
+            words[DOORBELL_WORD] = 1
+        else:
+            words[word] = SEALED
         return True
+
+    def outcome(self, offset: int, alloc_id: int) -> int | None:
+        """The ``sealed`` word of the record at ``offset`` while it still names
+        allocation ``alloc_id`` (None: reused for another claim, or no record)."""
+        word, words = self._word(offset), self._words
+        if word is None or words is None:
+            return None
+        state = words[word]
+        return state if words[word + _ALLOC_WORD] == alloc_id else None
 
     def _word(self, offset: int) -> int | None:
         if offset < 0 or offset % ALIGN:

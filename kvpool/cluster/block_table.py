@@ -36,7 +36,8 @@ Invariants (all under one lock):
 - shared-memory seals (kvpool.transport.shm_seal): a claim taken ahead
   (placeholder key) has its record cleared before it is granted; a record
   naming it (claimed, not aborted) is adopted as a ``SEAL`` would be, and a
-  new term aborts it only once past its deadline + margin (waits for that).
+  new term aborts it only once past its deadline + margin (waits for that); a
+  block whose record asks for the node's commit is owed it once (sealed_claims).
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.cluster.block_entry import CLAIMED, COMMITTED, NO_KEY, WRITTEN, Entry, Waits
+from kvpool.cluster.sealed_claims import SealedClaims
 from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, FENCE_STALE, WriteStamp
 from kvpool.transport.shm_ident import BlockIdents
 from kvpool.transport.shm_seal import SealRecords, now_ns
@@ -69,8 +71,8 @@ class BlockTable:
     ) -> None:
         self._checksum = checksum  # (offset, size) -> xxh3_64 of those arena bytes
         self._idents = idents  # same-host readers check these (None: not published)
-        self._seals = seals  # same-host writers seal here (None: TCP seals only)
-        self._clock = clock  # CLOCK_MONOTONIC ns (injected by unit tests)
+        # same-host writers seal claims taken ahead here (None: TCP seals only)
+        self._claims = None if seals is None else SealedClaims(seals, clock)
         self.claim_wait = claim_wait
         self.epoch = 0  # the term served now (0: none, every claim is stale)
         self.highest = 0  # the highest term ever served (a lower master is stale)
@@ -104,9 +106,8 @@ class BlockTable:
                         self._remove(other)
                     entry = Entry(stamp, CLAIMED)
                     self._insert(entry)
-                    if self._seals is not None and stamp.key == NO_KEY:
-                        self._seals.clear(stamp.offset)  # before the claim is answered
-                        entry.granted_ns = self._clock()
+                    if self._claims is not None and stamp.key == NO_KEY:
+                        self._claims.granted(entry)  # before the claim is answered
                     self._hold(entry, owner)
                     return FENCE_OK
                 left = deadline - time.monotonic()
@@ -184,17 +185,11 @@ class BlockTable:
         with self._cond:
             self.epoch = epoch  # first: no claim is granted from here on
             self.highest = max(self.highest, epoch)
-            while self._seals is not None:  # shm-sealable claims: adopted or past deadline
-                d, now = self._seals.deadline, self._clock()
-                waiting = [
-                    e.granted_ns
-                    for e in self._adopt_all()
-                    if e.granted_ns and e.state == CLAIMED and not e.aborted
-                    if not d.node_may_abort(e.granted_ns, now)
-                ]
-                if not waiting:
+            while self._claims is not None:  # shm-sealable claims: adopted or past deadline
+                left = self._claims.abort_wait(self._adopt_all())
+                if left <= 0:
                     break
-                self._waits.wait((min(waiting) + d.hold_ns + d.margin_ns - now) / 1e9 + 0.001)
+                self._waits.wait(left)
             for entry in list(self._entries.values()):
                 if entry.state == CLAIMED:
                     entry.aborted = True
@@ -231,10 +226,8 @@ class BlockTable:
                         entry.state = COMMITTED
                         return entry
                     if entry.state == CLAIMED and not entry.aborted:
-                        # Committed before its seal arrived (a same-host put seals and
-                        # commits in parallel; a grant's claim, taken ahead, still has
-                        # its placeholder key): the master commits only once the bytes
-                        # are in place, so the block is whole and readable now.
+                        # Committed before its seal arrived (seal and commit run in parallel;
+                        # the master commits only once the bytes are in place): whole now.
                         entry.stamp = dataclasses.replace(s, key=key, parent=parent)
                         self._publish(entry)
                     entry.state = COMMITTED
@@ -300,6 +293,14 @@ class BlockTable:
             entry = self._entries.get(offset)
             return None if entry is None else entry.state
 
+    def adopt_owed(self) -> list[Entry]:
+        """Adopt the records sealed for claims taken ahead; hand over the blocks whose
+        writers asked the node to commit them (each once, in the order sealed)."""
+        with self._cond:
+            for entry in [] if self._claims is None else self._claims.sealed_open():
+                self._adopt_sealed(entry)
+            return [] if self._claims is None else self._claims.take_owed()
+
     # -- helpers (under the lock) -------------------------------------------------------
 
     def _seal(self, entry: Entry, stamp: WriteStamp) -> None:
@@ -311,23 +312,18 @@ class BlockTable:
         entry.state = COMMITTED if was == COMMITTED else WRITTEN
         if was == CLAIMED:
             self._publish(entry)
+            if self._claims is not None:
+                self._claims.sealed(entry)
         self._cond.notify_all()
 
     def _adopt_sealed(self, entry: Entry) -> bool:
         """Adopt ``entry``'s seal record if its writer sealed it in shared memory."""
-        if (
-            self._seals is None
-            or not entry.granted_ns
-            or entry.state != CLAIMED
-            or entry.aborted
-            or self._entries.get(entry.stamp.offset) is not entry
-        ):
+        if self._claims is None or self._entries.get(entry.stamp.offset) is not entry:
             return False
-        found = self._seals.read(entry.stamp.offset)
-        if found is None or not found.same_allocation(entry.stamp):
-            return False
-        self._seal(entry, found)
-        return True
+        found = self._claims.find(entry)
+        if found is not None:
+            self._seal(entry, found)
+        return found is not None
 
     def _adopt_all(self) -> list[Entry]:
         """Every entry, after adopting the shared-memory seals written so far."""
@@ -393,6 +389,8 @@ class BlockTable:
             del self._offsets[bisect.bisect_left(self._offsets, offset)]
             if self._idents is not None:
                 self._idents.retract(offset)
+            if self._claims is not None:
+                self._claims.gone(entry)
 
     def _publish(self, entry: Entry) -> None:
         if self._idents is not None:

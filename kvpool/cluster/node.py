@@ -12,6 +12,10 @@ block it holds, acknowledged puts included, after checking each block's
 bytes against its checksum. Heartbeat replies tell it which blocks were
 committed and which ranges were freed.
 
+Same-host puts sealed in shared memory may leave their master commit to
+the node: its ``SealCommitter`` thread (kvpool.cluster.node_commits) adopts
+those seals and commits them on a connection of its own.
+
 Terms: the node registers with the master's epoch and accepts only that
 term's writes and control calls; a master of a lower term than one the node
 served is refused (``StaleEpochError``) and the node tries the next address.
@@ -40,6 +44,7 @@ import xxhash
 from kvpool.cluster.block_table import BlockTable
 from kvpool.cluster.link import MasterLink
 from kvpool.cluster.metrics import Metrics
+from kvpool.cluster.node_commits import SealCommitter
 from kvpool.cluster.node_ssd import NodeSsd
 from kvpool.cluster.wire import (
     EVENT_COMMIT,
@@ -99,13 +104,17 @@ class StorageNode:
             raise
         try:  # same-host writers seal claims taken ahead there (kvpool.transport.shm_seal)
             self.seals = SealRecords(
-                shm_path(seal_name(self.arena.name)), self.arena.size, create=True
+                shm_path(seal_name(self.arena.name)),
+                self.arena.size,
+                create=True,
+                node_commits=True,
             )
         except BaseException:
             self.idents.close()
             self.arena.close()
             raise
         self.table = BlockTable(self._checksum, idents=self.idents, seals=self.seals)
+        self.committer = SealCommitter(self.table, self.seals, self._commit_link)
         try:
             self.exposed = expose_region(
                 self.arena.view,
@@ -145,6 +154,7 @@ class StorageNode:
         self._checksums: list[list[Any]] = []  # computed, not yet reported
         self._joined_before = False
         self._client: MasterLink | None = None
+        self._commits_link: MasterLink | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvpool-heartbeat", daemon=True)
 
@@ -162,13 +172,16 @@ class StorageNode:
             self.metrics_port = self.metrics.serve(self.config.host, self.config.metrics_port)
         self.metrics.capacity.labels(self.node_id).set(self.arena.size)
         self._thread.start()
+        self.committer.start()
 
     def close(self) -> None:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(self.config.rpc_timeout + self.config.heartbeat_interval)
-        if self._client is not None:
-            self._client.close()
+        self.committer.close()
+        for link in (self._client, self._commits_link):
+            if link is not None:
+                link.close()
         self.control.close()
         self.exposed.close()
         if self.ssd is not None:
@@ -233,6 +246,19 @@ class StorageNode:
                 connect=False,
             )
         return self._client
+
+    def _commit_link(self) -> MasterLink:
+        """The committer's own connection to the master (kvpool.cluster.node_commits)."""
+        if self._commits_link is None:
+            self._commits_link = MasterLink(
+                self.config.master,
+                token=self.config.token,
+                timeout=self.config.rpc_timeout,
+                name=f"kvpool-node-commits {self.node_id}",
+                deadline=self.config.heartbeat_interval,
+                connect=False,
+            )
+        return self._commits_link
 
     def _register(self) -> None:
         table = self.table

@@ -47,6 +47,12 @@ in pure Python, the interpreter's switch interval (5 ms); the block is visible
 one master round trip later. ``$KVPOOL_PUT_COMMIT_THREAD=0`` sends on the
 writer's thread at once instead (what puts did before; kept and tested).
 
+Commits by the node (issue 17): a same-host put sealed in shared memory may
+leave its commit to its node (kvpool.cluster.node_commits) and send nothing;
+``watch`` records it (kvpool.cluster.client.node_watch), ``flush`` waits for
+the node's answer too, and what the node could not commit is settled here
+like a refused commit. ``$KVPOOL_NODE_COMMITS=0`` keeps commits with the client.
+
 Thread-safety: one condition guards the bookkeeping; replies are handled on the
 RPC reader thread, which only records them and sends what was queued behind
 them (no waiting there); retries and recoveries run in the caller of
@@ -56,7 +62,6 @@ them (no waiting there); retries and recoveries run in the caller of
 from __future__ import annotations
 
 import logging
-import os
 import queue
 import threading
 import time
@@ -65,8 +70,11 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.cluster.client.node_watch import NodeWatch
+from kvpool.cluster.client.put_modes import commit_thread_default
 from kvpool.cluster.wire import COMMIT, EXISTS, CommitRequest, KeysRequest
 from kvpool.errors import KVPoolError, PutCommitError
+from kvpool.transport.shm_seal import SealRecords
 
 log = logging.getLogger("kvpool.cluster.client")
 LINGER_S = 0.001  # the sender thread waits this long for more puts to share a frame
@@ -84,31 +92,6 @@ class Acked:
     offset: int
     size: int
     granted: bool  # a grant (the commit binds the key) or an allocation for the key
-
-
-def pipelined_default(explicit: bool | None = None) -> bool:
-    """Whether puts pipeline their commit: ``explicit``, else ``$KVPOOL_PUT_PIPELINE``
-    (``0``/``1``), else True. Checks ``$KVPOOL_PUT_COMMIT_THREAD`` too, so that a
-    bad setting of either fails before the client connects."""
-    commit_thread_default()
-    return explicit if explicit is not None else _switch("KVPOOL_PUT_PIPELINE")
-
-
-def commit_thread_default() -> bool:
-    """Whether a sender thread sends the pipelined commits: ``$KVPOOL_PUT_COMMIT_THREAD``
-    (``0``/``1``), else True."""
-    return _switch("KVPOOL_PUT_COMMIT_THREAD")
-
-
-def _switch(name: str) -> bool:
-    """An on/off environment setting: unset, empty or ``1`` is on, ``0`` off; anything
-    else is refused (a typo must not silently pick a mode)."""
-    raw = os.environ.get(name, "").strip()
-    if raw in ("", "1"):
-        return True
-    if raw == "0":
-        return False
-    raise ValueError(f"{name} must be 0 or 1, got {raw!r}")
 
 
 #: ``recover(items)``: put the sealed bytes of ``items`` again the classic way; per
@@ -140,6 +123,7 @@ class CommitPipe:
         self._failed: list[tuple[list[bytes], str]] = []  # to raise on the next call
         self._withdrawn: set[int] = set()  # alloc ids of puts answered False after all
         self._open: set[int] = set()  # alloc ids whose put has not answered yet
+        self.by_node = NodeWatch()  # puts whose node sends their commit
         self._settling = threading.Lock()
         self.sent = self.duplicates = self.recovered = 0
 
@@ -169,6 +153,14 @@ class CommitPipe:
                 self._wake.put(items)
                 return
         self._submit(items)
+
+    def watch(self, item: Acked, records: SealRecords) -> None:
+        """A put sealed with ``NODE_COMMITS`` in ``records``: its node commits it;
+        ``flush`` waits for the node's answer there."""
+        unsure = self.by_node.watch(item, records)
+        if unsure:
+            with self._cond:
+                self._unsure += unsure
 
     def _send_loop(self) -> None:
         """The sender thread: submit each batch a put set in flight, with what was
@@ -230,7 +222,9 @@ class CommitPipe:
     def idle(self) -> bool:
         """Nothing in flight, queued or to settle."""
         with self._cond:
-            return self._inflight is None and not (self._queue or self._unsure or self._busy)
+            return self._inflight is None and not (
+                self._queue or self._unsure or self._busy or self.by_node.watched
+            )
 
     def flush(self) -> None:
         """Wait until every commit of a put acknowledged so far is answered and
@@ -239,7 +233,7 @@ class CommitPipe:
         # Fast path of every read (no lock): this thread's own puts set these
         # before they returned, so a read after them never misses its own writes.
         if self._inflight is None and not (
-            self._queue or self._unsure or self._busy or self._failed
+            self._queue or self._unsure or self._busy or self._failed or self.by_node.watched
         ):
             return
         if self.idle():
@@ -255,6 +249,10 @@ class CommitPipe:
                     self._inflight, self._queue = None, []
                     break
                 self._cond.wait(min(left, 0.5))
+        unsure = self.by_node.wait(give_up)
+        if unsure:
+            with self._cond:
+                self._unsure += unsure
         self.settle()
         self.check()
 

@@ -39,6 +39,7 @@ def write_blocks_begin(
     seals: SealRecords | None = None,
     counts: Counter[str] | None = None,
     clock: Callable[[], int] = now_ns,
+    node_commits: set[int] | None = None,
 ) -> tuple[list[int], Callable[[], list[int]] | None]:
     """Write each (stamp, offset, bytes) as a whole block. ``data`` moves the
     bytes, ``control`` is a TCP transport to the same node (the same object
@@ -54,6 +55,10 @@ def write_blocks_begin(
     sealed in shared memory and done without a round trip if the clock, read
     after its record was written, is still inside the claim's deadline
     (kvpool.transport.shm_seal); otherwise its seal goes over TCP as before.
+    With ``node_commits`` (a set) and a node that commits sealed blocks, each
+    record asks the node to send the block's master commit, and the indices so
+    asked are added to the set: once sealed (either way), the caller must not
+    commit them itself (kvpool.cluster.node_commits).
     """
     if isinstance(data, TcpTransport):
         return data.stamped([(w.OP_WRITE_FINAL, s.pack(), off, d) for s, off, d in items]), None
@@ -80,7 +85,10 @@ def write_blocks_begin(
         ops(control, w.OP_RELEASE, [items[i][0] for i in held])
         raise
     if seals is not None and isinstance(claimed, Mapping):
-        written = [i for i in held if claimed.get(i, 0) > 1 and seals.write(items[i][0])]
+        ask = node_commits is not None and seals.node_commits
+        written = [i for i in held if claimed.get(i, 0) > 1 and seals.write(items[i][0], ask)]
+        if ask and node_commits is not None:
+            node_commits.update(written)
         if written:
             now, deadline = clock(), seals.deadline  # read after the records were written
             done = {i for i in written if deadline.writer_in_time(claimed[i], now)}

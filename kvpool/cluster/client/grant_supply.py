@@ -56,9 +56,15 @@ class GrantSupply:
             self.revoke([grant.alloc_id])
         return None
 
-    def wants(self, size: int) -> int:
-        """How many grants of ``size`` to ask for on an allocation made anyway."""
-        return self.stock.wants_refill(size)
+    def allocate(self, request: AllocateRequest, use_grants: bool) -> AllocateReply:
+        """The classic allocation of ``request``'s blocks, asking (``use_grants``) for
+        spare grants of its first block's size on the way: stocked and claimed here."""
+        spare_size = request.sizes[0]
+        request.spare = self.stock.wants_refill(spare_size) if use_grants else 0
+        request.spare_size = spare_size if request.spare else 0
+        reply = self._session.rpc.call(ALLOCATE, request, response_type=AllocateReply)
+        self.absorb(spare_size, reply)
+        return reply
 
     def top_up(self, size: int) -> None:
         """Ask for more grants of ``size`` without waiting, when the stock runs low."""

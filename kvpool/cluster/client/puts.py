@@ -11,7 +11,7 @@ a put with ``replicas`` == 1 returns once its node holds the block whole with
 its key (what makes it outlive a master crash); its ``COMMIT`` is answered in
 the background, so a put with a grant in stock costs the node's round trip
 only (same host: none, when its claim was taken ahead and the seal goes in shared
-memory). A put of a key this client already put goes the synchronous way and
+memory; and no commit frame either when the node commits it, kvpool.cluster.node_commits). A put of a key this client already put goes the synchronous way and
 answers exactly; ``pipelined=False`` (or ``replicas`` > 1) commits synchronously.
 
 Invariants:
@@ -42,6 +42,7 @@ from kvpool.cluster.client import fenced
 from kvpool.cluster.client.commits import Acked, CommitPipe
 from kvpool.cluster.client.grant_supply import GrantSupply
 from kvpool.cluster.client.grants import Grant
+from kvpool.cluster.client.put_modes import node_commits_default
 from kvpool.cluster.client.put_writes import (
     Sealing,
     Writes,
@@ -52,10 +53,8 @@ from kvpool.cluster.client.put_writes import (
 )
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.wire import (
-    ALLOCATE,
     COMMIT,
     EXISTS,
-    AllocateReply,
     AllocateRequest,
     CommitRequest,
     KeysRequest,
@@ -63,6 +62,7 @@ from kvpool.cluster.wire import (
 from kvpool.errors import PutFailedError
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.shm import ShmTransport
+from kvpool.transport.shm_seal import SealRecords
 from kvpool.transport.tcp import TcpTransport
 
 MINE_MAX = 1 << 16  # keys remembered as put by this client (own duplicates go synchronous)
@@ -78,6 +78,7 @@ class RemotePutter:
         self.supply = GrantSupply(session, grant_bytes)
         self.grants = self.supply.stock
         self.commits = CommitPipe(session.rpc, self._recover, session.rpc.deadline)
+        self.node_commits = node_commits_default()  # same-host seals ask the node to commit
         self._mine: dict[bytes, None] = {}  # insertion-ordered, bounded by MINE_MAX
         self.late_commits = 0  # pipelined puts committed synchronously: grant window passed
         session.on_region_change(self.supply.forget_node)
@@ -105,7 +106,8 @@ class RemotePutter:
     ) -> tuple[list[bool], list[int], str] | None:
         """``put_once`` of one new key, pipelined, without its batch bookkeeping; None
         (nothing done) unless a grant is in stock. Written here: a TCP write, or a same-host
-        one whose grant holds its claim and whose node publishes seal records; anything
+        one whose grant holds its claim and whose node publishes seal records (its commit
+        then left to the node where it commits: kvpool.cluster.node_commits); anything
         else (a same-host write that must claim its range, UCX) goes to ``put_once``."""
         if key in self._mine or not self.supply.enabled:
             return None
@@ -122,10 +124,12 @@ class RemotePutter:
             return self.put_once([key], [region], [parent], 1, pipelined=True, taken=taken)
         stamp = WriteStamp(grant.epoch, grant.alloc_id, grant.offset, size, key, parent)
         items = [(stamp, grant.offset, region)]
+        by_node: set[int] | None = set() if seals is not None and self.node_commits else None
         try:
             ok, sealing = fenced.write_blocks_begin(
-                data, session.control(node_id), items, {0: claimed_at}, seals, session.counts
-            )
+                data, session.control(node_id), items, {0: claimed_at}, seals, session.counts,
+                node_commits=by_node,
+            )  # fmt: skip
         except TRANSFER_ERRORS:
             ok, sealing = None, None
         item = (0, grant.alloc_id, grant.offset, grant.epoch, claimed_at)
@@ -135,8 +139,10 @@ class RemotePutter:
                 self.supply.forget_node(node_id)
             self.supply.revoke([grant.alloc_id])
         seal: list[Sealing] = [] if sealing is None else [(node_id, [0], sealing)]
+        lost = [] if written else [0]
+        watch = {0: seals} if by_node and seals is not None else None
         stored, retry = self._acknowledge(
-            [key], [parent], [size], written, [] if written else [0], seal, {0}, grant.expires, True
+            [key], [parent], [size], written, lost, seal, {0}, grant.expires, True, watch
         )
         self.supply.top_up(size)
         full = list[int]()
@@ -185,8 +191,18 @@ class RemotePutter:
                 writes.setdefault(grant.node_id, []).append(item)
         full: list[int] = []
         error = ""
-        if rest:
-            full, error = self._allocate(keys, sizes, parents, replicas, rest, use_grants, writes)
+        if rest:  # the classic allocation, asking for spare grants on the way
+            request = AllocateRequest(
+                [keys[i] for i in rest],
+                [sizes[i] for i in rest],
+                [parents[i] for i in rest],
+                replicas,
+            )
+            reply = self.supply.allocate(request, use_grants)
+            for i, placements in zip(rest, reply.placements, strict=True):
+                for alloc_id, node_id, off in placements or ():
+                    writes.setdefault(node_id, []).append((i, alloc_id, off, reply.epoch, False))
+            full, error = [rest[j] for j in reply.full], reply.error
         written, lost, sealing = self._write(writes, keys, regions, parents, sizes)
         stored, retry = self._acknowledge(
             keys, parents, sizes, written, lost, sealing, granted, use_by, pipelined
@@ -208,13 +224,18 @@ class RemotePutter:
         granted: set[int],
         use_by: float,
         pipelined: bool,
+        watch: dict[int, SealRecords] | None = None,
     ) -> tuple[list[bool], list[int]]:
         """Commit what was written (sent without waiting when ``pipelined``) and wait
-        for the seals: (stored per key, indices not stored, to put again)."""
-        if pipelined and granted and time.monotonic() > use_by:
+        for the seals: (stored per key, indices not stored, to put again). ``watch``:
+        indices whose node commits them once sealed (records to watch, not send)."""
+        watch = watch or {}
+        late = pipelined and granted and time.monotonic() > use_by
+        if late and not watch:
             # The write outlasted the grants' use window (a contended node): the master may
             # expire one before a pipelined commit lands, and after the ack only the node's
-            # copy could be recovered. Commit now: a refused grant is put again.
+            # copy could be recovered. Commit now: a refused grant is put again. (A block
+            # its node commits: waited for below, as ``flush`` waits.)
             pipelined = False
             self.late_commits += 1
         stored = [False] * len(keys)
@@ -224,7 +245,9 @@ class RemotePutter:
                 Acked(keys[i], parents[i], a, node, off, sizes[i], i in granted)
                 for (i, a, off, *_), node in written
             ]
-            self.commits.send(acked)  # overlaps the seals
+            self.commits.send(
+                [a for a, (w, _) in zip(acked, written, strict=True) if w[0] not in watch]
+            )
             for (i, *_), _node in written:
                 stored[i] = True
             retry = lost
@@ -238,8 +261,14 @@ class RemotePutter:
             if pipelined:  # if the seals raised, the put raises: none of it was acked
                 refused = [a for (i, a, *_), _ in written if not (sealed and stored[i])]
                 self.commits.answered(acked, refused)
+                for a, ((i, *_), _) in zip(acked, written, strict=True):
+                    if i in watch and sealed and stored[i]:
+                        self.commits.watch(a, watch[i])
         if pipelined:
             self._remember([keys[i] for i, ok in enumerate(stored) if ok])
+        if late and watch:
+            self.late_commits += 1
+            self.commits.flush()
         return stored, sorted({i for i in retry if not stored[i]})  # a replica may have made it
 
     def _put_again(
@@ -294,34 +323,6 @@ class RemotePutter:
             self.supply.close()
 
     # -- helpers --------------------------------------------------------------------
-
-    def _allocate(
-        self,
-        keys: Sequence[bytes],
-        sizes: list[int],
-        parents: Sequence[bytes | None],
-        replicas: int,
-        rest: list[int],
-        use_grants: bool,
-        writes: Writes,
-    ) -> tuple[list[int], str]:
-        """Allocate ``rest`` (asking for spare grants on the way); adds to ``writes``."""
-        spare_size = sizes[rest[0]]
-        spare = self.supply.wants(spare_size) if use_grants else 0
-        request = AllocateRequest(
-            [keys[i] for i in rest],
-            [sizes[i] for i in rest],
-            [parents[i] for i in rest],
-            replicas,
-            spare=spare,
-            spare_size=spare_size if spare else 0,
-        )
-        reply = self._session.rpc.call(ALLOCATE, request, response_type=AllocateReply)
-        self.supply.absorb(spare_size, reply)
-        for i, placements in zip(rest, reply.placements, strict=True):
-            for alloc_id, node_id, offset in placements or ():
-                writes.setdefault(node_id, []).append((i, alloc_id, offset, reply.epoch, False))
-        return [rest[j] for j in reply.full], reply.error
 
     def _write(
         self,

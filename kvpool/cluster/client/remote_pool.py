@@ -39,10 +39,10 @@ from kvpool.args import (
     out_region,
 )
 from kvpool.bindings.buffers import plain_host
-from kvpool.cluster.client.commits import pipelined_default
 from kvpool.cluster.client.grants import grant_budget
 from kvpool.cluster.client.handles import RemoteBlockWriter, RemoteLease, ReservationTicket
 from kvpool.cluster.client.lease_cache import DEFAULT_HOLD_S, DEFAULT_MAX_BYTES
+from kvpool.cluster.client.put_modes import pipelined_default
 from kvpool.cluster.client.puts import RemotePutter
 from kvpool.cluster.client.reads import LeasedReads
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession

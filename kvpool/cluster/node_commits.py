@@ -1,0 +1,124 @@
+"""The node commits same-host puts: the master ``COMMIT`` of blocks sealed in shared memory.
+
+A same-host writer that seals a claim taken ahead with ``NODE_COMMITS`` in its
+seal record (kvpool.transport.shm_seal) leaves the block's master commit to
+the node holding it: the put itself sends nothing (no COMMIT frame, no reply
+to receive on the writer's CPU; issue 17). ``SealCommitter`` is the node's
+thread that does it:
+
+1. poll the seal file's doorbell every ``FAST_S`` while writers rang within the
+   last ``BUSY_S``, else every ``IDLE_S``; a ring (or ``IDLE_S`` passing) adopts
+   the records sealed for claims taken ahead (``BlockTable.adopt_owed``);
+2. commit the blocks the table owes in one ``COMMIT`` (grant ids, keys,
+   parents) on the node's own master connection, one call at a time, so a
+   stream of puts shares frames;
+3. answer each writer in its record: ``VISIBLE`` when the master committed
+   it, or answered False (the key was stored already: the put's bytes were not
+   needed), or the block was re-registered with a newer master; else
+   ``NOT_COMMITTED`` (the master knew no such grant in the term that lent it:
+   it expired). The writer settles that as a refused pipelined commit
+   (kvpool.cluster.client.commits: look-up, read-back, put again).
+
+A master that cannot be reached is retried, backing off to 1 s; a block from
+an older term is answered by its state once the node serves a new term
+(re-registered: ``VISIBLE``; dropped by the re-registration's checksum:
+``NOT_COMMITTED``). Nothing is lost meanwhile: the block is whole on the node
+with its key, and every registration reports it.
+
+Bound (the README's visibility rule): a healthy node commits a sealed block
+within one poll period (at most ``IDLE_S``) plus the commit's round trip,
+after the one in flight.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+
+from kvpool.cluster.block_entry import COMMITTED, Entry
+from kvpool.cluster.block_table import BlockTable
+from kvpool.cluster.link import MasterLink
+from kvpool.cluster.wire import COMMIT, CommitRequest
+from kvpool.errors import KVPoolError
+from kvpool.transport.shm_seal import NOT_COMMITTED, VISIBLE, SealRecords
+
+log = logging.getLogger("kvpool.cluster.node")
+FAST_S = 0.00025  # doorbell poll while writers are busy
+BUSY_S = 0.05  # "busy": a ring within this long
+IDLE_S = 0.002  # doorbell poll (and record scan) otherwise
+
+
+class SealCommitter:
+    """The node's thread that commits the blocks same-host writers asked it to."""
+
+    def __init__(
+        self, table: BlockTable, records: SealRecords, link: Callable[[], MasterLink]
+    ) -> None:
+        self._table, self._records, self._link = table, records, link
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="kvpool-node-commits", daemon=True)
+        self._waiting: list[Entry] = []  # owed, not answered yet (master unreachable)
+        self.committed = self.not_committed = 0  # blocks answered each way
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(5.0)
+
+    def _loop(self) -> None:
+        rang_at = scanned_at = 0.0
+        pause = 0.0  # after a failed commit: back off
+        while not self._stop.is_set():
+            now = time.monotonic()
+            if self._records.rung():
+                rang_at = now
+            if rang_at >= scanned_at or now - scanned_at >= IDLE_S:
+                scanned_at = now
+                self._waiting += self._table.adopt_owed()
+            if self._waiting and now >= pause:
+                try:
+                    self._waiting = self._commit(self._waiting)
+                    pause = 0.0
+                except (KVPoolError, OSError) as exc:
+                    log.warning("could not commit %d sealed block(s): %s", len(self._waiting), exc)
+                    pause = time.monotonic() + 1.0
+            self._stop.wait(FAST_S if now - rang_at < BUSY_S else IDLE_S)
+
+    def _commit(self, owed: list[Entry]) -> list[Entry]:
+        """Commit ``owed`` and answer their writers; returns those to retry."""
+        epoch = self._table.epoch
+        now_term = [e for e in owed if e.stamp.epoch == epoch]
+        results: dict[int, bool | None] = {}
+        if now_term:
+            request = CommitRequest(
+                [e.stamp.alloc_id for e in now_term],
+                keys=[e.stamp.key for e in now_term],
+                parents=[e.stamp.parent for e in now_term],
+            )
+            done = self._link().call(COMMIT, request)
+            results = {id(e): ok for e, ok in zip(now_term, done, strict=True)}
+        retry = []
+        registered = self._table.epoch != 0  # listed blocks are visible once registered
+        for entry in owed:
+            ok = results.get(id(entry))
+            if ok is not None or (entry.state == COMMITTED and registered):
+                self._answer(entry, VISIBLE)  # False: the key was stored already
+            elif self._table.epoch in (0, entry.stamp.epoch) and id(entry) not in results:
+                retry.append(entry)  # re-registering, or its term's answer is still due
+            elif self._table.epoch != epoch:
+                retry.append(entry)  # a new term began during the call: ask it again
+            else:  # no such grant in its term (expired), or not re-registered
+                self._answer(entry, NOT_COMMITTED)
+        return retry
+
+    def _answer(self, entry: Entry, state: int) -> None:
+        self._records.answer(entry.stamp.offset, entry.stamp.alloc_id, state)
+        if state == VISIBLE:
+            self.committed += 1
+        else:
+            self.not_committed += 1

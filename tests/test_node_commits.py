@@ -1,0 +1,310 @@
+"""Commits sent by the node (issue 17): a same-host put sealed in shared memory sends nothing.
+
+The writer seals a claim taken ahead with ``NODE_COMMITS`` in its seal record
+(kvpool.transport.shm_seal); the node adopts it, commits it to the master and
+answers in the record (kvpool.cluster.node_commits); the writer's flush waits
+for that answer (kvpool.cluster.client.node_watch). Unit tests drive the real
+seal file and block table (a fake master link for the committer's answers);
+the proof runs real master and node processes: no COMMIT frame from the
+writer, read-your-writes, other clients see the block within the stated
+bound, and a master killed -9 right after such puts loses none of them.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import numpy as np
+import pytest
+from clusterhelpers import start_cluster, wait_until
+from poolhelpers import BLOCK, make_keys, payload
+
+import kvpool
+from kvpool.cluster.block_entry import COMMITTED
+from kvpool.cluster.block_table import BlockTable
+from kvpool.cluster.node_commits import IDLE_S, SealCommitter
+from kvpool.errors import MasterUnavailableError
+from kvpool.transport.fencing import FENCE_OK, WriteStamp
+from kvpool.transport.shm_seal import (
+    NODE_COMMITS,
+    NOT_COMMITTED,
+    SEALED,
+    VISIBLE,
+    SealRecords,
+)
+
+PAGE = 4096
+NO_KEY = bytes(16)
+K1, K2, P1 = b"\x01" * 16, b"\x02" * 16, b"\x07" * 16
+
+
+def files(tmp_path: Any, node_commits: bool = True) -> tuple[SealRecords, SealRecords]:
+    """(the node's seal file, a writer's mapping of it)."""
+    path = str(tmp_path / "arena.seal")
+    node = SealRecords(path, 16 * PAGE, create=True, node_commits=node_commits)
+    return node, SealRecords(path, 16 * PAGE, create=False)
+
+
+def table(seals: SealRecords, epoch: int = 3) -> BlockTable:
+    t = BlockTable(lambda offset, size: 1, claim_wait=0.2, seals=seals)
+    t.new_term(epoch)
+    return t
+
+
+def ahead(alloc: int, offset: int = 0, epoch: int = 3) -> WriteStamp:
+    return WriteStamp(epoch, alloc, offset, PAGE, NO_KEY)
+
+
+def real(alloc: int, offset: int = 0, epoch: int = 3, key: bytes = K1) -> WriteStamp:
+    return WriteStamp(epoch, alloc, offset, PAGE, key, P1)
+
+
+# -- the record: asking, ringing, answering ----------------------------------------------
+
+
+def test_a_record_asks_the_node_only_where_the_node_commits(tmp_path) -> None:
+    node, writer = files(tmp_path)
+    assert writer.node_commits and not node.rung()
+    assert writer.write(real(7, PAGE), node_commits=True)
+    assert node.read(PAGE) == (real(7, PAGE), True)
+    assert node.rung() and not node.rung()  # cleared by the node's read
+    assert writer.write(real(8, 2 * PAGE))  # the writer commits this one itself
+    assert node.read(2 * PAGE) == (real(8, 2 * PAGE), False)
+    assert not node.rung()
+    assert node.sealed_at([0, PAGE, 2 * PAGE, 3 * PAGE]) == [PAGE, 2 * PAGE]
+    (tmp_path / "old").mkdir()
+    old_node, old_writer = files(tmp_path / "old", node_commits=False)
+    assert not old_writer.node_commits
+    assert old_writer.write(real(9, PAGE), node_commits=True)  # the node would not: plain seal
+    assert old_node.read(PAGE) == (real(9, PAGE), False)
+    assert not old_node.rung()
+    for f in (writer, node, old_writer, old_node):
+        f.close()
+
+
+def test_the_answer_lands_only_in_the_record_of_its_allocation(tmp_path) -> None:
+    node, writer = files(tmp_path)
+    writer.write(real(7, PAGE), node_commits=True)
+    assert writer.outcome(PAGE, 7) == NODE_COMMITS
+    node.answer(PAGE, 6, VISIBLE)  # another allocation: left alone
+    assert writer.outcome(PAGE, 7) == NODE_COMMITS
+    node.answer(PAGE, 7, VISIBLE)
+    assert writer.outcome(PAGE, 7) == VISIBLE
+    node.answer(PAGE, 7, NOT_COMMITTED)  # answered once: a later answer does not flip it
+    assert writer.outcome(PAGE, 7) == VISIBLE
+    assert writer.outcome(PAGE, 8) is None  # reused for another claim: no answer for 8
+    writer.write(real(9, 2 * PAGE))
+    node.answer(2 * PAGE, 9, VISIBLE)  # the writer commits that one: not the node's to answer
+    assert writer.outcome(2 * PAGE, 9) == SEALED
+    writer.close()
+    node.close()
+
+
+# -- the block table: what the node owes ------------------------------------------------
+
+
+def test_a_sealed_claim_is_owed_once_and_a_writer_committed_one_never(tmp_path) -> None:
+    node, writer = files(tmp_path)
+    t = table(node)
+    for alloc, offset in ((1, 0), (2, PAGE), (3, 2 * PAGE)):
+        assert t.claim(ahead(alloc, offset), owner="claims") == FENCE_OK
+    assert t.adopt_owed() == []
+    writer.write(real(1, 0), node_commits=True)
+    writer.write(real(2, PAGE))  # SEALED: its writer commits it
+    owed = t.adopt_owed()
+    assert [e.stamp for e in owed] == [real(1, 0)]
+    assert t.adopt_owed() == []  # once
+    assert t.state_of(PAGE) == "written"  # adopted, but not owed
+    # Sealed over TCP (the writer was past its deadline) with a record that asks: owed.
+    writer.write(real(3, 2 * PAGE, key=K2), node_commits=True)
+    done = t.finish(real(3, 2 * PAGE, key=K2), "writer", ok=True, seal=True, any_owner=True)
+    assert done == FENCE_OK
+    assert [e.stamp.alloc_id for e in t.adopt_owed()] == [3]
+    writer.close()
+    node.close()
+
+
+def test_a_claim_aborted_by_a_new_term_is_never_owed(tmp_path) -> None:
+    node, writer = files(tmp_path)
+    node_clock = [10**12]
+    t = BlockTable(lambda o, s: 1, claim_wait=0.2, seals=node, clock=lambda: node_clock[0])
+    t.new_term(3)
+    assert t.claim(ahead(1), owner="claims") == FENCE_OK
+    node_clock[0] += 10**10  # far past its deadline: the new term aborts it
+    t.new_term(4)
+    writer.write(real(1, 0), node_commits=True)  # a late writer
+    assert t.adopt_owed() == []
+    writer.close()
+    node.close()
+
+
+# -- the committer's answers (a fake master link) ---------------------------------------
+
+
+class Link:
+    """A master link that answers each commit with the next of ``answers``."""
+
+    def __init__(self, *answers: Any) -> None:
+        self.answers, self.calls = list(answers), []
+
+    def call(self, method: str, request: Any) -> Any:
+        self.calls.append(request)
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+
+def owed_blocks(tmp_path: Any, n: int) -> tuple[SealRecords, SealRecords, BlockTable]:
+    node, writer = files(tmp_path)
+    t = table(node)
+    for i in range(n):
+        assert t.claim(ahead(i + 1, i * PAGE), owner="claims") == FENCE_OK
+        writer.write(real(i + 1, i * PAGE, key=bytes([i + 1]) * 16), node_commits=True)
+    return node, writer, t
+
+
+def test_the_committer_answers_each_writer_by_the_masters_answer(tmp_path) -> None:
+    node, writer, t = owed_blocks(tmp_path, 3)
+    link = Link([True, False, None])
+    committer = SealCommitter(t, node, lambda: link)  # type: ignore[arg-type]
+    assert committer._commit(t.adopt_owed()) == []
+    request = link.calls[0]
+    assert request.ids == [1, 2, 3] and request.keys == [bytes([i]) * 16 for i in (1, 2, 3)]
+    assert request.parents == [P1] * 3
+    # True: committed; False: the key was stored already; None: no such grant (expired).
+    assert [writer.outcome(i * PAGE, i + 1) for i in range(3)] == [VISIBLE, VISIBLE, NOT_COMMITTED]
+    assert (committer.committed, committer.not_committed) == (2, 1)
+    writer.close()
+    node.close()
+
+
+def test_an_unreachable_master_is_retried_and_a_new_term_answers_by_state(tmp_path) -> None:
+    node, writer, t = owed_blocks(tmp_path, 2)
+    link = Link(MasterUnavailableError("down"))
+    committer = SealCommitter(t, node, lambda: link)  # type: ignore[arg-type]
+    owed = t.adopt_owed()
+    with pytest.raises(MasterUnavailableError):
+        committer._commit(owed)
+    assert writer.outcome(0, 1) == NODE_COMMITS  # no answer yet: the writer still waits
+    t.suspend()  # the node re-registers with a new master: both blocks are listed
+    assert len(t.listing()) == 2
+    assert committer._commit(owed) == owed  # not registered yet: asked again later
+    assert all(e.state == COMMITTED for e in owed)
+    t.new_term(4)
+    assert committer._commit(owed) == [] and link.calls == [link.calls[0]]  # no call needed
+    assert [writer.outcome(0, 1), writer.outcome(PAGE, 2)] == [VISIBLE, VISIBLE]
+    writer.close()
+    node.close()
+
+
+# -- the proof, with real processes ------------------------------------------------------
+
+
+def nodes_ready(pool: kvpool.RemotePool, n: int = 1) -> bool:
+    return wait_until(lambda: len(pool.stats()["nodes"]) == n, timeout=15)
+
+
+def test_same_host_puts_send_no_commit_and_are_read_back_by_all(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    cluster = start_cluster(["16MiB"])
+    try:
+        keys = make_keys(24, seed=81)
+        with (
+            kvpool.connect(cluster.url, timeout=10) as writer,
+            kvpool.connect(cluster.url, timeout=10) as reader,
+        ):
+            assert nodes_ready(writer)
+            assert writer.put(keys[0], payload(0))  # allocates: grants come with it
+            stock = writer._putter.grants
+            assert wait_until(lambda: stock.claimed_in_stock() > 4, timeout=10)
+            commits = writer._putter.commits
+            sent, by_node = commits.sent, commits.by_node.count
+            for i in range(1, 5):
+                assert writer.put(keys[i], payload(i))
+            assert commits.sent == sent  # no COMMIT frame from the writer
+            assert commits.by_node.count == by_node + 4
+            # Read-your-writes: the writer's own read waits for the node's commit.
+            out = np.empty(BLOCK, np.uint8)
+            assert writer.get_into(keys[4], out) == BLOCK
+            assert np.array_equal(out, payload(4))
+            # Others: within a poll period and a round trip of the put (no flush).
+            assert writer.put(keys[5], payload(5))
+            began = time.monotonic()
+            assert wait_until(lambda: reader.exists([keys[5]]) == [True], timeout=5, interval=0)
+            assert time.monotonic() - began < 0.5 + IDLE_S
+            for i in range(6):
+                assert reader.get_into(keys[i], out) == BLOCK
+                assert np.array_equal(out, payload(i))
+            writer.flush()
+            assert writer._putter.commits.idle()
+    finally:
+        cluster.stop()
+
+
+def test_a_commit_the_node_could_not_make_is_settled_by_the_writer() -> None:
+    """A NOT_COMMITTED answer in the record (written here over the node's own
+    answer, once the node adopted and answered it): the writer's flush settles
+    the put -- its commit retried (the master no longer knows that grant), the
+    key looked up -- and nothing is raised or lost. (The node's side of the
+    answer, a grant its master forgot, is the unit test above.)"""
+    cluster = start_cluster(["16MiB"])
+    try:
+        keys = make_keys(3, seed=82)
+        with kvpool.connect(cluster.url, timeout=10) as writer:
+            assert nodes_ready(writer)
+            assert writer.put(keys[0], payload(0))
+            stock = writer._putter.grants
+            assert wait_until(lambda: stock.claimed_in_stock() > 2, timeout=10)
+            watch = writer._putter.commits.by_node
+            assert writer.put(keys[1], payload(1))
+            (item, records), *_ = watch.watched
+            assert wait_until(lambda: records.outcome(item.offset, item.alloc_id) == VISIBLE)
+            word = records._word(item.offset)
+            assert word is not None and records._words is not None
+            records._words[word] = NOT_COMMITTED
+            calls = writer._putter.commits.sent
+            writer.flush()
+            assert not watch.watched and writer._putter.commits.idle()
+            assert writer._putter.commits.sent == calls  # settled by calls, not the pipe
+            with kvpool.connect(cluster.url, timeout=10) as reader:
+                out = np.empty(BLOCK, np.uint8)
+                assert reader.get_into(keys[1], out) == BLOCK
+                assert np.array_equal(out, payload(1))
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("node_commits", ["1", "0"])
+def test_a_master_kill_right_after_node_committed_puts_loses_none(
+    node_commits: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Puts acknowledged on their shared-memory seal, their commit left to the
+    node, then the master killed -9 at once and restarted: every acknowledged
+    put is found by another client with exact bytes (``0``: the writer commits)."""
+    monkeypatch.setenv("KVPOOL_NODE_COMMITS", node_commits)
+    cluster = start_cluster(["16MiB", "16MiB"])
+    try:
+        keys = make_keys(48, seed=83)
+        with kvpool.connect(cluster.url, timeout=5) as writer:
+            assert nodes_ready(writer, 2)
+            for i, key in enumerate(keys):
+                assert writer.put(key, payload(i))
+            cluster.master.kill()
+            cluster.master = cluster.restart_master_process()
+            writer.flush()
+            by_node = writer._putter.commits.by_node.count
+            if node_commits == "1":  # the path under test (not puts that found no claimed grant)
+                assert by_node >= len(keys) // 2, writer.stats()["client"]
+            else:
+                assert by_node == 0
+            with kvpool.connect(cluster.url, timeout=5) as reader:
+                assert wait_until(lambda: reader.exists(keys) == [True] * len(keys), timeout=15)
+                out = np.empty(BLOCK, np.uint8)
+                for i in range(len(keys)):
+                    assert reader.get_into(keys[i], out) == BLOCK
+                    assert np.array_equal(out, payload(i))
+    finally:
+        cluster.stop()
