@@ -11,8 +11,9 @@ a put with ``replicas`` == 1 returns once its node holds the block whole with
 its key (what makes it outlive a master crash); its ``COMMIT`` is answered in
 the background, so a put with a grant in stock costs the node's round trip
 only (same host: none, when its claim was taken ahead and the seal goes in shared
-memory; and no commit frame either when the node commits it, kvpool.cluster.node_commits). A put of a key this client already put goes the synchronous way and
-answers exactly; ``pipelined=False`` (or ``replicas`` > 1) commits synchronously.
+memory; no commit frame either when its node commits it, kvpool.cluster.node_commits).
+A put of a key this client already put goes the synchronous way and answers
+exactly; ``pipelined=False`` (or ``replicas`` > 1) commits synchronously.
 
 Invariants:
 - a key's bytes are written (same-host: and sealed) before ``put`` answers True;
