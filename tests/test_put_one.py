@@ -125,7 +125,10 @@ def test_a_failed_short_path_write_gives_its_grant_back_and_puts_again(
 ) -> None:
     """The node's connection breaks (the node releases the claim it held), or the
     copy itself fails (the write fence releases the claim): the grant is revoked,
-    never committed, and the block is put again on a fresh allocation."""
+    never committed, and the block is put again on a fresh allocation. (Same host:
+    the general path, the client committing; the sealed path's own failures are
+    the next test.)"""
+    monkeypatch.setenv("KVPOOL_NODE_COMMITS", "0")
     with writer_with_grants(cluster, transport) as pool:
         supply = pool._putter.supply
         revoked: list[int] = []
@@ -153,6 +156,47 @@ def test_a_failed_short_path_write_gives_its_grant_back_and_puts_again(
         assert reads_back(cluster, key(2), payload(2))
 
 
+@pytest.mark.parametrize("failures", [1, 2])
+def test_a_failed_sealed_put_copy_takes_the_general_path(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, failures: int
+) -> None:
+    """Same host, the node committing (``sealed_put``): the copy fails once (the
+    general path copies again into the same grant) or twice (the general path
+    revokes the grant and puts again); either way ``put`` is True, nothing
+    unwritten is sealed, and the bytes read back."""
+    with writer_with_grants(cluster) as pool:
+        putter = pool._putter
+        assert putter.node_commits
+        session = pool._session
+        node_id = next(iter(session.regions))
+        data = session.transport(node_id)
+        real_write, calls = data.write, []
+
+        def write(offset: int, src: Any) -> None:
+            calls.append(offset)
+            if len(calls) <= failures:
+                raise OSError("injected: the copy failed")
+            real_write(offset, src)
+
+        revoked: list[int] = []
+        real_revoke = putter.supply.revoke
+        monkeypatch.setattr(
+            putter.supply, "revoke", lambda ids: revoked.extend(ids) or real_revoke(ids)
+        )
+        monkeypatch.setattr(data, "write", write)
+        watched = putter.commits.by_node.count
+        assert pool.put(key(3), payload(3)) is True
+        monkeypatch.undo()
+        assert len(calls) == failures + 1
+        if failures == 1:  # the same grant, sealed by the general path (still asking the node)
+            assert calls[0] == calls[1] and not revoked
+            assert putter.commits.by_node.count == watched + 1
+        else:
+            assert revoked  # the grant went back; a fresh allocation took the block
+        pool.flush()
+        assert reads_back(cluster, key(3), payload(3))
+
+
 class FailingCopy:
     """A data transport whose copies fail (``OSError``, as a closed mapping would)."""
 
@@ -173,18 +217,18 @@ def test_a_short_path_put_cut_by_a_master_restart_after_its_copy_is_stored(
     with writer_with_grants(cluster) as pool:
         node_id = next(iter(pool._session.regions))
         data = pool._session.transport(node_id)
-        real_write_many = data.write_many
+        real_write = data.write  # the sealed path's copy, and the general path's
         cut: list[str] = []
 
-        def write_many(plan: list) -> None:
-            real_write_many(plan)
+        def write(offset: int, src: Any) -> None:
+            real_write(offset, src)
             if not cut:
                 cut.append("restarted")
                 cluster.restart_master()
                 with kvpool.connect(cluster.url, timeout=10) as probe:
                     assert wait_until(lambda: len(probe.stats()["nodes"]) == 1, timeout=15)
 
-        monkeypatch.setattr(data, "write_many", write_many)
+        monkeypatch.setattr(data, "write", write)
         assert pool.put(key(3), payload(3)) is True
         monkeypatch.undo()
         assert cut == ["restarted"]

@@ -198,8 +198,7 @@ def test_a_put_that_cannot_be_made_visible_is_raised_not_dropped(
             stock = pool._putter.grants
             admin.call(REVOKE, IdsRequest([g.alloc_id for q in stock._stock.values() for g in q]))
         # the node lost the bytes too (as if it restarted): nothing to recover from
-        monkeypatch.setattr(pool._putter, "_recover", lambda items: [False] * len(items))
-        pool._putter.commits._recover = pool._putter._recover
+        monkeypatch.setattr(pool._putter.commits, "_recover", lambda items: [False] * len(items))
         assert pool.put(keys[1], payload(1))
         with pytest.raises(PutCommitError, match="could not be made visible") as err:
             pool.exists(keys)

@@ -30,7 +30,8 @@ from kvpool.bindings.buffers import Region
 from kvpool.cluster.client import fenced
 from kvpool.cluster.client.commits import Acked
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
-from kvpool.errors import KVPoolError
+from kvpool.cluster.wire import EXISTS, KeysRequest
+from kvpool.errors import KVPoolError, PutFailedError
 from kvpool.transport.fencing import WriteStamp
 
 # (index into the batch, allocation or grant id, offset, master term, claimed ahead:
@@ -126,3 +127,30 @@ def read_back(session: ClientSession, items: Sequence[Acked]) -> list[np.ndarray
             ok = False
         copies.append(staging if ok else None)
     return copies
+
+
+#: ``put_once(keys, buffers, parents, replicas, use_grants=False)``: a classic put
+ClassicPut = Callable[..., tuple[list[bool], list[int], str]]
+
+
+def recover_puts(
+    session: ClientSession, items: Sequence[Acked], put_once: ClassicPut
+) -> list[bool | None]:
+    """Put acknowledged blocks whose commit the master refused again, from the
+    bytes their node sealed: a checked read (``read_back``), then a classic put.
+    Per item (``commits.Recover``): True visible, None read back but not visible
+    yet (the caller tries again), False the bytes are gone."""
+    copies = read_back(session, items)
+    back = [(a, c) for a, c in zip(items, copies, strict=True) if c is not None]
+    if back:
+        keys, parents = [a.key for a, _ in back], [a.parent for a, _ in back]
+        try:
+            bufs = [c for _, c in back]
+            stored, full, why = put_once(keys, bufs, parents, 1, use_grants=False)
+            if full or not all(stored):
+                log.info("recovery put: stored %s, no room for %s %s", stored, full, why)
+        except PutFailedError as exc:  # not visible yet: the caller tries again
+            log.info("recovery put: %s", exc)
+    found = session.rpc.call(EXISTS, KeysRequest([a.key for a in items]))
+    held = [c is not None for c in copies]
+    return [True if f else (None if h else False) for f, h in zip(found, held, strict=True)]

@@ -48,10 +48,11 @@ from kvpool.cluster.client.put_writes import (
     Sealing,
     Writes,
     Written,
-    read_back,
+    recover_puts,
     wait_for_seals,
     write_all,
 )
+from kvpool.cluster.client.sealed_put import put_sealed
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.wire import (
     COMMIT,
@@ -78,7 +79,11 @@ class RemotePutter:
         self.pipelined = pipelined
         self.supply = GrantSupply(session, grant_bytes)
         self.grants = self.supply.stock
-        self.commits = CommitPipe(session.rpc, self._recover, session.rpc.deadline)
+
+        def recover(items: list[Acked]) -> list[bool | None]:
+            return recover_puts(session, items, self.put_once)
+
+        self.commits = CommitPipe(session.rpc, recover, session.rpc.deadline)
         self.node_commits = node_commits_default()  # same-host seals ask the node to commit
         self._mine: dict[bytes, None] = {}  # insertion-ordered, bounded by MINE_MAX
         self.late_commits = 0  # pipelined puts committed synchronously: grant window passed
@@ -123,6 +128,19 @@ class RemotePutter:
             seals = session.seals(node_id)
         if seals is None and type(data) is not TcpTransport:
             return self.put_once([key], [region], [parent], 1, pipelined=True, taken=taken)
+        if (
+            seals is not None
+            and self.node_commits
+            and seals.node_commits
+            and put_sealed(grant, claimed_at, key, region, parent, size, data, seals, self.commits)
+        ):
+            session.counts["seals_shm"] += 1
+            self._remember([key])
+            self.supply.top_up(size)
+            if time.monotonic() > grant.expires:  # as ``_acknowledge``: visible on return
+                self.late_commits += 1
+                self.commits.flush()
+            return [True], [], ""
         stamp = WriteStamp(grant.epoch, grant.alloc_id, grant.offset, size, key, parent)
         items = [(stamp, grant.offset, region)]
         by_node: set[int] | None = set() if seals is not None and self.node_commits else None
@@ -378,24 +396,3 @@ class RemotePutter:
         while len(mine) > MINE_MAX:  # the oldest go (another thread may race: harmless)
             with contextlib.suppress(RuntimeError, StopIteration, KeyError):
                 del mine[next(iter(mine))]
-
-    def _recover(self, items: list[Acked]) -> list[bool | None]:
-        """Put acknowledged blocks whose commit the master refused again, from the
-        bytes their node sealed: a checked read (served only while that block still
-        holds its range), then a classic put. Per item (``commits.Recover``): True
-        visible, None read back but not visible yet, False the bytes are gone."""
-        session = self._session
-        copies = read_back(session, items)
-        back = [(a, c) for a, c in zip(items, copies, strict=True) if c is not None]
-        if back:
-            keys, parents = [a.key for a, _ in back], [a.parent for a, _ in back]
-            try:
-                bufs = [c for _, c in back]
-                stored, full, why = self.put_once(keys, bufs, parents, 1, use_grants=False)
-                if full or not all(stored):
-                    log.info("recovery put: stored %s, no room for %s %s", stored, full, why)
-            except PutFailedError as exc:  # not visible yet: the caller tries again
-                log.info("recovery put: %s", exc)
-        found = session.rpc.call(EXISTS, KeysRequest([a.key for a in items]))
-        held = [c is not None for c in copies]
-        return [True if f else (None if h else False) for f, h in zip(found, held, strict=True)]
