@@ -145,10 +145,10 @@ class RemotePutter:
         items = [(stamp, grant.offset, region)]
         by_node: set[int] | None = set() if seals is not None and self.node_commits else None
         try:
+            control, counts = session.control(node_id), session.counts
             ok, sealing = fenced.write_blocks_begin(
-                data, session.control(node_id), items, {0: claimed_at}, seals, session.counts,
-                node_commits=by_node,
-            )  # fmt: skip
+                data, control, items, {0: claimed_at}, seals, counts, node_commits=by_node
+            )
         except TRANSFER_ERRORS:
             ok, sealing = None, None
         item = (0, grant.alloc_id, grant.offset, grant.epoch, claimed_at)
