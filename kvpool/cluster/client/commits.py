@@ -213,6 +213,8 @@ class CommitPipe:
 
     def check(self) -> None:
         """Raise ``PutCommitError`` for puts already known lost (no waiting)."""
+        if not self._failed:  # every put checks: no lock unless something failed
+            return
         with self._cond:
             failed, self._failed = self._failed, []
         if failed:

@@ -50,7 +50,8 @@ class GrantSupply:
         claim the range itself, else the clock read before the claim was sent)."""
         regions = self._session.regions
         while (grant := self.stock.take(size)) is not None:
-            if regions.get(grant.node_id) == grant.region:
+            region = regions.get(grant.node_id)  # the same object unless it changed
+            if region is grant.region or region == grant.region:
                 return grant, self.stock.was_claimed(grant.alloc_id)
             self._claims.release([grant.alloc_id])  # never revoke a range still claimed
             self.revoke([grant.alloc_id])
