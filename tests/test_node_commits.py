@@ -12,6 +12,8 @@ bound, and a master killed -9 right after such puts loses none of them.
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
@@ -23,6 +25,9 @@ from poolhelpers import BLOCK, make_keys, payload
 import kvpool
 from kvpool.cluster.block_entry import COMMITTED
 from kvpool.cluster.block_table import BlockTable
+from kvpool.cluster.client import node_watch
+from kvpool.cluster.client.commits import Acked
+from kvpool.cluster.client.node_watch import NodeWatch
 from kvpool.cluster.node_commits import IDLE_S, SealCommitter
 from kvpool.errors import MasterUnavailableError
 from kvpool.transport.fencing import FENCE_OK, WriteStamp
@@ -199,6 +204,46 @@ def test_an_unreachable_master_is_retried_and_a_new_term_answers_by_state(tmp_pa
     node.close()
 
 
+# -- the writer's watch --------------------------------------------------------------------
+
+
+class Records:
+    """A seal file's answers as the writer reads them (``outcome``)."""
+
+    def __init__(self) -> None:
+        self.states: dict[int, int | None] = {}
+
+    def outcome(self, offset: int, alloc_id: int) -> int | None:
+        return self.states.get(alloc_id, NODE_COMMITS)
+
+
+def acked(alloc: int) -> Acked:
+    return Acked(bytes([alloc]) * 16, None, alloc, "n", alloc * PAGE, PAGE, True)
+
+
+def test_the_watch_forgets_visible_puts_and_hands_the_rest_to_settle(monkeypatch) -> None:
+    monkeypatch.setattr(node_watch, "SWEEP_EVERY", 4)
+    records, watch = Records(), NodeWatch()
+    for alloc in (1, 2, 3):
+        assert watch.watch(acked(alloc), records) == []  # type: ignore[arg-type]
+    records.states.update({1: VISIBLE, 2: NOT_COMMITTED})  # 3: still waiting
+    records.states[4] = None  # its record was reused before it was read: look it up
+    unsure = watch.watch(acked(4), records)  # type: ignore[arg-type]  # the 4th: a sweep
+    assert [a.alloc_id for a in unsure] == [2, 4]
+    assert [a.alloc_id for a, _ in watch.watched] == [3] and watch.count == 4
+    records.states[3] = VISIBLE
+    assert watch.wait(time.monotonic() + 5) == [] and not watch.watched
+
+
+def test_a_flush_settles_what_its_node_does_not_answer_within_the_bound(monkeypatch) -> None:
+    monkeypatch.setattr(node_watch, "ANSWER_S", 0.2)
+    records, watch = Records(), NodeWatch()
+    watch.watch(acked(1), records)  # type: ignore[arg-type]
+    began = time.monotonic()
+    assert [a.alloc_id for a in watch.wait(began + 60)] == [1]  # the node never answers
+    assert 0.15 <= time.monotonic() - began < 1.0 and not watch.watched  # (less a last pause)
+
+
 # -- the proof, with real processes ------------------------------------------------------
 
 
@@ -306,5 +351,38 @@ def test_a_master_kill_right_after_node_committed_puts_loses_none(
                 for i in range(len(keys)):
                     assert reader.get_into(keys[i], out) == BLOCK
                     assert np.array_equal(out, payload(i))
+    finally:
+        cluster.stop()
+
+
+def test_a_put_whose_node_stalls_is_settled_by_the_writer_within_the_bound() -> None:
+    """The node is stopped (SIGSTOP) right before a same-host put: the put is
+    acknowledged on its seal record, the writer's flush waits ``ANSWER_S`` for the
+    node's answer, then commits it itself; once the node runs again the block is
+    read back by another client."""
+    cluster = start_cluster(["16MiB"], "--node-ttl", "30")  # the stop must not drop the node
+    try:
+        keys = make_keys(2, seed=84)
+        with kvpool.connect(cluster.url, timeout=10) as writer:
+            assert nodes_ready(writer)
+            assert writer.put(keys[0], payload(0))
+            stock = writer._putter.grants
+            assert wait_until(lambda: stock.claimed_in_stock() > 2, timeout=10)
+            node = cluster.nodes[0]
+            os.kill(node.pid, signal.SIGSTOP)
+            try:
+                watched = writer._putter.commits.by_node.count
+                assert writer.put(keys[1], payload(1))
+                assert writer._putter.commits.by_node.count == watched + 1
+                began = time.monotonic()
+                writer.flush()
+                took = time.monotonic() - began
+            finally:
+                os.kill(node.pid, signal.SIGCONT)
+            assert node_watch.ANSWER_S - 0.1 <= took < node_watch.ANSWER_S + 5
+            with kvpool.connect(cluster.url, timeout=10) as reader:
+                out = np.empty(BLOCK, np.uint8)
+                assert reader.get_into(keys[1], out) == BLOCK
+                assert np.array_equal(out, payload(1))
     finally:
         cluster.stop()

@@ -87,6 +87,9 @@ class SealCommitter:
                 except (KVPoolError, OSError) as exc:
                     log.warning("could not commit %d sealed block(s): %s", len(self._waiting), exc)
                     pause = time.monotonic() + 1.0
+                except Exception:  # never lose the thread: its writers would wait on it
+                    log.exception("committing %d sealed block(s) failed", len(self._waiting))
+                    pause = time.monotonic() + 1.0
             self._stop.wait(FAST_S if now - rang_at < BUSY_S else IDLE_S)
 
     def _commit(self, owed: list[Entry]) -> list[Entry]:

@@ -6,8 +6,11 @@ kvpool.cluster.node_commits) sends nothing to the master. The writer still
 owes read-your-writes, so it keeps such puts here until their node answers
 in the record: ``VISIBLE`` (committed, or the key was stored already) ends
 the watch; ``NOT_COMMITTED``, a record reused for a later claim before it
-was read, or no answer by the deadline hands the put to
-``CommitPipe.settle`` (retry, look the key up, read back and put again).
+was read, or no answer within ``ANSWER_S`` (a healthy node answers within
+milliseconds: its node died, or its commit thread is stuck) hands the put to
+``CommitPipe.settle`` (retry, look the key up, read back and put again). A
+put settled so while its node still commits it is committed twice at worst:
+the second commit finds no grant and the key already stored.
 
 Invariants:
 - every watched put is either still waiting (its record says
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from kvpool.cluster.client.commits import Acked
 
 SWEEP_EVERY = 64  # watched puts between sweeps of the answers
+ANSWER_S = 2.0  # a flush waits this long for its node's answers, then settles the rest
 FIRST_PAUSE_S, LAST_PAUSE_S = 0.00005, 0.002  # a waiting flush polls the records so
 
 
@@ -56,8 +60,9 @@ class NodeWatch:
             return unsure
 
     def wait(self, give_up: float) -> list[Acked]:
-        """Until every watched put is answered (monotonic ``give_up``); returns the
-        puts to settle, the unanswered ones included."""
+        """Until every watched put is answered (at most ``ANSWER_S``, and not past the
+        monotonic ``give_up``); returns the puts to settle, the unanswered ones included."""
+        give_up = min(give_up, time.monotonic() + ANSWER_S)
         pause, unsure = FIRST_PAUSE_S, []
         while True:
             with self._lock:
