@@ -7,7 +7,8 @@ for that answer (kvpool.cluster.client.node_watch). Unit tests drive the real
 seal file and block table (a fake master link for the committer's answers);
 the proof runs real master and node processes: no COMMIT frame from the
 writer, read-your-writes, other clients see the block within the stated
-bound, and a master killed -9 right after such puts loses none of them.
+bound, a stalled node leaves the put to the writer within the bound (a
+master killed -9 right after such puts: test_shm_seal).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import numpy as np
 import pytest
 from clusterhelpers import start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
+from sealhelpers import K2, P1, PAGE, ahead, real, table
 
 import kvpool
 from kvpool.cluster.block_entry import COMMITTED
@@ -30,7 +32,7 @@ from kvpool.cluster.client.commits import Acked
 from kvpool.cluster.client.node_watch import NodeWatch
 from kvpool.cluster.node_commits import IDLE_S, SealCommitter
 from kvpool.errors import MasterUnavailableError
-from kvpool.transport.fencing import FENCE_OK, WriteStamp
+from kvpool.transport.fencing import FENCE_OK
 from kvpool.transport.shm_seal import (
     NODE_COMMITS,
     NOT_COMMITTED,
@@ -39,30 +41,12 @@ from kvpool.transport.shm_seal import (
     SealRecords,
 )
 
-PAGE = 4096
-NO_KEY = bytes(16)
-K1, K2, P1 = b"\x01" * 16, b"\x02" * 16, b"\x07" * 16
-
 
 def files(tmp_path: Any, node_commits: bool = True) -> tuple[SealRecords, SealRecords]:
     """(the node's seal file, a writer's mapping of it)."""
     path = str(tmp_path / "arena.seal")
     node = SealRecords(path, 16 * PAGE, create=True, node_commits=node_commits)
     return node, SealRecords(path, 16 * PAGE, create=False)
-
-
-def table(seals: SealRecords, epoch: int = 3) -> BlockTable:
-    t = BlockTable(lambda offset, size: 1, claim_wait=0.2, seals=seals)
-    t.new_term(epoch)
-    return t
-
-
-def ahead(alloc: int, offset: int = 0, epoch: int = 3) -> WriteStamp:
-    return WriteStamp(epoch, alloc, offset, PAGE, NO_KEY)
-
-
-def real(alloc: int, offset: int = 0, epoch: int = 3, key: bytes = K1) -> WriteStamp:
-    return WriteStamp(epoch, alloc, offset, PAGE, key, P1)
 
 
 # -- the record: asking, ringing, answering ----------------------------------------------
@@ -251,6 +235,22 @@ def nodes_ready(pool: kvpool.RemotePool, n: int = 1) -> bool:
     return wait_until(lambda: len(pool.stats()["nodes"]) == n, timeout=15)
 
 
+def reads_back(url: str, key: bytes, i: int) -> bool:
+    """Another client reads ``key`` back as ``payload(i)``."""
+    with kvpool.connect(url, timeout=10) as reader:
+        out = np.empty(BLOCK, np.uint8)
+        return reader.get_into(key, out) == BLOCK and np.array_equal(out, payload(i))
+
+
+def stock_claimed_grants(writer: kvpool.RemotePool, key: bytes, at_least: int = 4) -> None:
+    """Put ``key`` (payload 0; it allocates, grants come with it), then wait until
+    the writer's stock holds grants claimed on their node: the next puts are sealed."""
+    assert nodes_ready(writer)
+    assert writer.put(key, payload(0))
+    stock = writer._putter.grants
+    assert wait_until(lambda: stock.claimed_in_stock() > at_least, timeout=10)
+
+
 def test_same_host_puts_send_no_commit_and_are_read_back_by_all(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -261,10 +261,7 @@ def test_same_host_puts_send_no_commit_and_are_read_back_by_all(
             kvpool.connect(cluster.url, timeout=10) as writer,
             kvpool.connect(cluster.url, timeout=10) as reader,
         ):
-            assert nodes_ready(writer)
-            assert writer.put(keys[0], payload(0))  # allocates: grants come with it
-            stock = writer._putter.grants
-            assert wait_until(lambda: stock.claimed_in_stock() > 4, timeout=10)
+            stock_claimed_grants(writer, keys[0])
             commits = writer._putter.commits
             sent, by_node = commits.sent, commits.by_node.count
             for i in range(1, 5):
@@ -299,10 +296,7 @@ def test_a_commit_the_node_could_not_make_is_settled_by_the_writer() -> None:
     try:
         keys = make_keys(3, seed=82)
         with kvpool.connect(cluster.url, timeout=10) as writer:
-            assert nodes_ready(writer)
-            assert writer.put(keys[0], payload(0))
-            stock = writer._putter.grants
-            assert wait_until(lambda: stock.claimed_in_stock() > 2, timeout=10)
+            stock_claimed_grants(writer, keys[0])
             watch = writer._putter.commits.by_node
             assert writer.put(keys[1], payload(1))
             (item, records), *_ = watch.watched
@@ -314,43 +308,7 @@ def test_a_commit_the_node_could_not_make_is_settled_by_the_writer() -> None:
             writer.flush()
             assert not watch.watched and writer._putter.commits.idle()
             assert writer._putter.commits.sent == calls  # settled by calls, not the pipe
-            with kvpool.connect(cluster.url, timeout=10) as reader:
-                out = np.empty(BLOCK, np.uint8)
-                assert reader.get_into(keys[1], out) == BLOCK
-                assert np.array_equal(out, payload(1))
-    finally:
-        cluster.stop()
-
-
-@pytest.mark.parametrize("node_commits", ["1", "0"])
-def test_a_master_kill_right_after_node_committed_puts_loses_none(
-    node_commits: str, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Puts acknowledged on their shared-memory seal, their commit left to the
-    node, then the master killed -9 at once and restarted: every acknowledged
-    put is found by another client with exact bytes (``0``: the writer commits)."""
-    monkeypatch.setenv("KVPOOL_NODE_COMMITS", node_commits)
-    cluster = start_cluster(["16MiB", "16MiB"])
-    try:
-        keys = make_keys(48, seed=83)
-        with kvpool.connect(cluster.url, timeout=5) as writer:
-            assert nodes_ready(writer, 2)
-            for i, key in enumerate(keys):
-                assert writer.put(key, payload(i))
-            cluster.master.kill()
-            cluster.master = cluster.restart_master_process()
-            writer.flush()
-            by_node = writer._putter.commits.by_node.count
-            if node_commits == "1":  # the path under test (not puts that found no claimed grant)
-                assert by_node >= len(keys) // 2, writer.stats()["client"]
-            else:
-                assert by_node == 0
-            with kvpool.connect(cluster.url, timeout=5) as reader:
-                assert wait_until(lambda: reader.exists(keys) == [True] * len(keys), timeout=15)
-                out = np.empty(BLOCK, np.uint8)
-                for i in range(len(keys)):
-                    assert reader.get_into(keys[i], out) == BLOCK
-                    assert np.array_equal(out, payload(i))
+            assert reads_back(cluster.url, keys[1], 1)
     finally:
         cluster.stop()
 
@@ -364,10 +322,7 @@ def test_a_put_whose_node_stalls_is_settled_by_the_writer_within_the_bound() -> 
     try:
         keys = make_keys(2, seed=84)
         with kvpool.connect(cluster.url, timeout=10) as writer:
-            assert nodes_ready(writer)
-            assert writer.put(keys[0], payload(0))
-            stock = writer._putter.grants
-            assert wait_until(lambda: stock.claimed_in_stock() > 2, timeout=10)
+            stock_claimed_grants(writer, keys[0])
             node = cluster.nodes[0]
             os.kill(node.pid, signal.SIGSTOP)
             try:
@@ -380,9 +335,6 @@ def test_a_put_whose_node_stalls_is_settled_by_the_writer_within_the_bound() -> 
             finally:
                 os.kill(node.pid, signal.SIGCONT)
             assert node_watch.ANSWER_S - 0.1 <= took < node_watch.ANSWER_S + 5
-            with kvpool.connect(cluster.url, timeout=10) as reader:
-                out = np.empty(BLOCK, np.uint8)
-                assert reader.get_into(keys[1], out) == BLOCK
-                assert np.array_equal(out, payload(1))
+            assert reads_back(cluster.url, keys[1], 1)
     finally:
         cluster.stop()

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from clusterhelpers import start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
+from sealhelpers import K1, K2, P1, PAGE, ahead, real, table
 from transport_fakes import OneSided
 
 import kvpool
@@ -32,9 +33,6 @@ from kvpool.transport.shm_seal import Deadline, SealRecords
 from kvpool.transport.tcp import TcpTransport
 from kvpool.transport.tcp_server import TcpDataServer
 
-PAGE = 4096
-NO_KEY = bytes(16)
-K1, K2, P1 = b"\x01" * 16, b"\x02" * 16, b"\x07" * 16
 MS = 1_000_000
 
 
@@ -55,23 +53,6 @@ def records(
     path = str(tmp_path / "arena.seal")
     node = SealRecords(path, 16 * PAGE, create=True, hold_ns=hold_ms * MS, margin_ns=margin_ms * MS)
     return node, SealRecords(path, 16 * PAGE, create=False)
-
-
-def table(seals: SealRecords, clock: Clock | None = None, epoch: int = 3) -> BlockTable:
-    t = BlockTable(
-        lambda offset, size: 1, claim_wait=0.2, seals=seals, **({"clock": clock} if clock else {})
-    )
-    t.new_term(epoch)
-    return t
-
-
-def ahead(alloc: int, offset: int = 0, epoch: int = 3) -> WriteStamp:
-    """A claim taken ahead for a grant: placeholder key."""
-    return WriteStamp(epoch, alloc, offset, PAGE, NO_KEY)
-
-
-def real(alloc: int, offset: int = 0, epoch: int = 3, key: bytes = K1) -> WriteStamp:
-    return WriteStamp(epoch, alloc, offset, PAGE, key, P1)
 
 
 # -- the record and the deadline --------------------------------------------------------
@@ -267,15 +248,17 @@ def test_stale_epoch_claims_are_still_refused(node) -> None:
 # -- the proof, with real processes --------------------------------------------------------
 
 
-@pytest.mark.parametrize("shm_seal", ["1", "0"])
+@pytest.mark.parametrize(("shm_seal", "node_commits"), [("1", "1"), ("1", "0"), ("0", "1")])
 def test_a_master_kill_right_after_shm_sealed_acks_loses_none(
-    shm_seal: str, monkeypatch: pytest.MonkeyPatch
+    shm_seal: str, node_commits: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Puts acknowledged on their shared-memory seal (no SEAL round trip), the
     master killed -9 at once and restarted: every acknowledged put is found by
-    another client with exact bytes. ``KVPOOL_SHM_SEAL=0``: the same with every
-    seal sent to the node (the fallback path)."""
+    another client with exact bytes. ``KVPOOL_NODE_COMMITS``: their commits left
+    to the node (1, kvpool.cluster.node_commits) or sent by the writer (0).
+    ``KVPOOL_SHM_SEAL=0``: every seal sent to the node (the fallback path)."""
     monkeypatch.setenv("KVPOOL_SHM_SEAL", shm_seal)
+    monkeypatch.setenv("KVPOOL_NODE_COMMITS", node_commits)
     cluster = start_cluster(["16MiB", "16MiB"])
     try:
         keys = make_keys(48, seed=41)
@@ -287,10 +270,12 @@ def test_a_master_kill_right_after_shm_sealed_acks_loses_none(
             cluster.master = cluster.restart_master_process()
             writer.flush()
             sealed = writer.stats()["client"].get("seals_shm", 0)
+            by_node = writer._putter.commits.by_node.count
             if shm_seal == "1":  # the path under test
                 assert sealed >= len(keys) // 2, writer.stats()["client"]
+                assert by_node >= len(keys) // 2 if node_commits == "1" else by_node == 0
             else:
-                assert sealed == 0
+                assert sealed == 0 and by_node == 0
             with kvpool.connect(cluster.url, timeout=5) as reader:
                 assert wait_until(lambda: reader.exists(keys) == [True] * len(keys), timeout=15)
                 out = np.empty(BLOCK, np.uint8)

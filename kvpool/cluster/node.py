@@ -237,28 +237,25 @@ class StorageNode:
 
     def _rpc(self) -> MasterLink:
         if self._client is None:
-            self._client = MasterLink(
-                self.config.master,
-                token=self.config.token,
-                timeout=self.config.rpc_timeout,
-                name=f"{NODE_HELLO} {self.node_id}",
-                deadline=self.config.heartbeat_interval,
-                connect=False,
-            )
+            self._client = self._new_link(f"{NODE_HELLO} {self.node_id}")
         return self._client
 
     def _commit_link(self) -> MasterLink:
         """The committer's own connection to the master (kvpool.cluster.node_commits)."""
         if self._commits_link is None:
-            self._commits_link = MasterLink(
-                self.config.master,
-                token=self.config.token,
-                timeout=self.config.rpc_timeout,
-                name=f"kvpool-node-commits {self.node_id}",
-                deadline=self.config.heartbeat_interval,
-                connect=False,
-            )
+            self._commits_link = self._new_link(f"kvpool-node-commits {self.node_id}")
         return self._commits_link
+
+    def _new_link(self, name: str) -> MasterLink:
+        c = self.config
+        return MasterLink(
+            c.master,
+            token=c.token,
+            timeout=c.rpc_timeout,
+            name=name,
+            deadline=c.heartbeat_interval,
+            connect=False,
+        )
 
     def _register(self) -> None:
         table = self.table
