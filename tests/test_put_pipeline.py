@@ -238,3 +238,50 @@ def test_a_master_kill_right_after_pipelined_acks_loses_none(
                     assert np.array_equal(out, payload(i))
     finally:
         cluster.stop()
+
+
+EXITS_AFTER_PUTS = """
+import sys, numpy as np, kvpool
+import kvpool.cluster.client.commits as commits
+commits.LINGER_S = 0.5  # the commit thread waits long for company: the exit wins any race
+keys = [bytes.fromhex(k) for k in sys.argv[2].split(",")]
+pool = kvpool.connect(sys.argv[1], timeout=10)
+for i, key in enumerate(keys):
+    data = np.random.default_rng(9100 + i).integers(0, 256, 65536, dtype=np.uint8)
+    assert pool.put(key, data)
+print("put", flush=True)  # and exit at once: no flush, no close
+"""
+
+
+@pytest.mark.parametrize("node_commits", ["1", "0"])
+def test_a_process_that_exits_right_after_its_puts_leaves_them_visible(
+    cluster: Cluster, node_commits: str
+) -> None:
+    """A writer process returns from ``put`` and exits without ``flush`` or
+    ``close``: its acknowledged puts are visible to another client as soon as it
+    is gone (kvpool.cluster.client.at_exit closes open clients at exit). The
+    child's commit thread lingers 0.5 s: without the exit hook, the commits of
+    puts the client commits itself (``0``, and with ``1`` the first put, made
+    before any grant was claimed) were lost with the daemon thread: this test
+    failed in both cases with the hook taken out."""
+    import os
+    import subprocess
+    import sys
+
+    keys = make_keys(12, seed=91)
+    env = dict(os.environ, KVPOOL_NODE_COMMITS=node_commits)
+    done = subprocess.run(
+        [sys.executable, "-c", EXITS_AFTER_PUTS, cluster.url, ",".join(k.hex() for k in keys)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env,
+    )
+    assert done.returncode == 0 and done.stdout.strip() == "put", done.stderr[-2000:]
+    with connect(cluster) as reader:
+        assert reader.exists(keys) == [True] * len(keys)  # no wait: visible on exit
+        out = np.empty(65536, np.uint8)
+        for i, key in enumerate(keys):
+            data = np.random.default_rng(9100 + i).integers(0, 256, 65536, dtype=np.uint8)
+            assert reader.get_into(key, out) == 65536 and np.array_equal(out, data)
+        remove_all(reader, keys)

@@ -39,6 +39,7 @@ from kvpool.args import (
     out_region,
 )
 from kvpool.bindings.buffers import plain_host
+from kvpool.cluster.client import at_exit
 from kvpool.cluster.client.grants import grant_budget
 from kvpool.cluster.client.handles import RemoteBlockWriter, RemoteLease, ReservationTicket
 from kvpool.cluster.client.lease_cache import DEFAULT_HOLD_S, DEFAULT_MAX_BYTES
@@ -118,6 +119,7 @@ class RemotePool(LayerwiseMethods):
         )
         self._janitor.start()
         self._node = self._contribute(master, contribute_dram) if contribute_dram else None
+        at_exit.track(self)  # acknowledged puts get their commits out before the process ends
 
     # -- writes -------------------------------------------------------------------
 
@@ -348,6 +350,7 @@ class RemotePool(LayerwiseMethods):
         acknowledged puts could not be made visible."""
         if self._session.closed:
             return
+        at_exit.untrack(self)
         self._stop.set()
         lost: PutCommitError | None = None
         try:
