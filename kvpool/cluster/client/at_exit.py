@@ -14,8 +14,9 @@ their answers, bounded by the failover deadline), gives back grants and
 leases, then drops the connections. ``atexit`` runs before the interpreter
 stops daemon threads, so the RPC reader that receives the answers still runs.
 A failure is logged, never raised at exit. A process killed by a signal runs
-no hook: its puts are exactly as durable as the node holding them (a new
-master term re-registers them).
+no hook: a put whose commit had not left yet (at most the linger plus a round
+trip after it returned; never one its node commits, kvpool.cluster.node_commits)
+stays on its node but invisible, unless a new master term re-registers it.
 """
 
 from __future__ import annotations
