@@ -237,23 +237,27 @@ class StorageNode:
 
     def _rpc(self) -> MasterLink:
         if self._client is None:
-            self._client = self._new_link(f"{NODE_HELLO} {self.node_id}")
+            name = f"{NODE_HELLO} {self.node_id}"
+            self._client = self._new_link(name, self.config.heartbeat_interval)
         return self._client
 
     def _commit_link(self) -> MasterLink:
-        """The committer's own connection to the master (kvpool.cluster.node_commits)."""
+        """The committer's own connection to the master (kvpool.cluster.node_commits):
+        its calls ride a restart or failover (the failover deadline), as a client's do."""
         if self._commits_link is None:
-            self._commits_link = self._new_link(f"kvpool-node-commits {self.node_id}")
+            name = f"kvpool-node-commits {self.node_id}"
+            self._commits_link = self._new_link(name, None)
         return self._commits_link
 
-    def _new_link(self, name: str) -> MasterLink:
+    def _new_link(self, name: str, deadline: float | None) -> MasterLink:
+        """``deadline``: how long a call retries (None: the failover deadline)."""
         c = self.config
         return MasterLink(
             c.master,
             token=c.token,
             timeout=c.rpc_timeout,
             name=name,
-            deadline=c.heartbeat_interval,
+            deadline=deadline,
             connect=False,
         )
 

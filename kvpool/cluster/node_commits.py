@@ -19,7 +19,8 @@ thread that does it:
    it expired). The writer settles that as a refused pipelined commit
    (kvpool.cluster.client.commits: look-up, read-back, put again).
 
-A master that cannot be reached is retried, backing off to 1 s; a block from
+A master that cannot be reached is retried (each call rides a failover up to
+the link's deadline, then the thread backs off from 50 ms to 1 s); a block from
 an older term is answered by its state once the node serves a new term
 (re-registered: ``VISIBLE``; dropped by the re-registration's checksum:
 ``NOT_COMMITTED``). Nothing is lost meanwhile: the block is whole on the node
@@ -72,7 +73,7 @@ class SealCommitter:
 
     def _loop(self) -> None:
         rang_at = scanned_at = 0.0
-        pause = 0.0  # after a failed commit: back off
+        pause, backoff = 0.0, 0.05  # after a failed commit: wait, doubling up to 1 s
         while not self._stop.is_set():
             now = time.monotonic()
             if self._records.rung():
@@ -83,13 +84,13 @@ class SealCommitter:
             if self._waiting and now >= pause:
                 try:
                     self._waiting = self._commit(self._waiting)
-                    pause = 0.0
+                    pause, backoff = 0.0, 0.05
                 except (KVPoolError, OSError) as exc:
                     log.warning("could not commit %d sealed block(s): %s", len(self._waiting), exc)
-                    pause = time.monotonic() + 1.0
+                    pause, backoff = time.monotonic() + backoff, min(2 * backoff, 1.0)
                 except Exception:  # never lose the thread: its writers would wait on it
                     log.exception("committing %d sealed block(s) failed", len(self._waiting))
-                    pause = time.monotonic() + 1.0
+                    pause, backoff = time.monotonic() + backoff, min(2 * backoff, 1.0)
             self._stop.wait(FAST_S if now - rang_at < BUSY_S else IDLE_S)
 
     def _commit(self, owed: list[Entry]) -> list[Entry]:
