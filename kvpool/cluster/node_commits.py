@@ -67,9 +67,11 @@ class SealCommitter:
         self._thread.start()
 
     def close(self) -> None:
+        """Stop polling. A commit call riding a master outage is not waited for past
+        1 s: the thread is a daemon, and the node closes its link next."""
         self._stop.set()
         if self._thread.is_alive():
-            self._thread.join(5.0)
+            self._thread.join(1.0)
 
     def _loop(self) -> None:
         rang_at = scanned_at = 0.0
