@@ -87,11 +87,15 @@ class SealCommitter:
                 try:
                     self._waiting = self._commit(self._waiting)
                     pause, backoff = 0.0, 0.05
-                except (KVPoolError, OSError) as exc:
-                    log.warning("could not commit %d sealed block(s): %s", len(self._waiting), exc)
-                    pause, backoff = time.monotonic() + backoff, min(2 * backoff, 1.0)
-                except Exception:  # never lose the thread: its writers would wait on it
-                    log.exception("committing %d sealed block(s) failed", len(self._waiting))
+                except Exception as exc:  # never lose the thread: its writers would wait on it
+                    expected = isinstance(exc, KVPoolError | OSError)  # else a bug: its traceback
+                    log.log(
+                        logging.WARNING if expected else logging.ERROR,
+                        "could not commit %d sealed block(s): %s",
+                        len(self._waiting),
+                        exc,
+                        exc_info=not expected,
+                    )
                     pause, backoff = time.monotonic() + backoff, min(2 * backoff, 1.0)
             self._stop.wait(FAST_S if now - rang_at < BUSY_S else IDLE_S)
 
@@ -99,7 +103,7 @@ class SealCommitter:
         """Commit ``owed`` and answer their writers; returns those to retry."""
         epoch = self._table.epoch
         now_term = [e for e in owed if e.stamp.epoch == epoch]
-        results: dict[int, bool | None] = {}
+        results: dict[Entry, bool | None] = {}  # entries hash by identity
         if now_term:
             request = CommitRequest(
                 [e.stamp.alloc_id for e in now_term],
@@ -107,14 +111,14 @@ class SealCommitter:
                 parents=[e.stamp.parent for e in now_term],
             )
             done = self._link().call(COMMIT, request)
-            results = {id(e): ok for e, ok in zip(now_term, done, strict=True)}
+            results = dict(zip(now_term, done, strict=True))
         retry = []
         registered = self._table.epoch != 0  # listed blocks are visible once registered
         for entry in owed:
-            ok = results.get(id(entry))
+            ok = results.get(entry)
             if ok is not None or (entry.state == COMMITTED and registered):
                 self._answer(entry, VISIBLE)  # False: the key was stored already
-            elif self._table.epoch in (0, entry.stamp.epoch) and id(entry) not in results:
+            elif self._table.epoch in (0, entry.stamp.epoch) and entry not in results:
                 retry.append(entry)  # re-registering, or its term's answer is still due
             elif self._table.epoch != epoch:
                 retry.append(entry)  # a new term began during the call: ask it again

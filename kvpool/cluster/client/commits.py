@@ -157,10 +157,13 @@ class CommitPipe:
     def watch(self, item: Acked, records: SealRecords) -> None:
         """A put sealed with ``NODE_COMMITS`` in ``records``: its node commits it;
         ``flush`` waits for the node's answer there."""
-        unsure = self.by_node.watch(item, records)
-        if unsure:
+        self._to_settle(self.by_node.watch(item, records))
+
+    def _to_settle(self, items: list[Acked]) -> None:
+        """Puts their node did not make visible: ``settle`` takes them next."""
+        if items:
             with self._cond:
-                self._unsure += unsure
+                self._unsure += items
 
     def _send_loop(self) -> None:
         """The sender thread: submit each batch a put set in flight, with what was
@@ -251,10 +254,7 @@ class CommitPipe:
                     self._inflight, self._queue = None, []
                     break
                 self._cond.wait(min(left, 0.5))
-        unsure = self.by_node.wait(give_up)
-        if unsure:
-            with self._cond:
-                self._unsure += unsure
+        self._to_settle(self.by_node.wait(give_up))
         self.settle()
         self.check()
 
