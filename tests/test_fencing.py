@@ -217,6 +217,42 @@ def test_read_block_checks_like_read_blocks_and_keeps_the_stream_in_sync(fenced_
     assert tcp.read_block(0, 0, out, K2) and np.array_equal(out, data)  # still in sync
 
 
+def test_checked_reads_larger_than_one_waitall_receive_stay_exact_and_in_sync() -> None:
+    """Replies over ``WAITALL_MAX`` are taken as they arrive (several receives): a
+    single read and a pipelined batch of 1 MiB blocks, a refusal of the same length
+    between them, then a short read: every byte where it belongs."""
+    size = 1 << 20
+    assert size > w.WAITALL_MAX
+    region = np.zeros(4 * size, np.uint8)
+    server = TcpDataServer(region, fence=table(epoch=3))
+    server.start()
+    info = RegionInfo("n", region.nbytes, tcp_host="127.0.0.1", tcp_port=server.address[1])
+    info.tcp_instance = server.instance
+    tcp = TcpTransport(info, timeout=5)
+    try:
+        rng = np.random.default_rng(3)
+        blocks = [rng.integers(0, 256, size, dtype=np.uint8) for _ in range(3)]
+        keys = [bytes([i + 1]) * 16 for i in range(3)]
+        for i, (b, k) in enumerate(zip(blocks, keys, strict=True)):
+            stamp = WriteStamp(3, 60 + i, i * size, size, k).pack()
+            assert tcp.stamped([(w.OP_WRITE_FINAL, stamp, i * size, b)]) == [w.ST_OK]
+        for rounds in range(3):  # every pad the stream offset can take along the way
+            out = np.zeros(size, np.uint8)
+            assert not tcp.read_block(0, 0, out, keys[1]), rounds  # another block there
+            assert tcp.read_block(size, 0, out, keys[1]) and np.array_equal(out, blocks[1])
+            outs = [np.zeros(size, np.uint8) for _ in range(3)]
+            items = [(0, outs[0], keys[0], 0), (size, outs[1], keys[0], size)]
+            items.append((2 * size, outs[2], keys[2], 2 * size))
+            assert tcp.read_blocks(items) == [True, False, True], rounds
+            assert np.array_equal(outs[0], blocks[0]) and np.array_equal(outs[2], blocks[2])
+            short = np.zeros(100, np.uint8)
+            tcp.read_into(size + 7, short)
+            assert np.array_equal(short, blocks[1][7:107])
+    finally:
+        tcp.close()
+        server.close()
+
+
 def test_a_pipelined_batch_of_claims_is_answered_in_one_send(fenced_server) -> None:
     """The replies to payload-less fenced ops buffered together leave in one send
     (tcp_server's outbox): when the first reply is readable, all of them are."""

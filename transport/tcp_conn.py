@@ -96,7 +96,8 @@ class DataConn:
         """One READ reply: header, pad, payload in one scatter ``recvmsg_into``. The
         buffers are exactly the expected lengths, so an ok reply never over-reads
         into the next one. ``MSG_WAITALL`` in ``flags`` (checked reads, whose every
-        reply is at least as long as an ok one): one syscall for the whole reply."""
+        reply is at least as long as an ok one, of up to ``w.WAITALL_MAX`` bytes):
+        one syscall for the whole reply."""
         n, h = payload.nbytes, w.RESP.size
         pad = -(self._received + h) % w.ALIGN  # w.read_pad, inline: the hot path
         hdr = self._resp_mv[: h + pad]
@@ -154,7 +155,8 @@ class DataConn:
         self.sock.sendall(request)
         self._sent += len(request)
         try:
-            self._recv_read(rid, memoryview(host), socket.MSG_WAITALL)  # type: ignore[arg-type]
+            flags = socket.MSG_WAITALL if host.nbytes <= w.WAITALL_MAX else 0
+            self._recv_read(rid, memoryview(host), flags)  # type: ignore[arg-type]
         except RemoteError:  # the error reply was read whole: the stream is in sync
             return False
         return True
@@ -166,9 +168,9 @@ class DataConn:
         Every reply to a checked read is exactly as long as an ok one (a refusal
         is padded, see tcp_server), so where each header, pad and payload lands
         is known before any arrives: the replies are received with scatter
-        ``recvmsg_into(MSG_WAITALL)`` calls of up to ``SCATTER_REPLIES`` replies
-        each (one syscall for a batch, instead of one or more per reply), then
-        each header is checked."""
+        ``recvmsg_into`` calls of up to ``SCATTER_REPLIES`` replies each (one
+        ``MSG_WAITALL`` syscall for a small batch, instead of one or more per
+        reply; see ``w.WAITALL_MAX``), then each header is checked."""
         rids = [self._next_rid() for _ in plan]
         requests = b"".join(
             w.REQ.pack(w.OP_READ_BLOCK, 0, rid, off, host.nbytes) + ident

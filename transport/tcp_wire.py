@@ -89,6 +89,17 @@ ST_STALE, ST_BUSY = 6, 7  # the write fence refused the stamp (kvpool.transport.
 
 SOCK_BUF = 8 * 1024 * 1024
 MAX_CHUNK = 1 << 30  # per recv_into/send call; keeps counts well inside int limits
+#: Replies up to this many bytes are received with one blocking ``MSG_WAITALL`` call;
+#: larger ones with plain receives that return what has arrived. Why (issue 17,
+#: session 9, loopback, client and node pinned apart): a 1 MiB checked read took
+#: 0.82-0.88x a raw socket's time with MSG_WAITALL and 1.03-1.06x without it
+#: (4 interleaved pairs; 4 MiB and batches of 8 gained less, 64 KiB nothing).
+#: Our reading of why: a MSG_WAITALL receive keeps the socket owned by the reader
+#: for the whole reply, so segments arriving meanwhile wait on the socket's backlog
+#: and their TCP processing runs on the reader's CPU after its copies, instead of on
+#: the sender's CPU while it copies. Below this size a reply mostly arrives whole,
+#: and the one call is the cheaper way to take it.
+WAITALL_MAX = 128 << 10
 
 
 def hello(token: str | None, instance: str = "") -> bytes:
@@ -160,10 +171,12 @@ def send_parts(sock: socket.socket, header: bytes, payload: memoryview | None) -
 
 def recv_scatter(sock: socket.socket, views: list[memoryview], total: int) -> None:
     """Fill every view (``total`` bytes in all), in order, with scatter
-    ``recvmsg_into(MSG_WAITALL)`` calls: one, unless a timeout or a signal cuts it
-    short or it is over ``MAX_CHUNK``; EOF -> ConnectionLostError."""
+    ``recvmsg_into`` calls: up to ``WAITALL_MAX`` bytes one ``MSG_WAITALL`` call
+    (unless a timeout or a signal cuts it short), more as they arrive;
+    EOF -> ConnectionLostError."""
+    flags = socket.MSG_WAITALL if total <= WAITALL_MAX else 0
     if total <= MAX_CHUNK:
-        got = sock.recvmsg_into(views, 0, socket.MSG_WAITALL)[0]
+        got = sock.recvmsg_into(views, 0, flags)[0]
         if got == total:
             return
     else:
@@ -172,7 +185,7 @@ def recv_scatter(sock: socket.socket, views: list[memoryview], total: int) -> No
         _skip(views, got)
         if not views:
             return
-        got = sock.recvmsg_into(_iov(views), 0, socket.MSG_WAITALL)[0]
+        got = sock.recvmsg_into(_iov(views), 0, flags)[0]
         if got == 0:
             raise ConnectionLostError(f"peer closed the data connection ({total} B expected)")
 
