@@ -204,6 +204,34 @@ def layerwise_rows(plan: Plan) -> list[BenchRow]:
     return rows
 
 
+@dataclass
+class PeerMargin:
+    """kvpool over a peer store for one (op, size) over TCP, from one run's rows.
+
+    ``gbps_x`` divides the two stores' GB/s; ``baseline_x`` divides their ratios
+    to the raw socket each was interleaved with. The peer's rows are measured
+    after ours, so when the machine's speed drifts in between (the raw socket
+    moved 3.0-4.9 GB/s at 1 MiB within one run here), ``baseline_x`` is the
+    steadier of the two; both are printed, neither replaces the rows."""
+
+    op: str
+    size: int
+    gbps_x: float
+    baseline_x: float
+
+
+def peer_margins(rows: Sequence[BenchRow], peer: str = "mooncake") -> list[PeerMargin]:
+    """Every TCP (op, size) that both kvpool and ``peer`` measured in ``rows``."""
+    ours = {(r.op, r.size): r for r in rows if r.store == "kvpool" and r.path == "tcp"}
+    margins = []
+    for r in rows:
+        mine = ours.get((r.op, r.size)) if r.store == peer and r.path == "tcp" else None
+        if mine is not None and r.size is not None:
+            margins.append(PeerMargin(r.op, r.size, round(mine.value / r.value, 2),
+                                      round(mine.ratio / r.ratio, 2)))  # fmt: skip
+    return margins
+
+
 def _mooncake_importable() -> bool:
     import importlib.util
 
@@ -302,3 +330,9 @@ def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool
                 f"{r.suite:<9} {r.store:<8} {r.op:<14} {r.path:<10} {size:>7} {r.value:>9.3g} "
                 f"{r.unit:<4} {r.baseline_value:>9.3g} {r.ratio:>6.2f}  {r.baseline}"
             )
+    margins = peer_margins(rows)
+    if margins:
+        print("kvpool over Mooncake Store, TCP, this run (GB/s quotient; quotient of the "
+              "ratios to each one's raw socket):")  # fmt: skip
+        for m in margins:
+            print(f"  {m.op:<14} {format_size(m.size):>7}  {m.gbps_x:.2f}x  {m.baseline_x:.2f}x")

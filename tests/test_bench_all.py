@@ -91,10 +91,29 @@ def test_mooncake_rows_stand_beside_ours(quick_run: tuple[list[dict], dict, str]
     theirs = {(r["op"], r["path"]) for r in rows if r["store"] == "mooncake"}
     want = {("put", "tcp"), ("get_into", "tcp"), ("get_into_batch", "tcp")}
     assert theirs >= want, stdout[-2000:]
+    assert "kvpool over Mooncake Store" in stdout
     ours = {(r["op"], r["path"], r["size"]) for r in rows if r["store"] == "kvpool"}
     for r in rows:
         if r["store"] == "mooncake":
             assert r["suite"] == "remote" and (r["op"], "tcp", r["size"]) in ours
+
+
+def test_peer_margins_pair_each_tcp_row_with_ours() -> None:
+    """kvpool over Mooncake per (op, size): GB/s over GB/s, and ratio over ratio."""
+    from kvpool.bench.all import BenchRow, PeerMargin, peer_margins
+
+    def row(store: str, op: str, path: str, size: int, value: float, base: float) -> BenchRow:
+        return BenchRow("remote", store, op, path, size, value, "GB/s", "raw", base, value / base)
+
+    rows = [
+        row("kvpool", "get_into", "tcp", 1 << 20, 3.0, 3.2),
+        row("kvpool", "get_into", "shm", 1 << 20, 16.0, 17.0),
+        row("kvpool", "put", "tcp", 1 << 20, 2.0, 2.5),
+        row("mooncake", "get_into", "tcp", 1 << 20, 1.5, 4.0),
+        row("mooncake", "get_into_batch", "tcp", 1 << 20, 1.5, 4.0),  # none of ours: no margin
+    ]
+    assert peer_margins(rows) == [PeerMargin("get_into", 1 << 20, 2.0, 2.5)]
+    assert peer_margins(rows[:3]) == []
 
 
 def test_ratio_is_higher_is_better(quick_run: tuple[list[dict], dict, str]) -> None:
