@@ -33,6 +33,7 @@ class _Gate:
             real(dst, src)
 
         monkeypatch.setattr(reservations_module, "copy_region", copy)
+        monkeypatch.setattr(reservations_module, "SMALL_COPY", 0)  # small puts through it too
 
 
 def test_a_key_being_put_cannot_be_reserved_or_put(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -99,6 +100,21 @@ def test_plain_and_adapted_buffers_store_the_same_bytes() -> None:
         out = np.zeros(2 * BLOCK, np.uint8)
         assert pool.get_into(keys[0], out, offset=8, length=16) == 16
         assert np.array_equal(out[:16], data[8:24]) and not out[16:].any()
+
+
+def test_puts_either_side_of_the_small_copy_bound_store_exact_bytes() -> None:
+    """Up to ``SMALL_COPY`` bytes a put copies by memoryview slice assignment, above
+    it with numpy: both store every byte where it belongs, next to each other."""
+    small = reservations_module.SMALL_COPY
+    sizes = [1, 4095, small, small + 1, small + 4096]
+    keys = make_keys(len(sizes))
+    rng = np.random.default_rng(11)
+    datas = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
+    with Pool.embedded(dram_bytes=8 * small) as pool:
+        for key, data in zip(keys, datas, strict=True):
+            assert pool.put(key, data)
+        for key, data in zip(keys, datas, strict=True):
+            assert pool.get(key) == data.tobytes()
 
 
 def test_uint8_arrays_off_the_fast_path_still_store_and_read_exact() -> None:

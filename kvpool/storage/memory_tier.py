@@ -23,6 +23,8 @@ class MemoryTier:
     def __init__(self, name: str, buffer: Region, policy: EvictionPolicy, alignment: int) -> None:
         self.name = name
         self.buffer = buffer
+        # host memory as a memoryview, for small copies by slice assignment (None: device)
+        self.host_bytes = memoryview(buffer) if isinstance(buffer, np.ndarray) else None
         self.policy = policy
         self.allocator = ExtentAllocator(region_nbytes(buffer), alignment)
         self.capacity = self.allocator.capacity
@@ -40,6 +42,9 @@ class MemoryTier:
     def close(self) -> None:
         """Let go of the backing buffer. Not an empty slice of it: a view keeps its
         whole base alive (the GPU tier's device memory, the DRAM arena's mapping)."""
+        if self.host_bytes is not None:
+            self.host_bytes.release()
+            self.host_bytes = None
         empty = self.buffer[:0]
         self.buffer = empty.copy() if isinstance(empty, np.ndarray) else empty.clone()
 
