@@ -24,7 +24,9 @@ class MemoryTier:
         self.name = name
         self.buffer = buffer
         # host memory as a memoryview, for small copies by slice assignment (None: device)
-        self.host_bytes = memoryview(buffer) if isinstance(buffer, np.ndarray) else None
+        self.host_bytes: memoryview | None = None
+        if isinstance(buffer, np.ndarray):
+            self.host_bytes = memoryview(buffer)  # type: ignore[arg-type]
         self.policy = policy
         self.allocator = ExtentAllocator(region_nbytes(buffer), alignment)
         self.capacity = self.allocator.capacity
