@@ -23,7 +23,7 @@ from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool
 from kvpool.cluster.client.commits import Acked, CommitPipe
-from kvpool.cluster.client.put_modes import commit_thread_default
+from kvpool.cluster.client.put_modes import commit_thread_default, node_commits_default
 from kvpool.cluster.wire import COMMIT, CommitRequest
 from kvpool.errors import ConnectionLostError
 
@@ -195,6 +195,20 @@ def test_close_stops_the_thread_and_later_sends_go_on_the_caller() -> None:
     assert not any(t.name == "kvpool-commits" and t.is_alive() for t in threading.enumerate())
     p.send([acked(2)])
     assert master.sent[-1] == ([2], threading.current_thread().name)
+
+
+def test_the_node_commits_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``KVPOOL_NODE_COMMITS`` (same-host puts leave their commit to the node) takes
+    0 or 1 like the others; anything else fails before the client connects."""
+    monkeypatch.setenv("KVPOOL_NODE_COMMITS", "0")
+    assert node_commits_default() is False
+    monkeypatch.setenv("KVPOOL_NODE_COMMITS", " 1 ")
+    assert node_commits_default() is True
+    monkeypatch.setenv("KVPOOL_NODE_COMMITS", "yes")
+    with pytest.raises(ValueError, match="KVPOOL_NODE_COMMITS must be 0 or 1, got 'yes'"):
+        node_commits_default()
+    with pytest.raises(ValueError, match="KVPOOL_NODE_COMMITS"):
+        kvpool.connect("kvpool://127.0.0.1:1", timeout=1)  # before any connection
 
 
 def test_the_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
