@@ -210,9 +210,10 @@ class PeerMargin:
 
     ``gbps_x`` divides the two stores' GB/s; ``baseline_x`` divides their ratios
     to the raw socket each was interleaved with. The peer's rows are measured
-    after ours, so when the machine's speed drifts in between (the raw socket
-    moved 3.0-4.9 GB/s at 1 MiB within one run here), ``baseline_x`` is the
-    steadier of the two; both are printed, neither replaces the rows."""
+    after ours: ``baseline_x`` corrects for the machine's speed drifting in
+    between (the raw socket moved 3.0-4.9 GB/s at 1 MiB within one run here)
+    but carries both raw sockets' own noise. Both are printed; neither
+    replaces the rows."""
 
     op: str
     size: int
