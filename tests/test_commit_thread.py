@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from typing import Any
 
@@ -197,29 +197,26 @@ def test_close_stops_the_thread_and_later_sends_go_on_the_caller() -> None:
     assert master.sent[-1] == ([2], threading.current_thread().name)
 
 
-def test_the_node_commits_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    """``KVPOOL_NODE_COMMITS`` (same-host puts leave their commit to the node) takes
-    0 or 1 like the others; anything else fails before the client connects."""
-    monkeypatch.setenv("KVPOOL_NODE_COMMITS", "0")
-    assert node_commits_default() is False
-    monkeypatch.setenv("KVPOOL_NODE_COMMITS", " 1 ")
-    assert node_commits_default() is True
-    monkeypatch.setenv("KVPOOL_NODE_COMMITS", "yes")
-    with pytest.raises(ValueError, match="KVPOOL_NODE_COMMITS must be 0 or 1, got 'yes'"):
-        node_commits_default()
-    with pytest.raises(ValueError, match="KVPOOL_NODE_COMMITS"):
-        kvpool.connect("kvpool://127.0.0.1:1", timeout=1)  # before any connection
-
-
-def test_the_setting_is_checked(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("KVPOOL_PUT_COMMIT_THREAD", "0")
-    assert commit_thread_default() is False
-    monkeypatch.setenv("KVPOOL_PUT_COMMIT_THREAD", "1")
-    assert commit_thread_default() is True
-    monkeypatch.setenv("KVPOOL_PUT_COMMIT_THREAD", "on")
-    with pytest.raises(ValueError, match="KVPOOL_PUT_COMMIT_THREAD must be 0 or 1"):
-        commit_thread_default()
-    with pytest.raises(ValueError, match="KVPOOL_PUT_COMMIT_THREAD"):
+@pytest.mark.parametrize(
+    ("name", "read"),
+    [
+        ("KVPOOL_PUT_COMMIT_THREAD", commit_thread_default),
+        ("KVPOOL_NODE_COMMITS", node_commits_default),
+    ],
+)
+def test_the_setting_is_checked(
+    monkeypatch: pytest.MonkeyPatch, name: str, read: Callable[[], bool]
+) -> None:
+    """The commit thread's and the node-commit switch (same-host puts leave their
+    commit to the node) take 0 or 1; anything else fails before the client connects."""
+    monkeypatch.setenv(name, "0")
+    assert read() is False
+    monkeypatch.setenv(name, " 1 ")
+    assert read() is True
+    monkeypatch.setenv(name, "on")
+    with pytest.raises(ValueError, match=f"{name} must be 0 or 1, got 'on'"):
+        read()
+    with pytest.raises(ValueError, match=name):
         kvpool.connect("kvpool://127.0.0.1:1", timeout=1)  # before any connection
 
 
