@@ -244,9 +244,16 @@ class BlockCatalog(CatalogState):
         True: committed. False: ``key`` is already stored or being put (the
         grant's space is freed; the caller's bytes were simply not needed).
         None: no such grant (expired, its node left, or not a grant).
+
+        An allocation made with its key (not a grant) is committed here too when
+        ``key`` is that key: a node commits blocks whose writer sealed them and
+        never committed (kvpool.cluster.unconfirmed) without knowing which kind
+        each came from.
         """
         alloc = self.pending.get(alloc_id)
-        if alloc is None or alloc.key is not None:
+        if alloc is not None and alloc.key is not None:
+            return True if alloc.key == key and self.commit(alloc_id) is not None else None
+        if alloc is None:
             return None
         if self.forget_pending(alloc_id, free=False) is None:
             return None  # its node left

@@ -1,43 +1,38 @@
 """A storage node's table of its region: which block holds which range, and the write fence.
 
-Every range a client writes is named by a ``WriteStamp`` (epoch, allocation
-id, block range, key, parent; kvpool.transport.fencing). The table keeps one
-entry per block range, never two overlapping, each in one of three states:
+Every range a client writes is named by a ``WriteStamp`` (epoch, allocation id, block range,
+key, parent; kvpool.transport.fencing). The table keeps one entry per block range, never two
+overlapping, each in one of three states:
 
 - ``CLAIMED``: a write is being made (the bytes are not complete);
-- ``WRITTEN``: a final or sealed write completed: the node knows the key and
-  the bytes are whole, so the block is reported at the next registration
-  even if the master that allocated it crashed before it heard of it;
-- ``COMMITTED``: the master told the node (heartbeat event) that the block is
-  visible, or the node re-registered it with a master.
+- ``WRITTEN``: a final or sealed write completed: the node knows the key and the bytes are
+  whole, so the block is reported at the next registration even if the master that allocated it
+  crashed before it heard of it;
+- ``COMMITTED``: the master told the node (heartbeat event) that the block is visible, or the
+  node re-registered it with a master.
 
 Invariants (all under one lock):
-- the table accepts claims only for its master's epoch (``new_term`` sets
-  it; before the first registration, and while re-registering, every claim
-  is stale);
-- a claim older than an overlapping entry is refused (``FENCE_STALE``); a
-  newer one waits until the overlapped entries have no write in flight, then
-  replaces them (``FENCE_BUSY`` after ``claim_wait`` seconds), so a slow or
-  resumed writer can never put bytes into a range a newer allocation owns;
-- when a new term starts, entries not yet written are aborted: their writes
-  end ``STALE`` and the entry goes once nothing is in flight there;
-- heartbeat ``commit`` and ``free`` events name the allocation that filled
-  the range and touch only that allocation's entry: after a remove and a
-  re-put of the same key into the same range, a late commit or free of the
-  old block never marks or drops the new one (0: unknown, matched by range
-  and key, as events of blocks re-registered with this master are);
-- a heartbeat ``free`` drops only a ``COMMITTED`` entry: an entry written for
-  a newer allocation of the same range (its commit event comes later in the
-  ordered stream) is kept;
-- same-host readers check the identity records (kvpool.transport.shm_ident):
-  a block's record is published once it is whole (WRITTEN or COMMITTED) and
-  retracted when its entry goes or another entry starts there, always before
-  a claim that lets new bytes into the range is granted;
-- shared-memory seals (kvpool.transport.shm_seal): a claim taken ahead
-  (placeholder key) has its record cleared before it is granted; a record
-  naming it (claimed, not aborted) is adopted as a ``SEAL`` would be, and a
-  new term aborts it only once past its deadline + margin (waits for that); a
-  block whose record asks for the node's commit is owed it once (sealed_claims).
+- the table accepts claims only for its master's epoch (``new_term`` sets it; before the first
+  registration, and while re-registering, every claim is stale);
+- a claim older than an overlapping entry is refused (``FENCE_STALE``); a newer one waits until
+  the overlapped entries have no write in flight, then replaces them (``FENCE_BUSY`` after
+  ``claim_wait`` seconds), so a slow or resumed writer can never put bytes into a range a newer
+  allocation owns;
+- when a new term starts, entries not yet written are aborted: their writes end ``STALE`` and
+  the entry goes once nothing is in flight there;
+- heartbeat ``commit`` and ``free`` events name the allocation that filled the range and touch
+  only that allocation's entry: after a remove and a re-put of the same key into the same range,
+  a late commit or free of the old block never marks or drops the new one (0: unknown, matched
+  by range and key, as events of blocks re-registered with this master are);
+- a heartbeat ``free`` drops only a ``COMMITTED`` entry: an entry written for a newer allocation
+  of the same range (its commit event comes later in the ordered stream) is kept;
+- same-host readers check the identity records (kvpool.transport.shm_ident): a block's record is
+  published once it is whole (WRITTEN or COMMITTED) and retracted when its entry goes or another
+  entry starts there, always before a claim that lets new bytes into the range is granted;
+- shared-memory seals (kvpool.transport.shm_seal): a claim taken ahead (placeholder key) has its
+  record cleared before it is granted; a record naming it (claimed, not aborted) is adopted as a
+  ``SEAL`` would be, and a new term aborts it only once past its deadline + margin (waits for
+  that); a block whose record asks for the node's commit is owed it once (sealed_claims).
 """
 
 from __future__ import annotations
@@ -51,6 +46,7 @@ from typing import Any
 
 from kvpool.cluster.block_entry import CLAIMED, COMMITTED, NO_KEY, WRITTEN, Entry, Waits
 from kvpool.cluster.sealed_claims import SealedClaims
+from kvpool.cluster.unconfirmed import Unconfirmed
 from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, FENCE_STALE, WriteStamp
 from kvpool.transport.shm_ident import BlockIdents
 from kvpool.transport.shm_seal import SealRecords, now_ns
@@ -81,6 +77,7 @@ class BlockTable:
         self._entries: dict[int, Entry] = {}
         self._offsets: list[int] = []  # sorted keys of _entries
         self._owners: dict[object, Counter[Entry]] = {}
+        self._unconfirmed = Unconfirmed()  # sealed, not (yet) confirmed committed
 
     # -- the fence (kvpool.transport.fencing.WriteFence) ------------------------------
 
@@ -278,8 +275,7 @@ class BlockTable:
             self._cond.notify_all()
 
     def set_checksum(self, entry: Entry) -> int:
-        s = entry.stamp
-        entry.checksum = self._checksum(s.offset, s.size)
+        entry.checksum = self._checksum(entry.stamp.offset, entry.stamp.size)
         return entry.checksum
 
     def used_bytes(self) -> tuple[int, int]:
@@ -290,8 +286,13 @@ class BlockTable:
 
     def state_of(self, offset: int) -> str | None:
         with self._cond:
-            entry = self._entries.get(offset)
-            return None if entry is None else entry.state
+            return None if (entry := self._entries.get(offset)) is None else entry.state
+
+    def unconfirmed(self, age: float) -> list[Entry]:
+        """Blocks still ``WRITTEN`` ``age`` s after their seal (no commit event came: their
+        writer may be gone), each once (kvpool.cluster.unconfirmed)."""
+        with self._cond:
+            return self._unconfirmed.due(age, self._entries)
 
     def adopt_owed(self) -> list[Entry]:
         """Adopt the records sealed for claims taken ahead; hand over the blocks whose
@@ -311,6 +312,7 @@ class BlockTable:
         entry.inflight, entry.stamp = 0, stamp
         entry.state = COMMITTED if was == COMMITTED else WRITTEN
         if was == CLAIMED:
+            self._unconfirmed.sealed(entry)
             self._publish(entry)
             if self._claims is not None:
                 self._claims.sealed(entry)

@@ -44,7 +44,7 @@ import xxhash
 from kvpool.cluster.block_table import BlockTable
 from kvpool.cluster.link import MasterLink
 from kvpool.cluster.metrics import Metrics
-from kvpool.cluster.node_commits import SealCommitter
+from kvpool.cluster.node_commits import ORPHAN_MARGIN_S, SealCommitter
 from kvpool.cluster.node_ssd import NodeSsd
 from kvpool.cluster.wire import (
     EVENT_COMMIT,
@@ -114,7 +114,10 @@ class StorageNode:
             self.arena.close()
             raise
         self.table = BlockTable(self._checksum, idents=self.idents, seals=self.seals)
-        self.committer = SealCommitter(self.table, self.seals, self._commit_link)
+        # blocks no commit event confirmed within a heartbeat (+ margin) of their seal: the
+        # node commits them for their writer (kvpool.cluster.unconfirmed)
+        orphan_age = config.heartbeat_interval + ORPHAN_MARGIN_S
+        self.committer = SealCommitter(self.table, self.seals, self._commit_link, orphan_age)
         try:
             self.exposed = expose_region(
                 self.arena.view,

@@ -19,6 +19,16 @@ thread that does it:
    it expired). The writer settles that as a refused pipelined commit
    (kvpool.cluster.client.commits: look-up, read-back, put again).
 
+It also commits, on their writers' behalf, blocks still unconfirmed ``orphan_age``
+seconds after their seal (kvpool.cluster.unconfirmed): a writer killed by a
+signal between its put's return and its commit leaves such a block, whole on the
+node with its key; committing it now does what the next re-registration would.
+The master answers True (committed), False (the key was stored meanwhile) or None
+(no such allocation any more: committed or revoked by its writer, or expired):
+nothing more is owed either way. ``orphan_age`` must exceed the node's heartbeat
+interval (commit events arrive with heartbeats), and stay under the master's grant
+TTL (5 s) less a grant's use window (1 s), or the grant is gone by then.
+
 A master that cannot be reached is retried (each call rides a failover up to
 the link's deadline, then the thread backs off from 50 ms to 1 s); a block from
 an older term is answered by its state once the node serves a new term
@@ -49,19 +59,28 @@ log = logging.getLogger("kvpool.cluster.node")
 FAST_S = 0.00025  # doorbell poll while writers are busy
 BUSY_S = 0.05  # "busy": a ring within this long
 IDLE_S = 0.002  # doorbell poll (and record scan) otherwise
+ORPHAN_SCAN_S = 0.25  # how often unconfirmed blocks are looked for
+ORPHAN_MARGIN_S = 0.5  # a node's orphan age: its heartbeat interval plus this
 
 
 class SealCommitter:
     """The node's thread that commits the blocks same-host writers asked it to."""
 
     def __init__(
-        self, table: BlockTable, records: SealRecords, link: Callable[[], MasterLink]
+        self,
+        table: BlockTable,
+        records: SealRecords,
+        link: Callable[[], MasterLink],
+        orphan_age: float | None = None,
     ) -> None:
         self._table, self._records, self._link = table, records, link
+        self._orphan_age = orphan_age  # None: leave unconfirmed blocks alone
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="kvpool-node-commits", daemon=True)
         self._waiting: list[Entry] = []  # owed, not answered yet (master unreachable)
+        self._orphans: list[Entry] = []  # unconfirmed, to commit for their writers
         self.committed = self.not_committed = 0  # blocks answered each way
+        self.orphans_committed = 0  # blocks committed for writers that did not
 
     def start(self) -> None:
         self._thread.start()
@@ -74,7 +93,7 @@ class SealCommitter:
             self._thread.join(1.0)
 
     def _loop(self) -> None:
-        rang_at = scanned_at = 0.0
+        rang_at = scanned_at = orphans_at = 0.0
         pause, backoff = 0.0, 0.05  # after a failed commit: wait, doubling up to 1 s
         while not self._stop.is_set():
             now = time.monotonic()
@@ -83,16 +102,23 @@ class SealCommitter:
             if rang_at >= scanned_at or now - scanned_at >= IDLE_S:
                 scanned_at = now
                 self._waiting += self._table.adopt_owed()
-            if self._waiting and now >= pause:
+            if self._orphan_age is not None and now - orphans_at >= ORPHAN_SCAN_S:
+                orphans_at = now
+                self._orphans += self._table.unconfirmed(self._orphan_age)
+            if (self._waiting or self._orphans) and now >= pause:
                 try:
-                    self._waiting = self._commit(self._waiting)
+                    if self._waiting:
+                        self._waiting = self._commit(self._waiting)
+                    if self._orphans:
+                        self._commit_orphans(self._orphans)
+                        self._orphans = []
                     pause, backoff = 0.0, 0.05
                 except Exception as exc:  # never lose the thread: its writers would wait on it
                     expected = isinstance(exc, KVPoolError | OSError)  # else a bug: its traceback
                     log.log(
                         logging.WARNING if expected else logging.ERROR,
                         "could not commit %d sealed block(s): %s",
-                        len(self._waiting),
+                        len(self._waiting) + len(self._orphans),
                         exc,
                         exc_info=not expected,
                     )
@@ -125,6 +151,20 @@ class SealCommitter:
             else:  # no such grant in its term (expired), or not re-registered
                 self._answer(entry, NOT_COMMITTED)
         return retry
+
+    def _commit_orphans(self, orphans: list[Entry]) -> None:
+        """Commit unconfirmed blocks of the term served now for their writers (those of
+        an older term were listed at the re-registration, which made them visible)."""
+        epoch = self._table.epoch
+        mine = [e for e in orphans if e.stamp.epoch == epoch]
+        if mine:
+            request = CommitRequest(
+                [e.stamp.alloc_id for e in mine],
+                keys=[e.stamp.key for e in mine],
+                parents=[e.stamp.parent for e in mine],
+            )
+            done = self._link().call(COMMIT, request)
+            self.orphans_committed += sum(1 for ok in done if ok)
 
     def _answer(self, entry: Entry, state: int) -> None:
         self._records.answer(entry.stamp.offset, entry.stamp.alloc_id, state)
