@@ -129,15 +129,8 @@ class SealCommitter:
         """Commit ``owed`` and answer their writers; returns those to retry."""
         epoch = self._table.epoch
         now_term = [e for e in owed if e.stamp.epoch == epoch]
-        results: dict[Entry, bool | None] = {}  # entries hash by identity
-        if now_term:
-            request = CommitRequest(
-                [e.stamp.alloc_id for e in now_term],
-                keys=[e.stamp.key for e in now_term],
-                parents=[e.stamp.parent for e in now_term],
-            )
-            done = self._link().call(COMMIT, request)
-            results = dict(zip(now_term, done, strict=True))
+        # entries hash by identity
+        results = dict(zip(now_term, self._send(now_term), strict=True))
         retry = []
         registered = self._table.epoch != 0  # listed blocks are visible once registered
         for entry in owed:
@@ -156,15 +149,21 @@ class SealCommitter:
         """Commit unconfirmed blocks of the term served now for their writers (those of
         an older term were listed at the re-registration, which made them visible)."""
         epoch = self._table.epoch
-        mine = [e for e in orphans if e.stamp.epoch == epoch]
-        if mine:
-            request = CommitRequest(
-                [e.stamp.alloc_id for e in mine],
-                keys=[e.stamp.key for e in mine],
-                parents=[e.stamp.parent for e in mine],
-            )
-            done = self._link().call(COMMIT, request)
-            self.orphans_committed += sum(1 for ok in done if ok)
+        done = self._send([e for e in orphans if e.stamp.epoch == epoch])
+        self.orphans_committed += sum(1 for ok in done if ok)
+
+    def _send(self, entries: list[Entry]) -> list[bool | None]:
+        """One ``COMMIT`` of ``entries`` (grant or allocation ids, with their keys) on
+        the node's master link; the master's answer per entry ([] for none)."""
+        if not entries:
+            return []
+        stamps = [e.stamp for e in entries]
+        request = CommitRequest(
+            [s.alloc_id for s in stamps],
+            keys=[s.key for s in stamps],
+            parents=[s.parent for s in stamps],
+        )
+        return list(self._link().call(COMMIT, request))
 
     def _answer(self, entry: Entry, state: int) -> None:
         self._records.answer(entry.stamp.offset, entry.stamp.alloc_id, state)
