@@ -35,11 +35,11 @@ class Clock:
 
 
 def test_unconfirmed_blocks_come_due_once_in_seal_order_and_only_while_written() -> None:
-    clock, queue = Clock(), None
+    clock = Clock()
     queue = Unconfirmed(clock)
     entries = {i * PAGE: Entry(real(i + 1, i * PAGE), WRITTEN) for i in range(4)}
     for entry in entries.values():
-        queue.sealed(entry)
+        queue.sealed(entry, entries)
         clock.now += 0.1
     assert queue.due(1.0, entries) == []  # none sealed a second ago yet
     clock.now = 100.0 + 1.15  # the first two are due
@@ -49,6 +49,20 @@ def test_unconfirmed_blocks_come_due_once_in_seal_order_and_only_while_written()
     entries[2 * PAGE] = Entry(real(9, 2 * PAGE), WRITTEN)  # a newer block took the third's place
     clock.now += 10
     assert queue.due(1.0, entries) == [entries[3 * PAGE]] and len(queue) == 0
+
+
+def test_a_seal_drops_the_confirmed_blocks_at_the_head_of_the_queue() -> None:
+    """Where nobody asks for ``due``, the queue still does not grow with every seal:
+    each new seal drops the head's confirmed or replaced blocks first."""
+    queue = Unconfirmed(Clock())
+    entries: dict[int, Entry] = {}
+    for i in range(1000):
+        entry = Entry(real(i + 1, (i % 8) * PAGE), WRITTEN)
+        entries[entry.stamp.offset] = entry  # replaces the block sealed 8 seals ago
+        queue.sealed(entry, entries)
+        if i % 3 == 0:
+            entry.state = COMMITTED  # its commit event came
+    assert len(queue) <= 9
 
 
 def test_the_table_hands_out_sealed_blocks_no_commit_event_confirmed(tmp_path) -> None:

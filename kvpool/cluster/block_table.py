@@ -312,7 +312,7 @@ class BlockTable:
         entry.inflight, entry.stamp = 0, stamp
         entry.state = COMMITTED if was == COMMITTED else WRITTEN
         if was == CLAIMED:
-            self._unconfirmed.sealed(entry)
+            self._unconfirmed.sealed(entry, self._entries)
             self._publish(entry)
             if self._claims is not None:
                 self._claims.sealed(entry)

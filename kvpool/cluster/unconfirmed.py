@@ -14,6 +14,10 @@ block still unconfirmed ``age`` seconds after its seal.
 
 Invariants:
 - each entry is handed out at most once, in the order it was sealed;
+- the queue holds at most the entries sealed within ``age`` plus the run of
+  still-``WRITTEN`` ones at its head: each new seal first drops the head entries
+  that are confirmed or replaced, so the queue stays small even where nobody
+  asks for ``due`` (a table with no commit thread);
 - ``due`` hands out only entries still in the table's place and still
   ``WRITTEN`` at that moment; the rest are dropped (confirmed by a commit
   event or a re-registration, or replaced by a newer allocation).
@@ -39,9 +43,12 @@ class Unconfirmed:
     def __len__(self) -> int:
         return len(self._queue)
 
-    def sealed(self, entry: Entry) -> None:
-        """``entry`` just became whole (``WRITTEN``)."""
-        self._queue.append((self._clock(), entry))
+    def sealed(self, entry: Entry, entries: dict[int, Entry]) -> None:
+        """``entry`` just became whole (``WRITTEN``); ``entries``: the table's, by offset."""
+        queue = self._queue
+        while queue and not _still_written(queue[0][1], entries):
+            queue.popleft()
+        queue.append((self._clock(), entry))
 
     def due(self, age: float, entries: dict[int, Entry]) -> list[Entry]:
         """The entries sealed at least ``age`` seconds ago that still hold their place in
@@ -50,6 +57,10 @@ class Unconfirmed:
         queue, cutoff, out = self._queue, self._clock() - age, []
         while queue and queue[0][0] <= cutoff:
             entry = queue.popleft()[1]
-            if entries.get(entry.stamp.offset) is entry and entry.state == WRITTEN:
+            if _still_written(entry, entries):
                 out.append(entry)
         return out
+
+
+def _still_written(entry: Entry, entries: dict[int, Entry]) -> bool:
+    return entries.get(entry.stamp.offset) is entry and entry.state == WRITTEN
