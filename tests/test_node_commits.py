@@ -244,9 +244,13 @@ def reads_back(url: str, key: bytes, i: int) -> bool:
 
 def stock_claimed_grants(writer: kvpool.RemotePool, key: bytes, at_least: int = 4) -> None:
     """Put ``key`` (payload 0; it allocates, grants come with it), then wait until
-    the writer's stock holds grants claimed on their node: the next puts are sealed."""
+    the writer's stock holds grants claimed on their node: the next puts are sealed.
+    The first put's commit (the client's own: no grant yet) is answered first, so a
+    caller counting the writer's commit frames never sees it late (a CI run under
+    load once read the count before the commit thread had sent it)."""
     assert nodes_ready(writer)
     assert writer.put(key, payload(0))
+    writer.flush()
     stock = writer._putter.grants
     assert wait_until(lambda: stock.claimed_in_stock() > at_least, timeout=10)
 
