@@ -155,8 +155,7 @@ class DataConn:
         self.sock.sendall(request)
         self._sent += len(request)
         try:
-            flags = socket.MSG_WAITALL if host.nbytes <= w.WAITALL_MAX else 0
-            self._recv_read(rid, memoryview(host), flags)  # type: ignore[arg-type]
+            self._recv_read(rid, memoryview(host), w.recv_flags(host.nbytes))  # type: ignore[arg-type]
         except RemoteError:  # the error reply was read whole: the stream is in sync
             return False
         return True

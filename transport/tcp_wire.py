@@ -91,8 +91,8 @@ SOCK_BUF = 8 * 1024 * 1024
 MAX_CHUNK = 1 << 30  # per recv_into/send call; keeps counts well inside int limits
 #: Replies up to this many bytes are received with one blocking ``MSG_WAITALL`` call;
 #: larger ones with plain receives that return what has arrived. Why (issue 17,
-#: session 9, loopback, client and node pinned apart): a 1 MiB checked read took
-#: 0.82-0.88x a raw socket's time with MSG_WAITALL and 1.03-1.06x without it
+#: session 9, loopback, client and node pinned apart): a 1 MiB checked read ran at
+#: 0.82-0.88x a raw socket's speed with MSG_WAITALL and 1.03-1.06x without it
 #: (4 interleaved pairs; 4 MiB and batches of 8 gained less, 64 KiB nothing).
 #: Our reading of why: a MSG_WAITALL receive keeps the socket owned by the reader
 #: for the whole reply, so segments arriving meanwhile wait on the socket's backlog
@@ -100,6 +100,11 @@ MAX_CHUNK = 1 << 30  # per recv_into/send call; keeps counts well inside int lim
 #: the sender's CPU while it copies. Below this size a reply mostly arrives whole,
 #: and the one call is the cheaper way to take it.
 WAITALL_MAX = 128 << 10
+
+
+def recv_flags(nbytes: int) -> int:
+    """The flags a receive of a whole reply of ``nbytes`` bytes uses (``WAITALL_MAX``)."""
+    return socket.MSG_WAITALL if nbytes <= WAITALL_MAX else 0
 
 
 def hello(token: str | None, instance: str = "") -> bytes:
@@ -174,7 +179,7 @@ def recv_scatter(sock: socket.socket, views: list[memoryview], total: int) -> No
     ``recvmsg_into`` calls: up to ``WAITALL_MAX`` bytes one ``MSG_WAITALL`` call
     (unless a timeout or a signal cuts it short), more as they arrive;
     EOF -> ConnectionLostError."""
-    flags = socket.MSG_WAITALL if total <= WAITALL_MAX else 0
+    flags = recv_flags(total)
     if total <= MAX_CHUNK:
         got = sock.recvmsg_into(views, 0, flags)[0]
         if got == total:
