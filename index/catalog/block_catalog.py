@@ -251,10 +251,10 @@ class BlockCatalog(CatalogState):
         each came from.
         """
         alloc = self.pending.get(alloc_id)
-        if alloc is not None and alloc.key is not None:
-            return True if alloc.key == key and self.commit(alloc_id) is not None else None
         if alloc is None:
             return None
+        if alloc.key is not None:
+            return True if alloc.key == key and self.commit(alloc_id) is not None else None
         if self.forget_pending(alloc_id, free=False) is None:
             return None  # its node left
         node = self.nodes[alloc.node_id]

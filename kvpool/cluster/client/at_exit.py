@@ -15,8 +15,9 @@ leases, then drops the connections. ``atexit`` runs before the interpreter
 stops daemon threads, so the RPC reader that receives the answers still runs.
 A failure is logged, never raised at exit. A process killed by a signal runs
 no hook: a put whose commit had not left yet (at most the linger plus a round
-trip after it returned; never one its node commits, kvpool.cluster.node_commits)
-stays on its node but invisible, unless a new master term re-registers it.
+trip after it returned) stays on its node, whole but invisible, until the node
+commits it for the writer (kvpool.cluster.unconfirmed: its heartbeat interval
+plus 0.5 s after the seal).
 """
 
 from __future__ import annotations
