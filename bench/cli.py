@@ -19,6 +19,7 @@ SUITES = [
     ("cpp", "register_cpp"),
     ("idle_rtt", "register_idle_rtt"),
     ("messages", "register_messages"),  # CPU per control-plane message vs msgpack
+    ("stream_copy", "register_copy"),  # kvpool bench copy: streaming stores vs numpy copy
     ("gpu_check", "register_gpu"),  # kvpool bench gpu: the CUDA paths (--dry-run on CPU)
     ("vllm_ttft", "register_vllm"),
     ("all", "register_all"),  # issue 17: every suite's headline ratio in one run

@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 
+from kvpool.bindings import stream_copy
 from kvpool.cluster.metrics import Metrics
 from kvpool.transport.peers import PeerTransports, expose_region
 from kvpool.transport.tcp import TcpTransport
@@ -77,6 +78,7 @@ def test_same_host_bytes_are_counted_by_the_client() -> None:
             "bytes_written": 4096,
             "peers": 1,
             "page_lock": {"n": "not yet: no GPU buffer copied"},  # host buffers only
+            "copy": stream_copy.STATUS,
         }
         assert exposed.served() == {"tcp": (0, 0)}
     finally:

@@ -28,6 +28,7 @@ import threading
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.bindings import stream_copy
 from kvpool.transport.base import RegionInfo, Transport, host_identity
 from kvpool.transport.fencing import WriteFence
 from kvpool.transport.select import select_transport
@@ -166,7 +167,8 @@ class PeerTransports:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Bytes moved per transport name, live and retired transports together
-        (shm also: each node's arena mapping's CUDA page-lock status)."""
+        (shm also: each node's arena mapping's CUDA page-lock status, and the host
+        copy large blocks take: kvpool.bindings.stream_copy)."""
         with self._lock:
             out: dict[str, dict[str, Any]] = {
                 k: {"bytes_read": v[0], "bytes_written": v[1]} for k, v in self._retired.items()
@@ -178,6 +180,8 @@ class PeerTransports:
                 acc["peers"] = acc.get("peers", 0) + 1
                 if t.page_lock_status is not None:
                     acc.setdefault("page_lock", {})[t.info.node_id] = t.page_lock_status
+                if t.name == "shm":  # the copy its large blocks take
+                    acc["copy"] = stream_copy.STATUS
             return out
 
     def close(self) -> None:

@@ -2,8 +2,9 @@
 
 The node's DRAM arena is a file under /dev/shm (``RegionInfo.shm_name``).
 A client on the same host (``host_identity()`` equal) maps it read-write with
-``mmap`` and moves bytes with one ``copy_region`` (numpy copy for host
-buffers, torch ``copy_`` for CUDA buffers): no socket, no server thread.
+``mmap`` and moves bytes with one copy (for host buffers ``copy_into``:
+streaming stores for large blocks, kvpool.bindings.stream_copy; torch
+``copy_`` for CUDA buffers): no socket, no server thread.
 
 CUDA: the first copy between the mapping and a GPU buffer registers the
 whole mapping with CUDA (``cudaHostRegister``, ``kvpool.storage.page_lock``),
@@ -43,6 +44,7 @@ from kvpool.bindings.buffers import (
     region_is_device,
     region_nbytes,
 )
+from kvpool.bindings.stream_copy import copy_into
 from kvpool.errors import PoolClosedError, TransportUnavailableError
 from kvpool.storage.page_lock import PageLock, page_lock
 from kvpool.transport.base import RegionInfo, Transport, check_range, host_identity
@@ -117,7 +119,7 @@ class ShmTransport(Transport):
             seq = idents.check_then(key, block_offset, start, length)
             if seq < 0:
                 return False
-            np.copyto(out, self._span(block_offset + start, length))
+            copy_into(out, self._span(block_offset + start, length))
             self.bytes_read += length
             return idents.still(block_offset, seq)
         seq = idents.check_then(key, block_offset, start, region_nbytes(as_region(out)))
@@ -152,8 +154,8 @@ class ShmTransport(Transport):
         return arena[offset:end]
 
     def read_into(self, offset: int, out: Any) -> None:
-        if plain_host(out, writable=True):  # fast path: one np.copyto, nothing else
-            np.copyto(out, self._span(offset, out.nbytes))
+        if plain_host(out, writable=True):  # fast path: one copy, nothing else
+            copy_into(out, self._span(offset, out.nbytes))
             self.bytes_read += out.nbytes
             return
         dst = as_region(out, writable=True, what="output buffer")
@@ -164,7 +166,7 @@ class ShmTransport(Transport):
 
     def write(self, offset: int, data: Any) -> None:
         if plain_host(data):
-            np.copyto(self._span(offset, data.nbytes), data)
+            copy_into(self._span(offset, data.nbytes), data)
             self.bytes_written += data.nbytes
             return
         src = as_region(data, what="data")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.bindings import stream_copy
 from kvpool.storage.memory_tier import DramTier
 
 TIER_NAMES = ("gpu", "dram", "ssd")
@@ -85,4 +86,5 @@ class PoolStats:
         }
         if isinstance(tier, DramTier):
             snap["page_lock"] = tier.page_lock  # "registered", or why the arena is pageable
+            snap["copy"] = stream_copy.STATUS  # streaming stores for large blocks, or why not
         return snap

@@ -1,0 +1,67 @@
+"""Large host copies with streaming stores: the bytes go to memory, not the caches.
+
+A kvpool copy of a large block moves bytes that this core will not read back
+soon: a put writes the node's shared arena, which other processes read later;
+a get fills the caller's buffer, which is bigger than this core's cache by then
+(L2 is 1 MiB here). An ordinary copy (numpy's, glibc's ``memcpy``) reads each
+destination line into the cache before writing it (read-for-ownership) and
+evicts the caller's own working set on the way; glibc switches to streaming
+stores only above ``x86_non_temporal_threshold``, 240 MiB on these VMs.
+
+``copy_into(dst, src)`` streams copies of ``STREAM_MIN`` bytes and more through
+the compiled ``kvpool.bindings._stream_copy`` (AVX2 or SSE2, GIL released,
+fenced before it returns), and leaves smaller ones to numpy, which is faster
+while the block fits in the cache. Measured (2 vCPU AMD EPYC, 2026-12-02,
+``kvpool bench all``): see bench/RESULTS.md, "Session 10".
+
+Where the extension was not built (no C compiler at install time: it is an
+optional extension) or ``$KVPOOL_STREAM_COPY=0``, every copy is numpy's:
+``STATUS`` says which, and why.
+
+Invariant: ``copy_into`` leaves ``dst`` byte-equal to ``src`` whichever path it
+takes, and its stores are ordered before the caller's next store (the SFENCE in
+the kernel, and numpy's ordinary stores), so a seal record written after it
+never announces bytes that are not there yet.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+
+import numpy as np
+
+#: copies of at least this many bytes stream (smaller ones fit in the cache, where
+#: numpy's copy is faster: a 64 KiB streamed copy took 8 us against 4.6 us)
+STREAM_MIN = 256 << 10
+
+
+def _load() -> tuple[Callable[[object, object], None] | None, str]:
+    """The streaming kernel and a line saying which copy runs, and why."""
+    if os.environ.get("KVPOOL_STREAM_COPY", "1") == "0":
+        return None, "numpy copy ($KVPOOL_STREAM_COPY=0)"
+    try:  # by name: the compiled module, not the package's Python adapters
+        _stream_copy = importlib.import_module("kvpool.bindings._stream_copy")
+    except ImportError as exc:  # built without a compiler: the optional extension is absent
+        return None, f"numpy copy (kvpool.bindings._stream_copy not built: {exc})"
+    return _stream_copy.copy, f"streaming stores ({_stream_copy.KERNEL}) from {STREAM_MIN} B"
+
+
+_kernel, STATUS = _load()
+
+
+def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
+    """Copy ``src`` into ``dst``: flat, C-contiguous uint8 arrays of the same length
+    (``dst`` writable), as the hot paths hold them (``buffers.plain_host``)."""
+    kernel = _kernel
+    if kernel is not None and src.nbytes >= STREAM_MIN and dst.nbytes == src.nbytes:
+        kernel(dst, src)  # a strided view is refused (ValueError): regions never are
+    else:
+        dst[...] = src  # np.copyto without its dispatcher frame
+
+
+def kernel_or_none() -> Callable[[object, object], None] | None:
+    """The streaming kernel itself, any size (``kvpool bench copy``); None where large
+    copies do not stream (``STATUS`` says why)."""
+    return _kernel
