@@ -8,8 +8,7 @@ This suite times both on the same buffers, op by op in interleaved rounds
 - ``cold``: a working set far bigger than the caches, as a pool moving many
   blocks sees it (the pool's put and get rows run so);
 - ``hot``: four blocks, copied again and again, so they stay in the caches:
-  numpy's best case, and where streaming loses for small blocks (hence
-  ``STREAM_MIN``).
+  numpy's best case, where streaming loses while the blocks fit in L2.
 
 ``ratio`` is numpy's time over ours: above 1, the pool's copy is faster.
 """
@@ -90,7 +89,7 @@ def _time_both(
 
 def register_copy(suites: Any) -> None:
     parser = suites.add_parser("copy", help="the streaming copy of large blocks vs numpy's copy")
-    parser.add_argument("--sizes", type=sizes_arg, default="64KiB,256KiB,1MiB,4MiB,16MiB")
+    parser.add_argument("--sizes", type=sizes_arg, default="16KiB,64KiB,256KiB,1MiB,4MiB,16MiB")
     parser.add_argument("--rounds", type=positive_int, default=7)
     parser.add_argument("--json", default=None, metavar="F")
     parser.set_defaults(func=_main)

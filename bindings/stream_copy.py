@@ -10,8 +10,7 @@ stores only above ``x86_non_temporal_threshold``, 240 MiB on these VMs.
 
 ``copy_into(dst, src)`` streams copies of ``STREAM_MIN`` bytes and more through
 the compiled ``kvpool.bindings._stream_copy`` (AVX2 or SSE2, GIL released,
-fenced before it returns), and leaves smaller ones to numpy, which is faster
-while the block fits in the cache. Measured (2 vCPU AMD EPYC, 2026-12-02,
+fenced before it returns), and leaves smaller ones to numpy. Measured (2 vCPU AMD EPYC, 2026-12-02,
 ``kvpool bench all``): see bench/RESULTS.md, "Session 10".
 
 Where the extension was not built (no C compiler at install time: it is an
@@ -32,9 +31,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-#: copies of at least this many bytes stream (smaller ones fit in the cache, where
-#: numpy's copy is faster: a 64 KiB streamed copy took 8 us against 4.6 us)
-STREAM_MIN = 256 << 10
+#: copies of at least this many bytes stream. A pool's destinations are cold (a put
+#: writes a range of a GiB-sized arena; a get fills the caller's share of its KV
+#: cache), where streaming wins from 4 KiB (``kvpool bench copy``: 1.2-1.4x at 4-128
+#: KiB). It loses only where the destination is still in this core's L2 (1 MiB here):
+#: 0.8x at 64 KiB copied again and again into the same four buffers. Below 64 KiB the
+#: gain (0.1-0.5 us a copy) is about what the call costs over numpy's.
+STREAM_MIN = 64 << 10
 
 
 def _load() -> tuple[Callable[[object, object], None] | None, str]:

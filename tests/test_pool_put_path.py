@@ -104,7 +104,7 @@ def test_plain_and_adapted_buffers_store_the_same_bytes() -> None:
 
 def test_puts_either_side_of_the_small_copy_bound_store_exact_bytes() -> None:
     """Up to ``SMALL_COPY`` bytes a put copies by memoryview slice assignment, above
-    it with numpy: both store every byte where it belongs, next to each other."""
+    it with the streaming copy: both store every byte where it belongs, side by side."""
     small = reservations_module.SMALL_COPY
     sizes = [1, 4095, small, small + 1, small + 4096]
     keys = make_keys(len(sizes))

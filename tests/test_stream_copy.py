@@ -116,7 +116,7 @@ def test_the_switch_turns_streaming_off_and_copies_stay_exact() -> None:
 
 
 # Sizes on both sides of STREAM_MIN, odd ones included (a tail after the last line).
-SIZES = [64 << 10, (256 << 10) + 3, 1 << 20, (3 << 20) + 100]
+SIZES = [stream_copy.STREAM_MIN - 1, stream_copy.STREAM_MIN + 3, 1 << 20, (3 << 20) + 100]
 READER = """
 import hashlib, sys
 import numpy as np

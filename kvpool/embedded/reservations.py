@@ -19,6 +19,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvpool.bindings.buffers import Region, copy_region, region_is_device, region_nbytes
+from kvpool.bindings.stream_copy import STREAM_MIN
 from kvpool.embedded.blocks import BlockTable, Entry
 from kvpool.embedded.handles import EmbeddedBlockWriter
 from kvpool.errors import KVPoolError, PoolClosedError
@@ -26,9 +27,9 @@ from kvpool.storage.memory_tier import MemoryTier
 
 #: Host puts up to this size copy by memoryview slice assignment: ~0.4 us less per put
 #: than a numpy copy (no array built for the destination slice, no ufunc machinery;
-#: embedded 64 KiB put 5.4 -> 4.9-5.05 us, issue 17 session 9), but it holds the GIL
-#: for the copy (~15 us at 256 KiB); larger copies keep numpy's GIL-free loop.
-SMALL_COPY = 256 << 10
+#: embedded 16 KiB put 2.36 -> 1.91-1.94 us, issue 17 session 9). Larger ones take
+#: ``copy_region``: streaming stores, GIL released (kvpool.bindings.stream_copy).
+SMALL_COPY = STREAM_MIN - 1
 _NDARRAY = np.ndarray  # a global, not a module attribute load, on the hot path
 
 
