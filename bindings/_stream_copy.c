@@ -10,7 +10,8 @@
  * transfer per byte) and evicts the caller's working set doing it. glibc only
  * streams above x86_non_temporal_threshold, 240 MiB on these VMs (it derives it
  * from the shared cache size), so numpy's copy of a 1-16 MiB block never does.
- * Measured on a 2 vCPU AMD EPYC: a same-host put of 4 MiB 389-401 -> 247-258 us.
+ * Measured on a 2 vCPU AMD EPYC (kvpool bench copy, bench/RESULTS.md "Session 10"):
+ * 1.2-1.7x numpy's copy from 64 KiB to 16 MiB, destinations out of the caches.
  *
  * Invariants:
  * - on return every byte of dst equals src's, and an SFENCE has ordered the
@@ -38,12 +39,15 @@
 typedef void (*stream_fn)(char *, const char *, size_t);
 
 #if KV_X86
-/* Both kernels: an unaligned head by memcpy up to dst's next line, whole lines
- * streamed, the tail by memcpy, then the fence. */
-__attribute__((target("avx2"))) static void stream_avx2(char *d, const char *s, size_t n) {
+/* Both kernels: an unaligned head by memcpy up to dst's next line (head_bytes),
+ * whole lines streamed, the tail by memcpy, then the fence. */
+static size_t head_bytes(const char *d, size_t n) {
     size_t head = (LINE - ((uintptr_t)d & (LINE - 1))) & (LINE - 1);
-    if (head > n)
-        head = n;
+    return head < n ? head : n;
+}
+
+__attribute__((target("avx2"))) static void stream_avx2(char *d, const char *s, size_t n) {
+    size_t head = head_bytes(d, n);
     memcpy(d, s, head);
     d += head, s += head, n -= head;
     for (; n >= LINE; n -= LINE, d += LINE, s += LINE) {
@@ -58,9 +62,7 @@ __attribute__((target("avx2"))) static void stream_avx2(char *d, const char *s, 
 }
 
 static void stream_sse2(char *d, const char *s, size_t n) {
-    size_t head = (LINE - ((uintptr_t)d & (LINE - 1))) & (LINE - 1);
-    if (head > n)
-        head = n;
+    size_t head = head_bytes(d, n);
     memcpy(d, s, head);
     d += head, s += head, n -= head;
     for (; n >= LINE; n -= LINE, d += LINE, s += LINE) {

@@ -10,8 +10,9 @@ stores only above ``x86_non_temporal_threshold``, 240 MiB on these VMs.
 
 ``copy_into(dst, src)`` streams copies of ``STREAM_MIN`` bytes and more through
 the compiled ``kvpool.bindings._stream_copy`` (AVX2 or SSE2, GIL released,
-fenced before it returns), and leaves smaller ones to numpy. Measured (2 vCPU AMD EPYC, 2026-12-02,
-``kvpool bench all``): see bench/RESULTS.md, "Session 10".
+fenced before it returns), and leaves smaller ones to numpy. Measured on a 2
+vCPU AMD EPYC (``kvpool bench copy``, ``kvpool bench all``): bench/RESULTS.md,
+"Session 10".
 
 Where the extension was not built (no C compiler at install time: it is an
 optional extension) or ``$KVPOOL_STREAM_COPY=0``, every copy is numpy's:
@@ -34,8 +35,8 @@ import numpy as np
 #: copies of at least this many bytes stream. A pool's destinations are cold (a put
 #: writes a range of a GiB-sized arena; a get fills the caller's share of its KV
 #: cache), where streaming wins from 4 KiB (``kvpool bench copy``: 1.2-1.4x at 4-128
-#: KiB). It loses only where the destination is still in this core's L2 (1 MiB here):
-#: 0.8x at 64 KiB copied again and again into the same four buffers. Below 64 KiB the
+#: KiB). It loses where the destination is still in this core's caches: 0.75-0.8x at
+#: 64 KiB copied again and again into the same four buffers. Below 64 KiB the
 #: gain (0.1-0.5 us a copy) is about what the call costs over numpy's.
 STREAM_MIN = 64 << 10
 

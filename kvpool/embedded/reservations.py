@@ -27,7 +27,7 @@ from kvpool.storage.memory_tier import MemoryTier
 
 #: Host puts up to this size copy by memoryview slice assignment: ~0.4 us less per put
 #: than a numpy copy (no array built for the destination slice, no ufunc machinery;
-#: embedded 16 KiB put 2.36 -> 1.91-1.94 us, issue 17 session 9). Larger ones take
+#: embedded 4 KiB put 2.36 -> 1.91-1.94 us, issue 17 session 9). Larger ones take
 #: ``copy_region``: streaming stores, GIL released (kvpool.bindings.stream_copy).
 SMALL_COPY = STREAM_MIN - 1
 _NDARRAY = np.ndarray  # a global, not a module attribute load, on the hot path
