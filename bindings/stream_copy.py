@@ -2,8 +2,8 @@
 
 A kvpool copy of a large block moves bytes that this core will not read back
 soon: a put writes the node's shared arena, which other processes read later;
-a get fills the caller's buffer, which is bigger than this core's cache by then
-(L2 is 1 MiB here). An ordinary copy (numpy's, glibc's ``memcpy``) reads each
+a get fills the caller's buffer, usually its share of a KV cache far bigger
+than this core's caches. An ordinary copy (numpy's, glibc's ``memcpy``) reads each
 destination line into the cache before writing it (read-for-ownership) and
 evicts the caller's own working set on the way; glibc switches to streaming
 stores only above ``x86_non_temporal_threshold``, 240 MiB on these VMs.
@@ -59,8 +59,10 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     """Copy ``src`` into ``dst``: flat, C-contiguous uint8 arrays of the same length
     (``dst`` writable), as the hot paths hold them (``buffers.plain_host``)."""
     kernel = _kernel
-    if kernel is not None and src.nbytes >= STREAM_MIN and dst.nbytes == src.nbytes:
-        kernel(dst, src)  # a strided view is refused (ValueError): regions never are
+    if kernel is not None and src.nbytes >= STREAM_MIN:
+        # the kernel refuses (ValueError) unequal lengths and strided views, as numpy
+        # refuses a shape it cannot broadcast: callers never pass either
+        kernel(dst, src)
     else:
         dst[...] = src  # np.copyto without its dispatcher frame
 

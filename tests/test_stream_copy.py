@@ -58,6 +58,8 @@ def test_the_kernel_refuses_bad_buffers_and_copies_overlaps_as_memmove() -> None
     src = _random(1 << 20, seed=1)
     with pytest.raises(ValueError, match="dst is 1048575 bytes, src 1048576"):
         KERNEL(np.empty((1 << 20) - 1, np.uint8), src)
+    with pytest.raises(ValueError, match="dst is 1048575 bytes, src 1048576"):
+        stream_copy.copy_into(np.empty((1 << 20) - 1, np.uint8), src)  # the same refusal
     readonly = np.empty(1 << 20, np.uint8)
     readonly.flags.writeable = False
     with pytest.raises(ValueError, match="read-only"):  # numpy's refusal to export it
