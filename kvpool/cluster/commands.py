@@ -9,12 +9,11 @@ from __future__ import annotations
 
 import argparse
 import logging
-import signal
-import threading
 from typing import Any
 
 from kvpool.args import port_arg, positive_int, share_arg, size_arg, size_or_zero_arg
 from kvpool.config import DEFAULT_PORT
+from kvpool.stop_signals import StopSignals
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
 
@@ -129,7 +128,7 @@ def _run_master(args: argparse.Namespace) -> int:
         "master listening on %s:%d (metrics port %s)", host, port, master.metrics_port
     )
     print(f"kvpool master ready on {host}:{port} (metrics port {master.metrics_port})", flush=True)
-    _wait_for_signal()
+    StopSignals().wait()
     master.close()
     return 0
 
@@ -158,17 +157,9 @@ def _run_node(args: argparse.Namespace) -> int:
         f"(shm {node.arena.name}, metrics port {node.metrics_port})",
         flush=True,
     )
-    _wait_for_signal()
+    StopSignals().wait()
     node.close()
     return 0
-
-
-def _wait_for_signal() -> None:
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    while not stop.wait(1.0):
-        pass
 
 
 def _logging(level: str) -> None:

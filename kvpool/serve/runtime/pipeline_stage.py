@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import queue
-import signal
 import sys
 import threading
 import time
@@ -55,6 +54,7 @@ from kvpool.serve.runtime.sampling import (
     sample,
     token_logprobs,
 )
+from kvpool.stop_signals import StopSignals
 
 READY_PREFIX = "kvpool cpp stage ready on"
 MAX_FRAME = 256 * 1024 * 1024
@@ -358,13 +358,11 @@ def main(argv: list[str] | None = None) -> int:
     stage = Stage(model, pool, first, last)
     server = RpcServer(ServerConfig(host=args.host, port=args.port, max_frame=MAX_FRAME))
     stage.register(server)
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
+    stops = StopSignals()
     host, port = server.start()
     print(f"{READY_PREFIX} {host}:{port}", flush=True)
     try:
-        stop.wait()
+        stops.wait()
     finally:
         stage.close()
         server.close()

@@ -45,7 +45,6 @@ import argparse
 import contextlib
 import logging
 import os
-import signal
 import sys
 import threading
 from typing import Any
@@ -53,6 +52,7 @@ from typing import Any
 from kvpool.rpc.server import RpcServer, ServerConfig
 from kvpool.serve.runtime.decode_service import DecodeService
 from kvpool.serve.runtime.prefill_service import PrefillService
+from kvpool.stop_signals import StopSignals
 
 log = logging.getLogger("kvpool.serve.runtime.workers")
 
@@ -95,10 +95,8 @@ def main(argv: list[str] | None = None) -> int:
         level=args.log_level.upper(),
         format=f"%(asctime)s {args.worker_id} %(name)s %(levelname)s %(message)s",
     )
-    stop = threading.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: stop.set())
-    threading.Thread(target=_watch_parent, args=(stop,), daemon=True).start()
+    stops = StopSignals()
+    threading.Thread(target=_watch_parent, args=(stops.event,), daemon=True).start()
 
     import torch
 
@@ -166,8 +164,7 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
     try:
-        while not stop.wait(1.0):
-            pass
+        stops.wait()
     finally:
         server.close()
         service.close()
