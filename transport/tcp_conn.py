@@ -29,6 +29,7 @@ import numpy as np
 from kvpool.errors import CallTimeoutError, ConnectionLostError, HandshakeRefusedError, RemoteError
 from kvpool.rpc.frame import set_io_timeout
 from kvpool.transport import tcp_wire as w
+from kvpool.transport.spin_wait import spin
 
 _ZEROS = bytes(w.ALIGN)
 #: Replies one scatter receive takes at most (two iovecs each, far below IOV_MAX).
@@ -66,6 +67,7 @@ class DataConn:
             sock.close()
             raise HandshakeRefusedError(reason.decode(errors="replace") or f"status {status}")
         self.sock = sock
+        self._fd = sock.fileno()
         self._rid = 0
         self._resp = bytearray(w.RESP.size + w.ALIGN)  # a header and its largest pad
         self._resp_mv = memoryview(self._resp)
@@ -80,6 +82,7 @@ class DataConn:
         return self._rid
 
     def _read_resp(self, rid: int) -> int:
+        spin(self._fd)
         w.recv_into_exact(self.sock, self._resp_mv[: w.RESP.size])
         status, got_rid, length = w.RESP.unpack_from(self._resp)
         self._received += w.RESP.size
@@ -101,6 +104,7 @@ class DataConn:
         n, h = payload.nbytes, w.RESP.size
         pad = -(self._received + h) % w.ALIGN  # w.read_pad, inline: the hot path
         hdr = self._resp_mv[: h + pad]
+        spin(self._fd)
         got = self.sock.recvmsg_into([hdr, payload] if n else [hdr], 0, flags)[0]
         if got == 0:
             raise ConnectionLostError("peer closed the data connection")
@@ -124,8 +128,8 @@ class DataConn:
             got = h + pad
         if got_rid != rid or length != n or self._resp[1] != pad:
             raise ConnectionLostError(f"data stream out of sync (reply {got_rid}/{length} B)")
-        if got < h + pad + n:
-            w.recv_into_exact(self.sock, payload[got - h - pad :])
+        if got < h + pad + n:  # the rest as it arrives, spinning before each receive
+            w.recv_scatter(self.sock, [payload[got - h - pad :]], h + pad + n - got)
         self._received += h + pad + n
 
     def read_one(self, offset: int, region: np.ndarray) -> None:
@@ -287,6 +291,7 @@ class DataConn:
         """Receive until ``pending`` holds ``need`` bytes, asking each time for at most
         the ``owed`` bytes (counted from ``pending``'s start) known to be on their way."""
         while len(pending) < need:
+            spin(self._fd)
             chunk = self.sock.recv(owed - len(pending))
             if not chunk:
                 raise ConnectionLostError("peer closed the data connection")

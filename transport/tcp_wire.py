@@ -63,6 +63,7 @@ import struct
 from kvpool.errors import ConnectionLostError
 from kvpool.rpc.auth import token_matches
 from kvpool.rpc.frame import tune_socket
+from kvpool.transport.spin_wait import spin
 
 log = logging.getLogger("kvpool.transport.tcp")
 MAGIC = b"KVDT"
@@ -178,9 +179,10 @@ def recv_scatter(sock: socket.socket, views: list[memoryview], total: int) -> No
     """Fill every view (``total`` bytes in all), in order, with scatter
     ``recvmsg_into`` calls: up to ``WAITALL_MAX`` bytes one ``MSG_WAITALL`` call
     (unless a timeout or a signal cuts it short), more as they arrive;
-    EOF -> ConnectionLostError."""
-    flags = recv_flags(total)
+    EOF -> ConnectionLostError. A client's receive: each one ``spin``s first."""
+    flags, fd = recv_flags(total), sock.fileno()
     if total <= MAX_CHUNK:
+        spin(fd)
         got = sock.recvmsg_into(views, 0, flags)[0]
         if got == total:
             return
@@ -190,6 +192,7 @@ def recv_scatter(sock: socket.socket, views: list[memoryview], total: int) -> No
         _skip(views, got)
         if not views:
             return
+        spin(fd)
         got = sock.recvmsg_into(_iov(views), 0, flags)[0]
         if got == 0:
             raise ConnectionLostError(f"peer closed the data connection ({total} B expected)")
