@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.bindings import stream_copy
-from kvpool.transport import spin_wait
+from kvpool.transport import tcp_recv
 from kvpool.transport.base import RegionInfo, Transport, host_identity
 from kvpool.transport.fencing import WriteFence
 from kvpool.transport.select import select_transport
@@ -170,7 +170,7 @@ class PeerTransports:
         """Bytes moved per transport name, live and retired transports together
         (shm also: each node's arena mapping's CUDA page-lock status, and the host
         copy large blocks take: kvpool.bindings.stream_copy; tcp also: how its
-        receives wait, kvpool.transport.spin_wait)."""
+        receives wait, kvpool.transport.tcp_recv)."""
         with self._lock:
             out: dict[str, dict[str, Any]] = {
                 k: {"bytes_read": v[0], "bytes_written": v[1]} for k, v in self._retired.items()
@@ -185,7 +185,7 @@ class PeerTransports:
                 if t.name == "shm":  # the copy its large blocks take
                     acc["copy"] = stream_copy.STATUS
                 elif t.name == "tcp":  # how its receives wait
-                    acc["spin"] = {"status": spin_wait.STATUS, **spin_wait.counters()}
+                    acc["spin"] = {"status": tcp_recv.STATUS, **tcp_recv.counters()}
             return out
 
     def close(self) -> None:

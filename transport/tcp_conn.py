@@ -29,7 +29,7 @@ import numpy as np
 from kvpool.errors import CallTimeoutError, ConnectionLostError, HandshakeRefusedError, RemoteError
 from kvpool.rpc.frame import set_io_timeout
 from kvpool.transport import tcp_wire as w
-from kvpool.transport.spin_wait import spin
+from kvpool.transport.tcp_recv import spin
 
 _ZEROS = bytes(w.ALIGN)
 #: Replies one scatter receive takes at most (two iovecs each, far below IOV_MAX).

@@ -63,7 +63,8 @@ import struct
 from kvpool.errors import ConnectionLostError
 from kvpool.rpc.auth import token_matches
 from kvpool.rpc.frame import tune_socket
-from kvpool.transport.spin_wait import spin
+from kvpool.transport import tcp_recv
+from kvpool.transport.tcp_recv import spin
 
 log = logging.getLogger("kvpool.transport.tcp")
 MAGIC = b"KVDT"
@@ -176,23 +177,24 @@ def send_parts(sock: socket.socket, header: bytes, payload: memoryview | None) -
 
 
 def recv_scatter(sock: socket.socket, views: list[memoryview], total: int) -> None:
-    """Fill every view (``total`` bytes in all), in order, with scatter
-    ``recvmsg_into`` calls: up to ``WAITALL_MAX`` bytes one ``MSG_WAITALL`` call
-    (unless a timeout or a signal cuts it short), more as they arrive;
-    EOF -> ConnectionLostError. A client's receive: each one ``spin``s first."""
-    flags, fd = recv_flags(total), sock.fileno()
-    if total <= MAX_CHUNK:
-        spin(fd)
-        got = sock.recvmsg_into(views, 0, flags)[0]
-        if got == total:
-            return
-    else:
-        got = 0
-    while True:  # the rest, after a short receive
+    """Fill every view (``total`` bytes in all), in order: up to ``WAITALL_MAX``
+    bytes with ``MSG_WAITALL`` receives (one, unless a timeout or a signal cuts it
+    short), more as they arrive; EOF -> ConnectionLostError. A client's receive:
+    it spins before each one (``tcp_recv``), all of it in one native call where
+    the extension is built."""
+    flags = recv_flags(total)
+    fill = tcp_recv.recv_all
+    if fill is not None:
+        got = fill(sock.fileno(), views, flags)
+        if got < total:
+            raise ConnectionLostError(f"peer closed the data connection ({got} of {total} B)")
+        return
+    got = 0
+    while True:  # no extension: the same loop in Python
         _skip(views, got)
         if not views:
             return
-        spin(fd)
+        spin(sock.fileno())
         got = sock.recvmsg_into(_iov(views), 0, flags)[0]
         if got == 0:
             raise ConnectionLostError(f"peer closed the data connection ({total} B expected)")

@@ -1,11 +1,13 @@
-"""Spinning before a TCP receive (kvpool.transport.spin_wait, issue 17).
+"""How the TCP client receives (kvpool.transport.tcp_recv, issue 17).
 
 The native wait: it returns True as soon as the socket is readable (data, EOF),
 False once its budget passed, never reads a byte, releases the GIL while it
-spins, and lets at most ``max_spinners`` threads spin at once. The module: its
-environment settings, their refusals, the off switch. End to end: a real
-cluster read and written over TCP with spinning on and off, byte-exact, the
-spins counted in ``stats()``.
+spins, and lets at most ``max_spinners`` threads spin at once. The native fill
+(``recv_all``): every buffer filled exactly from a stream that arrives in
+pieces, nothing read past the last one, EOF, the socket's timeout, signals and
+bad arguments. The module: its environment settings, their refusals, the off
+switch. End to end: a real cluster read and written over TCP with spinning on
+and off, byte-exact, the spins counted in ``stats()``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import ast
 import hashlib
 import importlib
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -28,14 +31,16 @@ from clusterhelpers import start_cluster, wait_until
 from poolhelpers import make_keys, payload
 
 import kvpool
-from kvpool.transport import spin_wait
+from kvpool.errors import ConnectionLostError
+from kvpool.rpc.frame import set_io_timeout
+from kvpool.transport import tcp_recv, tcp_wire
 
-if not spin_wait.active() and os.environ.get("KVPOOL_REQUIRE_SPIN_WAIT") == "1":
-    pytest.fail(f"KVPOOL_REQUIRE_SPIN_WAIT=1 but spinning is {spin_wait.STATUS}", pytrace=False)
+if not tcp_recv.active() and os.environ.get("KVPOOL_REQUIRE_TCP_RECV") == "1":
+    pytest.fail(f"KVPOOL_REQUIRE_TCP_RECV=1 but spinning is {tcp_recv.STATUS}", pytrace=False)
 try:
-    native = importlib.import_module("kvpool.transport._spin_wait")
+    native = importlib.import_module("kvpool.transport._tcp_recv")
 except ImportError as exc:
-    native, WHY = None, f"kvpool.transport._spin_wait not built: {exc}"
+    native, WHY = None, f"kvpool.transport._tcp_recv not built: {exc}"
 else:
     WHY = ""
 needs_native = pytest.mark.skipif(native is None, reason=WHY)
@@ -153,12 +158,117 @@ def test_the_gil_is_released_while_spinning(pair) -> None:
     assert progressed > 1000
 
 
+def _send_in_pieces(sock: socket.socket, data: bytes, pieces: int, pause: float) -> None:
+    step = -(-len(data) // pieces)
+    for at in range(0, len(data), step):
+        sock.sendall(data[at : at + step])
+        time.sleep(pause)
+
+
+@needs_native
+@pytest.mark.parametrize("budget_ns", [0, 100_000])
+def test_recv_all_fills_every_buffer_exactly_and_reads_no_further(pair, budget_ns: int) -> None:
+    a, b = pair
+    lengths = [16, 48, 0, 65536, 1, 300_000, 7]
+    stream = np.random.default_rng(5).integers(0, 256, sum(lengths) + 9, dtype=np.uint8)
+    outs = [bytearray(n) for n in lengths]
+    sender = threading.Thread(target=_send_in_pieces, args=(b, stream.tobytes(), 13, 0.002))
+    sender.start()
+    got = native.recv_all(a.fileno(), [memoryview(o) for o in outs], 0, budget_ns)
+    sender.join()
+    assert got == sum(lengths)
+    assert b"".join(outs) == stream[: sum(lengths)].tobytes()
+    assert a.recv(64) == stream[sum(lengths) :].tobytes()  # the next reply's bytes stay put
+
+
+@needs_native
+def test_recv_all_with_waitall_and_into_numpy_views(pair) -> None:
+    a, b = pair
+    data = np.arange(100_000, dtype=np.uint32).astype(np.uint8)
+    head, body = bytearray(64), np.zeros(data.nbytes - 64, np.uint8)
+    threading.Thread(target=_send_in_pieces, args=(b, data.tobytes(), 4, 0.001)).start()
+    views = [memoryview(head), memoryview(body)]
+    assert native.recv_all(a.fileno(), views, socket.MSG_WAITALL, 0) == data.nbytes
+    assert bytes(head) + body.tobytes() == data.tobytes()
+
+
+@needs_native
+def test_recv_all_returns_short_at_eof_and_recv_scatter_raises(pair) -> None:
+    a, b = pair
+    b.sendall(b"x" * 100)
+    b.close()
+    out = bytearray(1000)
+    assert native.recv_all(a.fileno(), [memoryview(out)], 0, 100_000) == 100
+    c, d = socket.socketpair()
+    try:
+        d.sendall(b"y" * 10)
+        d.close()
+        with pytest.raises(ConnectionLostError, match="10 of 1000 B"):
+            tcp_wire.recv_scatter(c, [memoryview(bytearray(1000))], 1000)
+    finally:
+        c.close()
+
+
+@needs_native
+def test_recv_all_raises_blocking_io_at_the_sockets_timeout(pair) -> None:
+    a = pair[0]
+    set_io_timeout(a, 0.2)  # SO_RCVTIMEO: the data path's inactivity timeout
+    started = time.monotonic()
+    with pytest.raises(BlockingIOError):
+        native.recv_all(a.fileno(), [memoryview(bytearray(10))], 0, 100_000)
+    assert 0.15 <= time.monotonic() - started < 5.0
+
+
+class _Alarm(Exception):
+    pass
+
+
+@needs_native
+def test_recv_all_runs_signal_handlers_and_stops_only_if_one_raises(pair) -> None:
+    a, b = pair
+    calls = []
+    previous = signal.signal(signal.SIGALRM, lambda *_: calls.append(1))
+    try:  # a handler that returns: the receive goes on and completes
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        threading.Timer(0.2, b.sendall, args=(b"z" * 8,)).start()
+        out = bytearray(8)
+        assert native.recv_all(a.fileno(), [memoryview(out)], 0, 0) == 8
+        assert calls == [1] and out == b"z" * 8
+
+        def alarm(*_: object) -> None:
+            raise _Alarm
+
+        signal.signal(signal.SIGALRM, alarm)  # a handler that raises: so does recv_all
+        signal.setitimer(signal.ITIMER_REAL, 0.05)
+        with pytest.raises(_Alarm):
+            native.recv_all(a.fileno(), [memoryview(bytearray(8))], 0, 0)
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+@needs_native
+def test_recv_all_refuses_bad_arguments(pair) -> None:
+    fd = pair[0].fileno()
+    with pytest.raises(TypeError):
+        native.recv_all(fd, (memoryview(bytearray(4)),), 0, 0)  # a tuple, not a list
+    with pytest.raises(BufferError):
+        native.recv_all(fd, [memoryview(b"read-only")], 0, 0)
+    with pytest.raises(ValueError, match="1025 buffers, at most 1024"):
+        native.recv_all(fd, [memoryview(bytearray(1))] * 1025, 0, 0)
+    with pytest.raises(ValueError, match="fd must be >= 0"):
+        native.recv_all(-1, [memoryview(bytearray(1))], 0, 0)
+    with pytest.raises(BufferError, match="not C-contiguous"):
+        native.recv_all(fd, [memoryview(bytearray(8))[::2]], 0, 0)
+    assert native.recv_all(fd, [], 0, 0) == 0  # nothing to fill: no receive
+
+
 def _module_in(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     script = textwrap.dedent(
         """
-        from kvpool.transport import spin_wait
-        print(spin_wait.STATUS)
-        print(spin_wait.active(), spin_wait.counters())
+        from kvpool.transport import tcp_recv
+        print(tcp_recv.STATUS)
+        print(tcp_recv.active(), tcp_recv.counters())
         """
     )
     return subprocess.run(

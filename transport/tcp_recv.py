@@ -1,9 +1,11 @@
-"""Spin briefly before a blocking receive on the TCP data path.
+"""How the TCP data path's client receives replies: spin briefly, then receive.
 
 ``spin(fd)`` polls the socket (the GIL released) until a byte, EOF or an error
 is there or ``SPIN_US`` microseconds passed, and returns; the caller's
 blocking receive then runs as before. Every receive of a reply in
-``kvpool.transport.tcp_conn`` calls it first.
+``kvpool.transport.tcp_conn`` spins first. ``recv_all(fd, views, flags)`` fills
+a list of buffers (a pipelined batch's replies, or the rest of one) in one
+native call, spinning before each of its receives.
 
 Why: on VMs whose idle loop halts the vCPU as soon as a thread sleeps, a reply
 that arrives while the caller sleeps costs a halt, a VM exit and a wake-up,
@@ -19,9 +21,10 @@ once). Both come from the environment, read once at import:
 - ``KVPOOL_TCP_SPIN_US`` (default 100; 0 turns spinning off);
 - ``KVPOOL_TCP_SPINNERS`` (default 1).
 
-Where the compiled ``kvpool.transport._spin_wait`` is absent (an optional
-extension: no C compiler at install time) ``spin`` does nothing. ``STATUS``
-says which, and why; ``counters()`` how the spins ended.
+Where the compiled ``kvpool.transport._tcp_recv`` is absent (an optional
+extension: no C compiler at install time) ``spin`` does nothing and
+``recv_all`` is None (``tcp_wire.recv_scatter`` then loops in Python).
+``STATUS`` says which, and why; ``counters()`` how the spins ended.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import importlib
 import os
 from collections.abc import Callable
+from typing import Any
 
 DEFAULT_SPIN_US = 100
 DEFAULT_SPINNERS = 1
@@ -52,21 +56,36 @@ SPIN_US = _env_int("KVPOOL_TCP_SPIN_US", DEFAULT_SPIN_US, MAX_SPIN_US)
 SPINNERS = _env_int("KVPOOL_TCP_SPINNERS", DEFAULT_SPINNERS, 1 << 20)
 
 
-def _load() -> tuple[Callable[[int, int], bool] | None, Callable[[], dict[str, int]] | None, str]:
-    """The native wait, its counters, and a line saying what ``spin`` does, and why."""
-    if SPIN_US == 0 or SPINNERS == 0:
-        return None, None, "off ($KVPOOL_TCP_SPIN_US or $KVPOOL_TCP_SPINNERS is 0)"
-    try:
-        native = importlib.import_module("kvpool.transport._spin_wait")
+def _native() -> tuple[Any, str]:
+    """The compiled module (None where it was not built), and why not."""
+    try:  # by name: the compiled module, not a Python one
+        return importlib.import_module("kvpool.transport._tcp_recv"), ""
     except ImportError as exc:  # built without a compiler: the optional extension is absent
-        return None, None, f"off (kvpool.transport._spin_wait not built: {exc})"
-    native.set_max_spinners(SPINNERS)
-    status = f"up to {SPIN_US} us before each blocking receive, {SPINNERS} thread(s) at a time"
-    return native.wait_readable, native.counters, status
+        return None, f"kvpool.transport._tcp_recv not built: {exc}"
 
 
-_wait, _counters, STATUS = _load()
-_BUDGET_NS = SPIN_US * 1000
+_module, _missing = _native()
+_BUDGET_NS = SPIN_US * 1000 if SPINNERS else 0
+if not _BUDGET_NS:
+    STATUS = "off ($KVPOOL_TCP_SPIN_US or $KVPOOL_TCP_SPINNERS is 0)"
+elif _module is None:
+    STATUS = f"off ({_missing})"
+else:
+    _module.set_max_spinners(SPINNERS)
+    STATUS = f"up to {SPIN_US} us before each blocking receive, {SPINNERS} thread(s) at a time"
+_wait = _module.wait_readable if _module is not None and _BUDGET_NS else None
+
+
+def _recv_all(fd: int, views: list[memoryview], flags: int) -> int:
+    return int(_module.recv_all(fd, views, flags, _BUDGET_NS))
+
+
+#: Fill every buffer of a list from a socket (``recvmsg`` flags), spinning before each
+#: receive; the bytes received (fewer: the peer closed). None where the extension was
+#: not built.
+recv_all: Callable[[int, list[memoryview], int], int] | None = (
+    None if _module is None else _recv_all
+)
 
 
 def spin(fd: int) -> None:
@@ -84,4 +103,4 @@ def counters() -> dict[str, int]:
     """Spins since import: ``waits`` (calls), ``ready`` (the socket became readable),
     ``timeouts`` (the budget passed), ``crowded`` (``SPINNERS`` threads already
     spun); empty when spinning is off."""
-    return {} if _counters is None else _counters()
+    return {} if _wait is None else dict(_module.counters())
