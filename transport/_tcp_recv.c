@@ -20,7 +20,9 @@
  * Python that runs after it finds its caches and branch predictors cold: a 64 KiB
  * checked read over loopback ran at 0.77x a raw socket sleeping, 1.0-1.1x spinning
  * (bench/RESULTS.md, "Session 11"). The cost is that CPU time: at most budget_ns
- * per receive, on at most max_spinners threads.
+ * per receive, on at most max_spinners threads. The spin yields the CPU between
+ * polls (sched_yield), so a thread that is ready to run on it is not held up: the
+ * spinner only keeps a CPU that nothing else wants.
  * Why fill the whole list here: a pipelined batch's replies land in up to 128
  * buffers; a Python loop of recvmsg_into calls rebuilt that list and re-acquired
  * every buffer on each call, per chunk the kernel had ready.
@@ -35,6 +37,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <poll.h>
+#include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <sys/socket.h>
@@ -74,6 +77,7 @@ static int spin(int fd, long long budget_ns) {
             ready = 1;
             break;
         }
+        sched_yield(); /* a thread waiting for this CPU (a commit sender, a peer) runs */
     } while (now_ns() < end);
     atomic_fetch_sub(&active, 1);
     atomic_fetch_add_explicit(ready ? &n_ready : &n_timeouts, 1, memory_order_relaxed);
