@@ -2,7 +2,8 @@
 
 Invariant: the signal handler only stores a number (no lock, no call that can
 block); everything else (setting ``StopSignals.event`` for other threads,
-returning from ``wait``) happens in ordinary code of the main thread.
+returning from ``wait``, ignoring the stop signals that come after) happens in
+ordinary code of the main thread.
 
 Why: Python runs a signal handler in the main thread between two bytecodes. A
 handler that calls ``threading.Event.set()`` takes the event's lock; if the main
@@ -52,8 +53,16 @@ class StopSignals:
         return self.received is not None or self.event.is_set()
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Until stopping (True; ``event`` is then set) or ``timeout`` seconds
-        passed (False). Call from the main thread: it alone runs the handlers."""
+        """Until stopping (True; ``event`` is then set, and further stop signals
+        are ignored) or ``timeout`` seconds passed (False). Call from the main
+        thread: it alone runs the handlers and may change them.
+
+        Why ignore the later ones: the clean shutdown that follows (a node unlinks
+        its shared memory) must run to its end, and Python's finalization puts
+        the default action back for signals with Python handlers, so a second
+        SIGTERM at exit would kill the process mid-way (exit status -15, seen in
+        ``test_stop_signals``). SIGKILL still ends it; ``kvpool.procs`` sends it
+        after its deadline."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while not self.stopping:
             left = POLL_S if deadline is None else min(POLL_S, deadline - time.monotonic())
@@ -61,6 +70,8 @@ class StopSignals:
                 return False
             time.sleep(left)
         self.event.set()
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_IGN)
         return True
 
     def restore(self) -> None:

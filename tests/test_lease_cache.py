@@ -70,6 +70,41 @@ def test_a_newer_lease_supersedes_an_idle_older_one() -> None:
     assert cache.superseded == []  # lease 2 still serves a
 
 
+def test_pin_many_pins_each_distinct_cached_key_once() -> None:
+    cache = LeaseCache(hold_s=10)
+    a, b, c = make_keys(3)
+    lease = cache.add(1, [(a, "pa", 10), (b, "pb", 10)], ttl=30, pins=0)
+    found = cache.pin_many([a, b, a, c, b])
+    assert list(found) == [a, b]  # c is not cached; a and b once each
+    assert lease.pins == 2 and lease.reads == {a: 1, b: 1}
+    for _ in found:
+        cache.unpin(lease)
+    assert lease.pins == 0
+
+
+def test_a_batch_naming_a_key_twice_leaves_no_lease_pinned() -> None:
+    """Each entry of a batch's lookup is unpinned once: a key named twice used to pin
+    its lease twice (from the cache, or from a LEASE naming it twice), so that lease
+    stayed pinned and was never handed back (the master held it for its whole TTL,
+    30 s)."""
+    cluster = start_cluster(["4MiB"])
+    try:
+        with kvpool.connect(cluster.url, lease_cache_s=0.2) as pool:
+            assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
+            keys = make_keys(2)
+            pool.put_batch(keys, [payload(0), payload(1)])
+            outs = [np.empty(BLOCK, np.uint8) for _ in range(3)]
+            for _ in range(2):  # a LEASE round trip first, then from the cache
+                got = pool.get_into_batch([keys[0], keys[1], keys[0]], outs)
+                assert got == [BLOCK] * 3
+                assert np.array_equal(outs[0], payload(0)) and np.array_equal(outs[2], payload(0))
+            assert pool.stats()["client"]["lease_round_trips"] == 1
+            # Unpinned, past their hold and unread: every lease goes back to the master.
+            assert wait_until(lambda: pool.stats()["leases"] == 0, timeout=10)
+    finally:
+        cluster.stop()
+
+
 def test_repeated_reads_skip_the_master_and_removes_show_within_the_hold_time() -> None:
     cluster = start_cluster(["4MiB"])
     try:

@@ -67,6 +67,14 @@ def test_a_signal_while_the_event_lock_is_held_does_not_deadlock(stops: StopSign
     assert stops.wait(timeout=1.0)
 
 
+def test_once_stopping_later_stop_signals_are_ignored(stops: StopSignals) -> None:
+    signal.raise_signal(signal.SIGTERM)
+    assert stops.wait(timeout=1.0)
+    assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    assert signal.getsignal(signal.SIGINT) == signal.SIG_IGN
+    signal.raise_signal(signal.SIGTERM)  # ignored: this process goes on
+
+
 def test_restore_puts_back_the_previous_handlers() -> None:
     before = signal.getsignal(signal.SIGTERM)
     s = StopSignals()

@@ -7,7 +7,9 @@ no copy; the connection counts the bytes it received, which fixes each pad,
 see ``tcp_wire``); writes leave through a gather ``sendmsg`` (request header,
 its alignment pad + payload; the connection counts the bytes it sent, which
 fixes each write's pad). Any exception leaves the stream position unknown: the owner must
-close the connection.
+close the connection. Before each receive of a reply the connection spins on its
+socket for a bounded time instead of sleeping at once (``kvpool.transport.tcp_recv``:
+why, what it costs, how to turn it off).
 
 The socket stays in blocking mode and the inactivity timeout is the kernel's
 (``SO_RCVTIMEO``/``SO_SNDTIMEO``), not Python's ``settimeout``: a Python

@@ -64,7 +64,6 @@ from kvpool.errors import ConnectionLostError
 from kvpool.rpc.auth import token_matches
 from kvpool.rpc.frame import tune_socket
 from kvpool.transport import tcp_recv
-from kvpool.transport.tcp_recv import spin
 
 log = logging.getLogger("kvpool.transport.tcp")
 MAGIC = b"KVDT"
@@ -190,11 +189,10 @@ def recv_scatter(sock: socket.socket, views: list[memoryview], total: int) -> No
             raise ConnectionLostError(f"peer closed the data connection ({got} of {total} B)")
         return
     got = 0
-    while True:  # no extension: the same loop in Python
+    while True:  # no extension (so no spinning either): the same loop in Python
         _skip(views, got)
         if not views:
             return
-        spin(sock.fileno())
         got = sock.recvmsg_into(_iov(views), 0, flags)[0]
         if got == 0:
             raise ConnectionLostError(f"peer closed the data connection ({total} B expected)")

@@ -100,6 +100,7 @@ def _run_master(args: argparse.Namespace) -> int:
     from kvpool.index.heat import ReplicationConfig
 
     _logging(args.log_level)
+    stops = StopSignals()  # before anything starts: a signal from here on stops us cleanly
     replication = ReplicationConfig(
         hot_reads=args.hot_reads,
         cool_reads=args.cool_reads,
@@ -128,7 +129,7 @@ def _run_master(args: argparse.Namespace) -> int:
         "master listening on %s:%d (metrics port %s)", host, port, master.metrics_port
     )
     print(f"kvpool master ready on {host}:{port} (metrics port {master.metrics_port})", flush=True)
-    StopSignals().wait()
+    stops.wait()
     master.close()
     return 0
 
@@ -137,6 +138,7 @@ def _run_node(args: argparse.Namespace) -> int:
     from kvpool.cluster.node import NodeConfig, StorageNode
 
     _logging(args.log_level)
+    stops = StopSignals()  # before anything starts: a signal from here on stops us cleanly
     config = NodeConfig(
         master=args.master,
         dram_bytes=args.dram,
@@ -157,7 +159,7 @@ def _run_node(args: argparse.Namespace) -> int:
         f"(shm {node.arena.name}, metrics port {node.metrics_port})",
         flush=True,
     )
-    StopSignals().wait()
+    stops.wait()
     node.close()
     return 0
 

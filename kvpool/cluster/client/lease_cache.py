@@ -102,6 +102,24 @@ class LeaseCache:
             lease.reads[key] += 1
         return found
 
+    def pin_many(self, keys: Sequence[bytes]) -> dict[bytes, tuple[Any, int, CachedLease]]:
+        """``lookup`` of each distinct key, its lease pinned once per key found (the
+        caller unpins once per entry returned: a key twice in ``keys`` is one entry,
+        one pin); one clock read for the whole batch."""
+        now, blocks = time.monotonic(), self._blocks
+        found: dict[bytes, tuple[Any, int, CachedLease]] = {}
+        for key in keys:
+            hit = blocks.get(key)
+            if hit is None or key in found:
+                continue
+            lease = hit[2]
+            if now > lease.expires or (lease.pins == 0 and now > lease.deadline):
+                continue
+            lease.reads[key] += 1
+            lease.pins += 1
+            found[key] = hit
+        return found
+
     def renewable(self, within: float) -> list[bytes]:
         """Keys to re-lease now: read under a lease that is still held but ends within
         ``within`` seconds, and still served by it (oldest leases first). The read that

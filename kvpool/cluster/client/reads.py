@@ -187,14 +187,10 @@ class LeasedReads:
         """From the lease cache, else from one LEASE round trip for all the rest (their
         lease then joins the cache); every entry returned pins its lease once."""
         self._session.check_open()
-        found: dict[bytes, Found] = {}
         with self._lock:
-            for key in keys:
-                hit = self.cache.lookup(key)
-                if hit is not None:
-                    hit[2].pins += 1
-                    found[key] = hit
-        missing = [k for k in keys if k not in found]
+            found = self.cache.pin_many(keys)
+        # each key once: the lease pins one per block it holds, unpinned one per entry
+        missing = list(dict.fromkeys(k for k in keys if k not in found))
         if missing:
             lease, held = self.take_lease(missing, prefix=False, pins=-1)
             for key, placements, size in held:
