@@ -16,7 +16,9 @@ first made it faster than one (bench/RESULTS.md, "Session 11").
 
 What it costs: the CPU time of the spin, at most ``SPIN_US`` per receive, on
 at most ``SPINNERS`` threads of the process at once (the others block at
-once). Both come from the environment, read once at import:
+once). The spin yields between polls, so a thread that is ready to run on its
+CPU (a commit sender, another process) still runs. Both limits come from the
+environment, read once at import:
 
 - ``KVPOOL_TCP_SPIN_US`` (default 100; 0 turns spinning off);
 - ``KVPOOL_TCP_SPINNERS`` (default 1).
