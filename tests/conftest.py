@@ -10,6 +10,7 @@ hypothesis' randomness, to keep finding new cases on developers' machines.
 from __future__ import annotations
 
 import os
+import socket
 from collections.abc import Iterator
 
 import pytest
@@ -70,3 +71,12 @@ def no_leaked_shared_memory() -> Iterator[None]:
     mine = f"kvpool-{os.getpid()}-"
     leaked = [n for n in os.listdir("/dev/shm") if n.startswith(mine)]
     assert not leaked, f"shared-memory arenas left behind: {leaked}"
+
+
+@pytest.fixture
+def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
+    """A connected socket pair (closed after the test)."""
+    a, b = socket.socketpair()
+    yield a, b
+    a.close()
+    b.close()

@@ -6,7 +6,6 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
 from hypothesis import given, settings
@@ -22,14 +21,6 @@ from kvpool.rpc.frame import (
     read_frame,
     set_io_timeout,
 )
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    a, b = socket.socketpair()
-    yield a, b
-    a.close()
-    b.close()
 
 
 def _send_in_pieces(sock: socket.socket, data: bytes, cuts: list[int], pause: float) -> None:

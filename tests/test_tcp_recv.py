@@ -23,7 +23,6 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -45,14 +44,6 @@ else:
     WHY = ""
 needs_native = pytest.mark.skipif(native is None, reason=WHY)
 MS = 1_000_000  # ns
-
-
-@pytest.fixture
-def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
-    a, b = socket.socketpair()
-    yield a, b
-    a.close()
-    b.close()
 
 
 def _timed(fd: int, budget_ns: int) -> tuple[bool, float]:
