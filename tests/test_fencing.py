@@ -172,6 +172,27 @@ def test_a_stale_checked_read_in_a_pipeline_keeps_the_stream_in_sync(fenced_serv
         assert (out == 5).all()
 
 
+def test_a_batch_with_one_output_that_is_not_a_plain_host_array_reads_every_block(
+    fenced_server,
+) -> None:
+    """``read_blocks`` takes its host fast path only while every output is a flat
+    uint8 array; an output further on that is not (here float32, then a bad range)
+    sends the whole batch down the general path, byte-exact, with the usual error."""
+    _, _, tcp = fenced_server
+    first, second = np.full(4096, 7, np.uint8), np.full(8192, 5, np.uint8)
+    s1, s2 = WriteStamp(3, 40, 0, 4096, K2), WriteStamp(3, 41, 8192, 8192, K1)
+    assert tcp.stamped([(w.OP_WRITE_FINAL, s1.pack(), 0, first)]) == [w.ST_OK]
+    assert tcp.stamped([(w.OP_WRITE_FINAL, s2.pack(), 8192, second)]) == [w.ST_OK]
+    host, floats = np.zeros(4096, np.uint8), np.zeros(2048, np.float32)
+    assert tcp.read_blocks([(0, host, K2, 0), (8192, floats, K1, 8192)]) == [True, True]
+    assert np.array_equal(host, first) and (floats.view(np.uint8) == 5).all()
+    with pytest.raises(ValueError):
+        tcp.read_blocks([(0, host, K2, 0), (1 << 16, np.zeros(10, np.uint8), K1, 8192)])
+    out = np.zeros(100, np.uint8)  # the connection is still in sync
+    tcp.read_into(8192, out)
+    assert (out == 5).all()
+
+
 def test_single_checked_reads_refused_and_served_on_one_connection(fenced_server) -> None:
     """``read_blocks`` of one block into a host array (the fast path without the
     batch's lists): a stale one answers False and leaves the stream in sync."""

@@ -23,6 +23,7 @@ from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import RegionInfo
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.tcp import TcpTransport
+from kvpool.transport.tcp_conn import DataConn
 from kvpool.transport.tcp_server import TcpDataServer
 
 REGION = 1 << 20
@@ -124,6 +125,25 @@ def test_the_client_reads_odd_sizes_pipelined_and_after_errors(server: TcpDataSe
             out = np.empty(n, np.uint8)
             t.read_into(n, out)
             assert out.tobytes() == _expected(n, n)
+
+
+def test_pipelined_request_ids_wrap_at_32_bits(server: TcpDataServer) -> None:
+    """Request ids are 32-bit on the wire: a pipeline that crosses 2**32 - 1 numbers
+    its requests 2**32 - 2, 2**32 - 1, 0, 1, ... and matches each reply to its own."""
+    host, port = server.address
+    conn = DataConn(host, port, None, 5.0, server.instance)
+    try:
+        conn._rid = 0xFFFFFFFF - 2  # white-box: start three ids short of the wrap
+        outs = [np.empty(n, np.uint8) for n in (64, 65, 4095, 1, 17)]
+        conn.read_many([(i * 7, out) for i, out in enumerate(outs)])
+        for i, out in enumerate(outs):
+            assert out.tobytes() == _expected(i * 7, out.nbytes)
+        assert conn._rid == 2
+        one = np.empty(100, np.uint8)
+        conn.read_one(5, one)  # the next single read follows on from the wrapped ids
+        assert one.tobytes() == _expected(5, 100)
+    finally:
+        conn.close()
 
 
 def test_write_pad_arithmetic() -> None:

@@ -25,7 +25,8 @@
  * spinner only keeps a CPU that nothing else wants.
  * Why fill the whole list here: a pipelined batch's replies land in up to 128
  * buffers; a Python loop of recvmsg_into calls rebuilt that list and re-acquired
- * every buffer on each call, per chunk the kernel had ready.
+ * every buffer on each call, per chunk the kernel had ready. The node takes a
+ * write's payload (bytes known to be on their way) the same way.
  *
  * Invariants: wait_readable never reads a byte (poll only looks); recv_all never
  * reads past the last buffer (it asks for exactly what is left); the

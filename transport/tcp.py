@@ -209,11 +209,14 @@ class TcpTransport(Transport):
             offset, out, key, block_offset = items[0]
             return [self.read_block(block_offset, offset - block_offset, out, key)]
         size, pack = self.info.size, IDENT.pack
-        if all(plain_host(out, writable=True) for _, out, _, _ in items):  # host arrays
-            for offset, out, _, _ in items:
-                if offset < 0 or offset + out.nbytes > size:
-                    check_range(offset, out.nbytes, size)  # raises the usual error
-            host_plan = [(offset, out, pack(key, b)) for offset, out, key, b in items]
+        host_plan = []  # (offset, host array, packed IDENT): one pass while all are host arrays
+        for offset, out, key, block_offset in items:
+            if not plain_host(out, writable=True):
+                break
+            if offset < 0 or offset + out.nbytes > size:
+                check_range(offset, out.nbytes, size)  # raises the usual error
+            host_plan.append((offset, out, pack(key, block_offset)))
+        else:
             served = self._io(DataConn.read_blocks, host_plan)
             self.bytes_read += sum(
                 out.nbytes for (_, out, _), ok in zip(host_plan, served, strict=True) if ok

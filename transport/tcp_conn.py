@@ -83,6 +83,12 @@ class DataConn:
         self._rid = (self._rid + 1) & 0xFFFFFFFF
         return self._rid
 
+    def _next_rids(self, n: int) -> list[int]:
+        """``n`` request ids in a row (``_next_rid`` n times, one list)."""
+        first = self._rid
+        self._rid = (first + n) & 0xFFFFFFFF
+        return [(first + i) & 0xFFFFFFFF for i in range(1, n + 1)]
+
     def _read_resp(self, rid: int) -> int:
         spin(self._fd)
         w.recv_into_exact(self.sock, self._resp_mv[: w.RESP.size])
@@ -142,7 +148,7 @@ class DataConn:
 
     def read_many(self, plan: list[tuple[int, Any]]) -> None:
         """Pipelined: every request goes out before the first reply is read."""
-        rids = [self._next_rid() for _ in plan]
+        rids = self._next_rids(len(plan))
         self.sock.sendall(
             b"".join(
                 w.REQ.pack(w.OP_READ, 0, rid, off, host.nbytes)
@@ -176,10 +182,13 @@ class DataConn:
         ``recvmsg_into`` calls of up to ``SCATTER_REPLIES`` replies each (one
         ``MSG_WAITALL`` syscall for a small batch, instead of one or more per
         reply; see ``w.WAITALL_MAX``), then each header is checked."""
-        rids = [self._next_rid() for _ in plan]
+        rids = self._next_rids(len(plan))
+        pack, op = w.REQ.pack, w.OP_READ_BLOCK
         requests = b"".join(
-            w.REQ.pack(w.OP_READ_BLOCK, 0, rid, off, host.nbytes) + ident
-            for rid, (off, host, ident) in zip(rids, plan, strict=True)
+            [
+                pack(op, 0, rid, off, host.nbytes) + ident
+                for rid, (off, host, ident) in zip(rids, plan, strict=True)
+            ]
         )
         self.sock.sendall(requests)
         self._sent += len(requests)
@@ -235,7 +244,7 @@ class DataConn:
         ops next to each other (a refill's claims taken ahead, seals, releases) leave
         in one ``sendall``: on loopback each send runs the node's receive path on this
         CPU, and each wakes the node once (issue 17)."""
-        rids = [self._next_rid() for _ in plan]
+        rids = self._next_rids(len(plan))
         heads: list[bytes] = []
         for rid, (op, stamp, off, data) in zip(rids, plan, strict=True):
             if data is None:
@@ -300,7 +309,7 @@ class DataConn:
             pending += chunk
 
     def write_many(self, plan: list[tuple[int, np.ndarray]]) -> None:
-        rids = [self._next_rid() for _ in plan]
+        rids = self._next_rids(len(plan))
         for rid, (off, data) in zip(rids, plan, strict=True):
             self._send_request(w.OP_WRITE, rid, off, data, b"")
         for rid in rids:

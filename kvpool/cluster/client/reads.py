@@ -118,36 +118,41 @@ class LeasedReads:
 
     def read_batch(self, keys: Sequence[bytes], regions: list[Region]) -> list[int | None]:
         """``get_into_batch``: one pipelined exchange per node, replicas on failure."""
-        with self.reading(keys) as found:
-            sizes: list[int | None] = [found[k][1] if k in found else None for k in keys]
-            exact = [False] * len(keys)  # region holds exactly its block: no slice needed
-            for i, (size, region) in enumerate(zip(sizes, regions, strict=True)):
-                if size is not None:
-                    have = region_nbytes(region)
-                    if have < size:
-                        check_out_fits(region, size)  # raises the usual error
-                    exact[i] = have == size
+        found = self._resolve(keys)
+        try:
+            sizes: list[int | None] = []
+            exact: list[bool] = []  # region holds exactly its block: no slice needed
             # node -> (index, block offset) of the blocks read from it
             by_node: dict[str, list[tuple[int, int]]] = {}
             preferred = self._session.preferred
-            for i, key in enumerate(keys):
-                if key in found:
-                    placements = found[key][0]
-                    placement = placements[0] if len(placements) == 1 else preferred(placements)
-                    by_node.setdefault(placement.node_id, []).append((i, placement.offset))
+            for i, (key, region) in enumerate(zip(keys, regions, strict=True)):
+                hit = found.get(key)
+                if hit is None:
+                    sizes.append(None)
+                    exact.append(False)
+                    continue
+                placements, size, _ = hit
+                have = region_nbytes(region)
+                if have < size:
+                    check_out_fits(region, size)  # raises the usual error, before any read
+                sizes.append(size)
+                exact.append(have == size)
+                placement = placements[0] if len(placements) == 1 else preferred(placements)
+                by_node.setdefault(placement.node_id, []).append((i, placement.offset))
             for node_id, located in by_node.items():
-                items = [i for i, _ in located]
                 plan = [
                     (offset, 0, regions[i] if exact[i] else regions[i][: sizes[i]], keys[i])
                     for i, offset in located
                 ]
                 try:  # one pipelined exchange per node
                     self._read_many(node_id, plan)
-                    self._session.counts["hits"] += len(items)
+                    self._session.counts["hits"] += len(located)
                 except TRANSFER_ERRORS:  # that node failed: each block tries its other replicas
-                    for i in items:
+                    for i, _ in located:
                         sizes[i] = self.read_range(keys[i], found[keys[i]], regions[i], 0, None)
             return sizes
+        finally:
+            self._unpin_found(found)
 
     def lease(self, keys: Sequence[bytes], prefix: bool) -> RemoteLease:
         """Pin the stored prefix of ``keys`` (or every stored key) until released."""
@@ -179,9 +184,13 @@ class LeasedReads:
         try:
             yield found
         finally:
-            with self._lock:
-                for _, _, lease in found.values():
-                    self.cache.unpin(lease)
+            self._unpin_found(found)
+
+    def _unpin_found(self, found: dict[bytes, Found]) -> None:
+        """Unpin once per entry ``_resolve`` returned."""
+        with self._lock:
+            for _, _, lease in found.values():
+                self.cache.unpin(lease)
 
     def _resolve(self, keys: Sequence[bytes]) -> dict[bytes, Found]:
         """From the lease cache, else from one LEASE round trip for all the rest (their
