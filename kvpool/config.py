@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 from dataclasses import dataclass
 
@@ -28,6 +29,22 @@ DEFAULT_DRAM_BYTES = 256 << 20
 # Here rather than in the master so that clients need not import it.
 DEFAULT_PORT = 7480
 DEFAULT_ALIGNMENT = 4096
+
+
+def env_int(name: str, default: int, high: int) -> int:
+    """An integer tuning knob from the environment, read by the caller once (at
+    import): ``default`` when unset or blank; ValueError naming the variable
+    when it is not an integer from 0 to ``high``."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= high:
+        raise ValueError(f"${name} must be an integer from 0 to {high}, got {text!r}")
+    return value
 
 
 def parse_size(text: str | int) -> int:

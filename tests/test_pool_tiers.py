@@ -39,6 +39,11 @@ def test_demoted_blocks_come_back_exact_and_are_promoted(ssd_pool: Pool) -> None
     stats = ssd_pool.stats()
     assert stats["tiers"]["dram"]["blocks"] == 4
     assert stats["tiers"]["ssd"]["blocks"] == 8
+    wait = stats["tiers"]["ssd"]["write_wait"]  # how the 8 demotions were waited for
+    if wait["aio"] and wait["spin_us"]:  # O_DIRECT, native AIO and a ring we can watch
+        assert wait["spin_ready"] + wait["spin_timeouts"] == 8
+    else:  # tmpfs (no O_DIRECT), no native AIO, or spinning turned off
+        assert wait["spin_ready"] + wait["spin_timeouts"] == 0
     assert ssd_pool.prefix_match(keys) == 12
     for i, key in enumerate(keys):
         got = read(ssd_pool, key)

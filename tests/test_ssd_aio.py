@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import subprocess
+import sys
 from typing import Any
 
 import numpy as np
@@ -200,5 +202,164 @@ def test_a_lost_write_keeps_its_extent_used_and_commits_no_record(
     tier = SsdTier(path, 8 << 20, make_policy("lru"))
     try:
         assert dict(tier.load_records()) == {}
+    finally:
+        tier.close()
+
+
+# -- waiting for small writes awake (KVPOOL_SSD_SPIN_US) -----------------------------
+
+
+def _spinning_writer() -> DirectWriter:
+    writer = _writer()
+    if not writer.spins:
+        writer.close()
+        pytest.skip("this kernel's AIO ring is not one we can watch (or spinning is off)")
+    return writer
+
+
+def test_a_small_write_is_waited_for_awake_and_a_large_one_asleep(tmp_path: Any) -> None:
+    writer = _spinning_writer()
+    plain, direct = _direct_file(str(tmp_path / "data.bin"), 4 << 20)
+    try:
+        small = _aligned(64 << 10, 30)
+        assert writer.submit(direct, small, 0)
+        assert writer.wait() == small.nbytes
+        assert writer.spin_ready + writer.spin_timeouts == 1  # it spun, once
+        assert os.pread(plain, small.nbytes, 0) == small.tobytes()
+        large = _aligned(aio_module.SPIN_MAX_BYTES + _PAGE, 31)
+        assert writer.submit(direct, large, 1 << 20)
+        assert writer.wait() == large.nbytes
+        assert writer.spin_ready + writer.spin_timeouts == 1  # slept at once
+        assert os.pread(plain, large.nbytes, 1 << 20) == large.tobytes()
+    finally:
+        writer.close()
+        os.close(direct)
+        os.close(plain)
+
+
+def test_a_spin_that_runs_out_of_budget_still_waits_for_the_write(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = _spinning_writer()
+    monkeypatch.setattr(aio_module, "SPIN_US", 1)  # 1 us: the write nearly always outlasts it
+    plain, direct = _direct_file(str(tmp_path / "data.bin"), 4 << 20)
+    try:
+        for i in range(20):
+            data = _aligned(128 << 10, 40 + i)
+            assert writer.submit(direct, data, i * data.nbytes)
+            assert writer.wait() == data.nbytes  # io_getevents took over after the spin
+            assert os.pread(plain, data.nbytes, i * data.nbytes) == data.tobytes()
+        assert writer.spin_ready + writer.spin_timeouts == 20
+    finally:
+        writer.close()
+        os.close(direct)
+        os.close(plain)
+
+
+def test_a_signal_while_spinning_is_raised_only_after_the_write_completed(
+    tmp_path: Any,
+) -> None:
+    writer = _spinning_writer()
+    plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
+
+    def interrupted() -> None:
+        raise KeyboardInterrupt  # what a signal handler raises between two looks
+
+    try:
+        data = _aligned(64 << 10, 50)
+        assert writer.submit(direct, data, 0)
+        writer._spin = interrupted  # type: ignore[method-assign]
+        with pytest.raises(KeyboardInterrupt):
+            writer.wait()
+        assert writer._inflight is None  # the write completed before the raise
+        assert os.pread(plain, data.nbytes, 0) == data.tobytes()
+        del writer._spin
+        assert writer.submit(direct, data, 0) and writer.wait() == data.nbytes  # usable
+    finally:
+        writer.close()
+        os.close(direct)
+        os.close(plain)
+
+
+def test_only_a_ring_header_we_know_is_watched() -> None:
+    import ctypes
+
+    header = (ctypes.c_uint32 * 8)()
+    at = ctypes.addressof(header)
+    assert aio_module._ring_of(0) is None  # no context (a fake writer's)
+    assert aio_module._ring_of(at) is None  # no magic
+    header[4] = 0xA10A10A1
+    assert aio_module._ring_of(at) is not None
+    header[6] = 1  # a feature this reader does not understand
+    assert aio_module._ring_of(at) is None
+
+
+@pytest.mark.parametrize(
+    ("value", "spins", "error"),
+    [
+        ("0", False, ""),
+        ("", True, ""),
+        ("abc", False, "KVPOOL_SSD_SPIN_US"),
+        ("-5", False, "KVPOOL_SSD_SPIN_US"),
+    ],
+)
+def test_the_spin_budget_comes_from_the_environment(value: str, spins: bool, error: str) -> None:
+    script = (
+        "from kvpool.storage.direct_aio import DirectWriter\n"
+        "w = DirectWriter.open()\n"
+        "print('none' if w is None else w.spins)\n"
+    )
+    env = {**os.environ, "KVPOOL_SSD_SPIN_US": value}
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    if error:
+        assert done.returncode != 0 and error in done.stderr
+        return
+    assert done.returncode == 0, done.stderr
+    if done.stdout.strip() == "none":
+        pytest.skip("native AIO is not available here")
+    assert done.stdout.strip() == str(spins)
+
+
+def test_small_tier_stores_overlap_the_write_when_it_is_waited_for_awake(tmp_path: Any) -> None:
+    """With spinning, a 64 KiB store is queued through AIO (hashed and staged while
+    it runs) and reads back exact, also after a reopen; ``write_wait`` says so."""
+    _spinning_writer().close()
+    path = str(tmp_path / "tier")
+    tier = SsdTier(path, 8 << 20, make_policy("lru"))
+    slots = [_aligned(64 << 10, 60 + i) for i in range(8)]
+    try:
+        assert tier.write_wait()["aio"] is None  # nothing written yet
+        for i, slot in enumerate(slots):
+            assert tier.store(bytes([i]) * 16, slot, slot.nbytes, None) is not None
+        wait = tier.write_wait()
+        assert wait["aio"] is True and wait["spin_us"] == aio_module.SPIN_US
+        assert wait["spin_ready"] + wait["spin_timeouts"] == len(slots)
+    finally:
+        tier.close()
+    tier = SsdTier(path, 8 << 20, make_policy("lru"))
+    try:
+        records = dict(tier.load_records())
+        for i, slot in enumerate(slots):
+            out = _aligned(64 << 10, 0)
+            assert tier.read_into(records[bytes([i]) * 16], out) and np.array_equal(out, slot)
+    finally:
+        tier.close()
+
+
+def test_without_spinning_small_stores_are_written_synchronously(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(aio_module, "SPIN_US", 0)  # read at the writer's creation
+    tier = SsdTier(str(tmp_path / "tier"), 8 << 20, make_policy("lru"))
+    try:
+        slot = _aligned(64 << 10, 70)
+        record = tier.store(b"s" * 16, slot, slot.nbytes, None)
+        assert record is not None
+        wait = tier.write_wait()
+        assert wait["spin_us"] == 0 and wait["spin_ready"] + wait["spin_timeouts"] == 0
+        out = _aligned(64 << 10, 0)
+        assert tier.read_into(record, out) and np.array_equal(out, slot)
     finally:
         tier.close()

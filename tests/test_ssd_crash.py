@@ -165,6 +165,8 @@ def test_short_device_writes_are_continued_until_every_byte_lands(
         return real_pwrite(fd, view[:4096], offset)  # never more than a page a call
 
     monkeypatch.setattr(ssd_tier_module.os, "pwrite", short_pwrite)
+    # both stores through pwrite (small O_DIRECT writes would otherwise go through AIO)
+    monkeypatch.setattr(ssd_tier_module.DirectWriter, "open", classmethod(lambda cls: None))
     path = os.path.join(str(tmp_path), "tier")
     size = 3 * 4096 + 100  # buffered path too: not a whole number of pages
     tier = SsdTier(path, 8 * 4096, make_policy("lru"))

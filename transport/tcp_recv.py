@@ -32,30 +32,17 @@ extension: no C compiler at install time) ``spin`` does nothing and
 from __future__ import annotations
 
 import importlib
-import os
 from collections.abc import Callable
 from typing import Any
+
+from kvpool.config import env_int
 
 DEFAULT_SPIN_US = 100
 DEFAULT_SPINNERS = 1
 MAX_SPIN_US = 1_000_000  # a budget past a second is a typo, not a tuning
 
-
-def _env_int(name: str, default: int, high: int) -> int:
-    text = os.environ.get(name, "").strip()
-    if not text:
-        return default
-    try:
-        value = int(text)
-    except ValueError:
-        value = -1
-    if not 0 <= value <= high:
-        raise ValueError(f"${name} must be an integer from 0 to {high}, got {text!r}")
-    return value
-
-
-SPIN_US = _env_int("KVPOOL_TCP_SPIN_US", DEFAULT_SPIN_US, MAX_SPIN_US)
-SPINNERS = _env_int("KVPOOL_TCP_SPINNERS", DEFAULT_SPINNERS, 1 << 20)
+SPIN_US = env_int("KVPOOL_TCP_SPIN_US", DEFAULT_SPIN_US, MAX_SPIN_US)
+SPINNERS = env_int("KVPOOL_TCP_SPINNERS", DEFAULT_SPINNERS, 1 << 20)
 
 
 def _native() -> tuple[Any, str]:

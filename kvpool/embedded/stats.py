@@ -7,6 +7,7 @@ from typing import Any
 
 from kvpool.bindings import stream_copy
 from kvpool.storage.memory_tier import DramTier
+from kvpool.storage.ssd_tier import SsdTier
 
 TIER_NAMES = ("gpu", "dram", "ssd")
 
@@ -87,4 +88,6 @@ class PoolStats:
         if isinstance(tier, DramTier):
             snap["page_lock"] = tier.page_lock  # "registered", or why the arena is pageable
             snap["copy"] = stream_copy.STATUS  # streaming stores for large blocks, or why not
+        elif isinstance(tier, SsdTier):
+            snap["write_wait"] = tier.write_wait()  # small writes waited for awake, or asleep
         return snap

@@ -13,6 +13,20 @@ and the ``iocb`` layout below). Elsewhere, or where the kernel refuses an AIO
 context (seccomp, ``fs.aio-max-nr``), ``DirectWriter.open`` answers None and
 callers write synchronously.
 
+Waiting awake: where the write is small enough to finish within
+``SPIN_US`` (``KVPOOL_SSD_SPIN_US``, default 200; 0 turns it off), ``wait``
+first watches the completion ring the kernel maps into the process (its tail
+moves when an event is posted), yielding the CPU between looks, and only then
+calls ``io_getevents``, which returns at once if the write is done. Why: on VMs
+whose idle loop halts the vCPU as soon as a thread sleeps (cpuidle haltpoll with
+``guest_halt_poll_ns`` = 0), a sleep through a 64 KiB write costs a VM exit,
+and the Python after it runs with cold caches: a 64 KiB tier put was 0.81-0.84x
+a raw O_DIRECT ``pwrite``, against 0.88-1.00x spinning (bench/RESULTS.md,
+"Session 12"). What it costs: up to ``SPIN_US`` of CPU per write of at most
+``SPIN_MAX_BYTES`` (larger writes outlast any sensible budget and sleep at
+once). The ring is only looked at, never consumed: ``io_getevents`` stays
+the one reader of completions, so a stale look can only cost time.
+
 Invariant: ``wait`` returns or raises only once the write is no longer in
 flight (the kernel reported its completion), so the caller may then reuse the
 buffer and the file extent. The one exception is ``AioLost`` (the kernel
@@ -27,14 +41,24 @@ import errno
 import os
 import platform
 import sys
+import time
 
 import numpy as np
 
+from kvpool.config import env_int
 from kvpool.errors import StorageError
 
 # (io_setup, io_destroy, io_submit, io_getevents)
 _SYSCALLS = {"x86_64": (206, 207, 209, 208), "aarch64": (0, 1, 2, 4)}
 _IOCB_CMD_PWRITE = 1
+_AIO_RING_MAGIC = 0xA10A10A1  # struct aio_ring of fs/aio.c: id, nr, head, tail, magic,
+_RING_HEAD, _RING_TAIL, _RING_MAGIC, _RING_INCOMPAT = 2, 3, 4, 6  # ... (u32 fields)
+
+DEFAULT_SPIN_US = 200
+SPIN_US = env_int("KVPOOL_SSD_SPIN_US", DEFAULT_SPIN_US, 1_000_000)
+#: Writes up to this size are waited for awake: on these VMs' disks a 256 KiB
+#: O_DIRECT write takes ~100-150 us, within the default budget; a MiB takes ~300.
+SPIN_MAX_BYTES = 256 << 10
 
 
 class _Iocb(ctypes.Structure):
@@ -88,6 +112,15 @@ class DirectWriter:
         self._one = ctypes.c_long(1)
         self._inflight: np.ndarray | None = None  # keeps the buffer alive meanwhile
         self._pid = os.getpid()  # a context belongs to the process that made it
+        self._ring = _ring_of(ctx) if SPIN_US else None
+        self._spin_this = False  # the write in flight is waited for awake
+        self.spin_ready = 0  # spins that saw the completion posted
+        self.spin_timeouts = 0  # spins that ran out of budget (then io_getevents slept)
+
+    @property
+    def spins(self) -> bool:
+        """Whether writes of up to ``SPIN_MAX_BYTES`` are waited for awake here."""
+        return self._ring is not None
 
     @classmethod
     def open(cls) -> DirectWriter | None:
@@ -119,6 +152,7 @@ class DirectWriter:
         if self._syscall(ctypes.c_long(self._numbers[2]), self._ctx, self._one, self._iocbs) != 1:
             return False
         self._inflight = data
+        self._spin_this = self._ring is not None and data.nbytes <= SPIN_MAX_BYTES
         return True
 
     def wait(self) -> int:
@@ -128,6 +162,11 @@ class DirectWriter:
         until the write completed, then raised.
         """
         held: BaseException | None = None
+        if self._spin_this:
+            try:
+                self._spin()
+            except BaseException as exc:  # a signal handler's, while spinning
+                held = exc
         number = ctypes.c_long(self._numbers[3])
         event = self._event
         event.obj = 0  # the kernel sets it (our iocb's address) with the completion
@@ -148,8 +187,34 @@ class DirectWriter:
             raise OSError(-res, os.strerror(-res))
         return int(res)
 
+    def _spin(self) -> None:
+        """Until the ring shows a posted completion or ``SPIN_US`` passed; the CPU
+        yielded (and the GIL released, in ``os.sched_yield``) between looks."""
+        ring, clock, yield_cpu = self._ring, time.perf_counter, os.sched_yield
+        assert ring is not None
+        end = clock() + SPIN_US / 1e6
+        while ring[_RING_HEAD] == ring[_RING_TAIL]:
+            if clock() > end:
+                self.spin_timeouts += 1
+                return
+            yield_cpu()
+        self.spin_ready += 1
+
     def close(self) -> None:
         """Destroy the context (no write may be in flight). Idempotent."""
+        self._ring = None  # the ring is unmapped with the context
         if self._ctx.value and os.getpid() == self._pid:
             self._syscall(ctypes.c_long(self._numbers[1]), self._ctx)
         self._ctx = ctypes.c_ulong(0)
+
+
+def _ring_of(ctx: int) -> ctypes.Array[ctypes.c_uint32] | None:
+    """The header of the completion ring at address ``ctx`` (what ``io_setup``
+    returns is that address), or None where it is not the layout we know (no
+    context, another magic, incompatible features): then ``wait`` only sleeps."""
+    if not ctx:
+        return None
+    header = (ctypes.c_uint32 * 8).from_address(ctx)
+    if header[_RING_MAGIC] != _AIO_RING_MAGIC or header[_RING_INCOMPAT] != 0:
+        return None
+    return header

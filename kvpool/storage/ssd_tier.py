@@ -27,11 +27,13 @@ of dirty pages per transaction) without changing the process-crash story.
 Data moves with O_DIRECT when the buffer is page-aligned (arena slots always
 are), bypassing the page cache as a real SSD tier must; other buffers use a
 second, buffered descriptor. Filesystems without O_DIRECT (tmpfs) fall back
-to buffered I/O. From ``_OVERLAP_BYTES`` up, the O_DIRECT write is queued
-with Linux native AIO (``kvpool.storage.direct_aio``) and the caller hashes
-the same bytes while it runs, so the checksum costs no time beside the device
-write; the record still commits only after the write completed. Where native
-AIO is unavailable the write is synchronous (hash, then write).
+to buffered I/O. The O_DIRECT write is queued with Linux native AIO
+(``kvpool.storage.direct_aio``) and the caller hashes the same bytes and
+stages the record while it runs, so neither costs time beside the device
+write; the record still commits only after the write completed. That holds
+for every size where the writer waits for small writes awake (``spins``),
+else from ``_OVERLAP_BYTES`` up. Where native AIO is unavailable the write is
+synchronous (hash, then write).
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import fcntl
 import os
 import struct
 from collections.abc import Callable, Iterator
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import lmdb
 import numpy as np
@@ -50,14 +52,15 @@ import xxhash
 from kvpool.errors import BlockTooLargeError, StorageError
 from kvpool.eviction import EvictionPolicy
 from kvpool.storage.allocator import ExtentAllocator
-from kvpool.storage.direct_aio import AioLost, DirectWriter
+from kvpool.storage.direct_aio import SPIN_US, AioLost, DirectWriter
 
 _RECORD = struct.Struct("<QQQ")  # offset, size, checksum; optional 16-byte parent follows
 _DIRECT_ALIGN = 4096
 _INITIAL_MAP_SIZE = 1 << 30
-# From here the write is queued with native AIO and hashed meanwhile. Below it
-# the overlap did not pay in `kvpool bench local` here (256 KiB: 0.82-0.90x raw
-# O_DIRECT with AIO against 0.90-0.95x synchronous; 64 KiB: no gain; issue 17).
+# Where the AIO writer cannot wait awake, the write is queued and hashed meanwhile
+# from here up. Below it that overlap did not pay when the wait slept (256 KiB:
+# 0.82-0.90x raw O_DIRECT with AIO against 0.90-0.95x synchronous; 64 KiB: 0.73
+# against 0.80; issue 17): the sleep's cold wake-up cost more than the hash.
 _OVERLAP_BYTES = 512 << 10
 
 
@@ -98,7 +101,7 @@ class SsdTier:
         self.capacity = self.allocator.capacity
         self._fd_buffered: int | None = None
         self._fd_direct: int | None = None
-        self._aio: DirectWriter | None = None  # opened on the first large write
+        self._aio: DirectWriter | None = None  # opened on the first O_DIRECT write
         self._aio_tried = False
         self._lock_fd: int | None = self._prepare_directory()
         try:
@@ -167,6 +170,18 @@ class SsdTier:
         ):
             _pread_full(self._buffered(), target, record.offset)
         return checksum_of(target) == record.checksum
+
+    def write_wait(self) -> dict[str, Any]:
+        """How O_DIRECT writes are waited for (for ``stats()``): through native AIO
+        or not (None: no write yet), the spin budget for small ones (0: they sleep),
+        and how the spins ended."""
+        aio = self._aio
+        return {
+            "aio": aio is not None if self._aio_tried else None,
+            "spin_us": SPIN_US if aio is not None and aio.spins else 0,
+            "spin_ready": aio.spin_ready if aio is not None else 0,
+            "spin_timeouts": aio.spin_timeouts if aio is not None else 0,
+        }
 
     def delete(self, key: bytes) -> None:
         """Drop the record (the caller frees the extent once no reader uses it)."""
@@ -257,8 +272,8 @@ class SsdTier:
         try:
             if (
                 fd is not None
-                and size >= _OVERLAP_BYTES
                 and (aio := self._writer()) is not None
+                and (size >= _OVERLAP_BYTES or aio.spins)
                 and aio.submit(fd, data[:rounded], offset)
             ):
                 txn = None
