@@ -93,7 +93,7 @@ def test_a_new_term_aborts_unfinished_writes_but_keeps_whole_blocks() -> None:
 
 def test_free_events_drop_only_the_committed_block_they_name() -> None:
     t = table()
-    assert t.committed(K1, 0, 100, None) is not None  # a block the node wrote itself
+    assert t.promoted(K1, 0, 100, None, 0) is not None  # a block the node loaded itself
     assert t.claim(stamp(3, offset=0, key=K2), "a") == FENCE_OK  # newer allocation
     t.finish(stamp(3, offset=0, key=K2), "a", ok=True, seal=True)
     t.freed(0)  # the free of K1's range arrives after K2 was written there
@@ -109,7 +109,7 @@ def test_listing_drops_blocks_whose_bytes_changed() -> None:
     sums = {"v": 1}
     t = BlockTable(lambda offset, size: sums["v"])
     t.new_term(1)
-    t.committed(K1, 0, 10, None)
+    t.promoted(K1, 0, 10, None, 0)
     assert len(t.listing()) == 1
     sums["v"] = 2
     assert t.listing() == []

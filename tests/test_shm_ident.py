@@ -90,10 +90,51 @@ def test_the_node_table_publishes_whole_blocks_and_retracts_before_a_claim(ident
     assert reader.check_then(K2, ALIGN, 0, ALIGN) > 0
     table.take_over(0, 4 * ALIGN)  # the node loads an SSD block over both ranges
     assert reader.check_then(K2, ALIGN, 0, 1) == -1
-    assert table.committed(K1, 0, ALIGN, None, 12) is not None  # the SSD block is whole
+    assert table.promoted(K1, 0, ALIGN, None, 12) is not None  # the SSD block is whole
     assert reader.check_then(K1, 0, 0, ALIGN) > 0
     table.freed(0, 12)
     assert reader.check_then(K1, 0, 0, 1) == -1
+
+
+def test_a_late_commit_of_a_block_loaded_before_never_returns_over_the_next_load(
+    idents,
+) -> None:
+    """The order that lost a block in CI: the node loads block 1 from SSD into a
+    range (allocation 21); the master evicts it and orders block 2 loaded into the
+    same range (allocation 22, a direct RPC: ``take_over``, then the load). Block
+    1's commit and free events, queued for the heartbeat, arrive only now, while
+    block 2's bytes are landing. The commit must not bring block 1 back (its key
+    published over block 2's bytes, and block 2 refused as overlapping): the range
+    stays unreadable until block 2's load ends, then serves block 2 alone."""
+    writer, reader = idents
+    table = BlockTable(lambda offset, size: 1, idents=writer)
+    table.new_term(3)
+    table.take_over(0, ALIGN)
+    assert table.promoted(K1, 0, ALIGN, None, 21) is not None
+    assert reader.check_then(K1, 0, 0, ALIGN) > 0
+    table.take_over(0, ALIGN)  # block 2's load starts
+    assert table.committed(K1, 0, ALIGN, None, 21) is None  # block 1's late commit
+    table.freed(0, 21)  # and its late free
+    assert table.state_of(0) is None and reader.check_then(K1, 0, 0, 1) == -1
+    assert table.promoted(K2, 0, ALIGN, None, 22) is not None  # block 2's load ends
+    assert reader.check_then(K2, 0, 0, ALIGN) > 0 and reader.check_then(K1, 0, 0, 1) == -1
+    assert table.committed(K2, 0, ALIGN, None, 22) is not None  # its own commit: checksummed
+    held = table.begin_read(K2, 0, 0, ALIGN)
+    assert held is not None and table.begin_read(K1, 0, 0, ALIGN) is None
+    table.end_read(held)
+
+
+def test_a_commit_event_never_creates_an_entry() -> None:
+    """Commit events only mark blocks the node holds: one naming a range the node
+    has nothing in (freed, taken over, never written here) leaves it empty."""
+    table = BlockTable(lambda offset, size: 1)
+    table.new_term(3)
+    assert table.committed(K1, 0, ALIGN, None, 5) is None
+    assert table.committed(K1, 0, ALIGN, None) is None  # allocation unknown (0)
+    assert table.state_of(0) is None and table.listing() == []
+    assert table.promoted(K1, 0, ALIGN, None, 5) is not None
+    assert table.promoted(K2, ALIGN // 2, ALIGN, None, 6) is None  # overlaps block 1
+    assert [row[0] for row in table.listing()] == [K1]
 
 
 @pytest.fixture

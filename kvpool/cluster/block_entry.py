@@ -1,4 +1,5 @@
-"""One entry of a node's block table (kvpool.cluster.block_table): a block range and its state.
+"""One entry of a node's block table (kvpool.cluster.block_table): a block range and its state;
+the entries by offset (``EntriesByOffset``) and the table's lock (``Waits``).
 
 States: ``CLAIMED`` (a write is being made), ``WRITTEN`` (whole, key known to
 the node), ``COMMITTED`` (the master made it visible, or it was re-registered).
@@ -6,6 +7,7 @@ the node), ``COMMITTED`` (the master made it visible, or it was re-registered).
 
 from __future__ import annotations
 
+import bisect
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +31,43 @@ class Entry:
         """As a registration reports it: [key, offset, size, checksum, parent]."""
         s = self.stamp
         return [s.key, s.offset, s.size, self.checksum, s.parent]
+
+
+class EntriesByOffset(dict[int, Entry]):
+    """The table's entries by block offset, the offsets also kept sorted (overlap
+    queries). Invariant: entries come and go only through ``add`` and ``discard``,
+    and ``add`` is only called for a free offset, so both views hold the same set."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._sorted: list[int] = []
+
+    def add(self, entry: Entry) -> None:
+        offset = entry.stamp.offset
+        self[offset] = entry
+        bisect.insort(self._sorted, offset)
+
+    def discard(self, entry: Entry) -> bool:
+        """Remove ``entry`` if it is the one at its offset; whether it was."""
+        offset = entry.stamp.offset
+        if self.get(offset) is not entry:
+            return False
+        del self[offset]
+        del self._sorted[bisect.bisect_left(self._sorted, offset)]
+        return True
+
+    def overlapping(self, offset: int, size: int) -> list[Entry]:
+        """The entries sharing a byte with ``[offset, offset + size)``, by offset."""
+        offsets = self._sorted
+        i = bisect.bisect_right(offsets, offset)
+        found = []
+        if i and (before := self[offsets[i - 1]]).stamp.offset + before.stamp.size > offset:
+            found.append(before)
+        end = offset + size
+        while i < len(offsets) and offsets[i] < end:
+            found.append(self[offsets[i]])
+            i += 1
+        return found
 
 
 class Waits:

@@ -24,6 +24,9 @@ Invariants (all under one lock):
   only that allocation's entry: after a remove and a re-put of the same key into the same range,
   a late commit or free of the old block never marks or drops the new one (0: unknown, matched
   by range and key, as events of blocks re-registered with this master are);
+- a heartbeat ``commit`` marks an entry the table holds, never creates one (SSD loads insert
+  theirs: ``promoted``): a later load's ``take_over`` (a direct RPC) can overtake the commit
+  of the block loaded before, which must not come back over the new bytes;
 - a heartbeat ``free`` drops only a ``COMMITTED`` entry: an entry written for a newer allocation
   of the same range (its commit event comes later in the ordered stream) is kept;
 - same-host readers check the identity records (kvpool.transport.shm_ident): a block's record is
@@ -37,14 +40,21 @@ Invariants (all under one lock):
 
 from __future__ import annotations
 
-import bisect
 import dataclasses
 import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.cluster.block_entry import CLAIMED, COMMITTED, NO_KEY, WRITTEN, Entry, Waits
+from kvpool.cluster.block_entry import (
+    CLAIMED,
+    COMMITTED,
+    NO_KEY,
+    WRITTEN,
+    EntriesByOffset,
+    Entry,
+    Waits,
+)
 from kvpool.cluster.sealed_claims import SealedClaims
 from kvpool.cluster.unconfirmed import Unconfirmed
 from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, FENCE_STALE, WriteStamp
@@ -74,8 +84,7 @@ class BlockTable:
         self.highest = 0  # the highest term ever served (a lower master is stale)
         self._waits = Waits()  # reads take its plain lock; end_read notifies only if waited on
         self._lock, self._cond = self._waits.lock, self._waits.cond
-        self._entries: dict[int, Entry] = {}
-        self._offsets: list[int] = []  # sorted keys of _entries
+        self._entries = EntriesByOffset()
         self._owners: dict[object, Counter[Entry]] = {}
         self._unconfirmed = Unconfirmed()  # sealed, not (yet) confirmed committed
 
@@ -93,7 +102,7 @@ class BlockTable:
                         return FENCE_STALE  # written blocks are immutable
                     self._hold(entry, owner)
                     return FENCE_OK
-                overlapped = self._overlapping(stamp.offset, stamp.size)
+                overlapped = self._entries.overlapping(stamp.offset, stamp.size)
                 for other in overlapped:
                     self._adopt_sealed(other)
                 if any(o.stamp.order >= stamp.order for o in overlapped):
@@ -211,33 +220,40 @@ class BlockTable:
         self, key: bytes, offset: int, size: int, parent: bytes | None, alloc_id: int = 0
     ) -> Entry | None:
         """The master made ``key`` (allocation ``alloc_id`` of this term; 0: unknown)
-        visible at ``offset``; the entry to checksum, if new."""
+        visible at ``offset``: the entry to checksum, or None when the table holds no
+        entry of that allocation there (freed, taken over, or another block's now)."""
         with self._cond:
             entry = self._entries.get(offset)
-            if entry is not None:
-                s = entry.stamp
-                by_id = alloc_id != 0 and s.alloc_id == alloc_id and s.epoch == self.epoch
-                mine = by_id or (self._names(entry, alloc_id) and s.key == key)
-                if mine and s.size == size:
-                    if self._adopt_sealed(entry):
-                        entry.state = COMMITTED
-                        return entry
-                    if entry.state == CLAIMED and not entry.aborted:
-                        # Committed before its seal arrived (seal and commit run in parallel;
-                        # the master commits only once the bytes are in place): whole now.
-                        entry.stamp = dataclasses.replace(s, key=key, parent=parent)
-                        self._publish(entry)
-                    entry.state = COMMITTED
-                    return entry
+            if entry is None:
+                return None  # never recreated: see the invariants above
+            s = entry.stamp
+            by_id = alloc_id != 0 and s.alloc_id == alloc_id and s.epoch == self.epoch
+            mine = by_id or (self._names(entry, alloc_id) and s.key == key)
+            if not (mine and s.size == size):
                 return None  # another (newer) allocation of the range holds it now
-            if not self._overlapping(offset, size):
-                # Bytes the node wrote itself (SSD promotion): no client stamp.
-                stamp = WriteStamp(self.epoch, alloc_id, offset, size, key, parent)
-                entry = Entry(stamp, COMMITTED)
-                self._insert(entry)
-                self._publish(entry)
+            if self._adopt_sealed(entry):
+                entry.state = COMMITTED
                 return entry
-            return None  # a newer allocation of the range already took it over
+            if entry.state == CLAIMED and not entry.aborted:
+                # Committed before its seal arrived (seal and commit run in parallel;
+                # the master commits only once the bytes are in place): whole now.
+                entry.stamp = dataclasses.replace(s, key=key, parent=parent)
+                self._publish(entry)
+            entry.state = COMMITTED
+            return entry
+
+    def promoted(
+        self, key: bytes, offset: int, size: int, parent: bytes | None, alloc_id: int
+    ) -> Entry | None:
+        """The node loaded ``key`` from SSD into allocation ``alloc_id``'s range (after
+        ``take_over``): whole and readable now; None if a newer entry overlaps it."""
+        with self._cond:
+            if self._entries.overlapping(offset, size):
+                return None
+            entry = Entry(WriteStamp(self.epoch, alloc_id, offset, size, key, parent), COMMITTED)
+            self._insert(entry)
+            self._publish(entry)
+            return entry
 
     def freed(self, offset: int, alloc_id: int = 0) -> None:
         """The master freed the block of allocation ``alloc_id`` (0: unknown) at ``offset``."""
@@ -262,7 +278,7 @@ class BlockTable:
         there is refused."""
         deadline = time.monotonic() + self.claim_wait
         with self._cond:
-            overlapped = self._overlapping(offset, size)
+            overlapped = self._entries.overlapping(offset, size)
             for entry in overlapped:
                 entry.aborted = True
             while any(e.inflight > 0 for e in overlapped):
@@ -362,35 +378,15 @@ class BlockTable:
         if entry.aborted and entry.inflight <= 0 and self._entries.get(entry.stamp.offset) is entry:
             self._remove(entry)
 
-    def _overlapping(self, offset: int, size: int) -> list[Entry]:
-        offsets = self._offsets
-        i = bisect.bisect_right(offsets, offset) - 1
-        found = []
-        if i >= 0:
-            before = self._entries[offsets[i]]
-            if before.stamp.offset + before.stamp.size > offset:
-                found.append(before)
-        j = bisect.bisect_right(offsets, offset)
-        end = offset + size
-        while j < len(offsets) and offsets[j] < end:
-            found.append(self._entries[offsets[j]])
-            j += 1
-        return found
-
     def _insert(self, entry: Entry) -> None:
-        offset = entry.stamp.offset
-        self._entries[offset] = entry
-        bisect.insort(self._offsets, offset)
+        self._entries.add(entry)
         if self._idents is not None:
-            self._idents.retract(offset)  # not readable until published
+            self._idents.retract(entry.stamp.offset)  # not readable until published
 
     def _remove(self, entry: Entry) -> None:
-        offset = entry.stamp.offset
-        if self._entries.get(offset) is entry:
-            del self._entries[offset]
-            del self._offsets[bisect.bisect_left(self._offsets, offset)]
+        if self._entries.discard(entry):
             if self._idents is not None:
-                self._idents.retract(offset)
+                self._idents.retract(entry.stamp.offset)
             if self._claims is not None:
                 self._claims.gone(entry)
 

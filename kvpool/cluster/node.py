@@ -235,7 +235,7 @@ class StorageNode:
             found = self.ssd.describe(key) if ok else None
             if found is not None:
                 alloc_id = rest[0] if rest else 0
-                self.table.committed(key, offset, found[0], found[1], alloc_id)
+                self.table.promoted(key, offset, found[0], found[1], alloc_id)
         return loaded
 
     def _rpc(self) -> MasterLink:

@@ -8,6 +8,7 @@ about it in the reply. Thread-safe (RPC workers and the heartbeat thread).
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections import OrderedDict
 from typing import Any
@@ -19,6 +20,7 @@ from kvpool.eviction import make_policy
 from kvpool.storage.ssd_tier import SsdRecord, SsdTier
 
 _PAGE = 4096
+log = logging.getLogger("kvpool.cluster.node")
 
 
 class NodeSsd:
@@ -64,6 +66,7 @@ class NodeSsd:
                 if ok:
                     self._records.move_to_end(key)
                 else:
+                    log.warning("SSD block %s failed its checksum: dropped", key.hex())
                     self._drop(key)
                 results.append(ok)
         return results
