@@ -11,6 +11,7 @@ import time
 import numpy as np
 import pytest
 
+from kvpool.cluster.block_entry import COMMITTED
 from kvpool.cluster.block_table import BlockTable
 from kvpool.storage.arena import SharedArena
 from kvpool.transport.base import RegionInfo, host_identity
@@ -92,6 +93,7 @@ def test_the_node_table_publishes_whole_blocks_and_retracts_before_a_claim(ident
     assert reader.check_then(K2, ALIGN, 0, 1) == -1
     assert table.promoted(K1, 0, ALIGN, None, 12) is not None  # the SSD block is whole
     assert reader.check_then(K1, 0, 0, ALIGN) > 0
+    assert table.committed(K1, 0, ALIGN, None, 12) is not None  # the master's commit
     table.freed(0, 12)
     assert reader.check_then(K1, 0, 0, 1) == -1
 
@@ -105,7 +107,9 @@ def test_a_late_commit_of_a_block_loaded_before_never_returns_over_the_next_load
     1's commit and free events, queued for the heartbeat, arrive only now, while
     block 2's bytes are landing. The commit must not bring block 1 back (its key
     published over block 2's bytes, and block 2 refused as overlapping): the range
-    stays unreadable until block 2's load ends, then serves block 2 alone."""
+    stays unreadable until block 2's load ends, then serves block 2 alone; a free
+    that arrives late, even one naming no allocation, leaves block 2 (it is
+    ``WRITTEN`` until its own commit, which the event stream delivers after)."""
     writer, reader = idents
     table = BlockTable(lambda offset, size: 1, idents=writer)
     table.new_term(3)
@@ -114,11 +118,15 @@ def test_a_late_commit_of_a_block_loaded_before_never_returns_over_the_next_load
     assert reader.check_then(K1, 0, 0, ALIGN) > 0
     table.take_over(0, ALIGN)  # block 2's load starts
     assert table.committed(K1, 0, ALIGN, None, 21) is None  # block 1's late commit
-    table.freed(0, 21)  # and its late free
     assert table.state_of(0) is None and reader.check_then(K1, 0, 0, 1) == -1
     assert table.promoted(K2, 0, ALIGN, None, 22) is not None  # block 2's load ends
     assert reader.check_then(K2, 0, 0, ALIGN) > 0 and reader.check_then(K1, 0, 0, 1) == -1
+    table.freed(0, 21)  # block 1's late free: block 2 stays
+    table.freed(0, 0)  # nor does a free naming no allocation (a block the master
+    # knows from a re-registration: it was freed there before block 2 was loaded)
+    assert reader.check_then(K2, 0, 0, ALIGN) > 0
     assert table.committed(K2, 0, ALIGN, None, 22) is not None  # its own commit: checksummed
+    assert table.state_of(0) == COMMITTED
     held = table.begin_read(K2, 0, 0, ALIGN)
     assert held is not None and table.begin_read(K1, 0, 0, ALIGN) is None
     table.end_read(held)

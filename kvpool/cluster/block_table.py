@@ -5,9 +5,9 @@ key, parent; kvpool.transport.fencing). The table keeps one entry per block rang
 overlapping, each in one of three states:
 
 - ``CLAIMED``: a write is being made (the bytes are not complete);
-- ``WRITTEN``: a final or sealed write completed: the node knows the key and the bytes are
-  whole, so the block is reported at the next registration even if the master that allocated it
-  crashed before it heard of it;
+- ``WRITTEN``: a final or sealed write (or an SSD load) completed: the node knows the key and
+  the bytes are whole, so the block is reported at the next registration even if the master that
+  allocated it crashed before it heard of it;
 - ``COMMITTED``: the master told the node (heartbeat event) that the block is visible, or the
   node re-registered it with a master.
 
@@ -246,11 +246,13 @@ class BlockTable:
         self, key: bytes, offset: int, size: int, parent: bytes | None, alloc_id: int
     ) -> Entry | None:
         """The node loaded ``key`` from SSD into allocation ``alloc_id``'s range (after
-        ``take_over``): whole and readable now; None if a newer entry overlaps it."""
+        ``take_over``): whole and readable now, ``WRITTEN`` until the master's commit
+        (a late free of the range's previous block keeps it); None if a newer entry
+        overlaps it."""
         with self._cond:
             if self._entries.overlapping(offset, size):
                 return None
-            entry = Entry(WriteStamp(self.epoch, alloc_id, offset, size, key, parent), COMMITTED)
+            entry = Entry(WriteStamp(self.epoch, alloc_id, offset, size, key, parent), WRITTEN)
             self._insert(entry)
             self._publish(entry)
             return entry
