@@ -496,6 +496,42 @@ def test_ssd_copies_turn_evictions_into_demotions() -> None:
     cat.nodes["a"].allocator.check()
 
 
+@pytest.mark.parametrize("meanwhile", ["removed", "promoted by another read"])
+def test_a_load_the_catalog_no_longer_wants_is_freed_on_the_node(meanwhile: str) -> None:
+    """The node loaded the block, but while it did the block was removed or another
+    read promoted it first: the range goes back to the allocator and the node hears
+    a free naming that load's allocation (else its table kept the loaded block)."""
+    cat = BlockCatalog(clock=Clock())
+    cat.add_node("a", 2 * PAGE, {}, has_ssd=True)
+    key, *others = make_keys(3)
+    put(cat, key)
+    cat.ssd_tier.ssd_stored("a", cat.ssd_tier.pick_for_ssd("a", PAGE), [key], [])
+    for other in others:  # the second evicts ``key``: SSD-only now
+        put(cat, other)
+    assert all(cat.remove(other) for other in others)  # DRAM empty: room for two loads
+    block = cat.blocks[key]
+    assert cat.ssd_tier.ssd_only(block)
+    cat.drain_events("a")
+    lease_id, _ = cat.lease([key])
+    first = cat.ssd_tier.reserve_promotion(block)
+    second = cat.ssd_tier.reserve_promotion(block)
+    assert first is not None and second is not None
+    if meanwhile == "removed":
+        assert cat.remove(key)
+        cat.ssd_tier.finish_promotion(block, first, ok=True)
+        assert cat.drain_events("a")[-1] == RangeFreed(first.offset, first.alloc_id)
+    else:
+        cat.ssd_tier.finish_promotion(block, first, ok=True)
+        assert cat.drain_events("a")[-1] == BlockCommitted(
+            key, first.offset, PAGE, None, first.alloc_id
+        )
+    cat.ssd_tier.finish_promotion(block, second, ok=True)
+    assert cat.drain_events("a")[-1] == RangeFreed(second.offset, second.alloc_id)
+    cat.release(lease_id)
+    cat.nodes["a"].allocator.check()
+    assert cat.nodes["a"].allocator.used_bytes == (0 if meanwhile == "removed" else PAGE)
+
+
 def test_ssd_loss_and_remove() -> None:
     cat = BlockCatalog(clock=Clock())
     cat.add_node("a", PAGE, {}, has_ssd=True)

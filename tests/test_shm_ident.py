@@ -132,6 +132,21 @@ def test_a_late_commit_of_a_block_loaded_before_never_returns_over_the_next_load
     table.end_read(held)
 
 
+def test_a_load_the_master_no_longer_wants_goes_on_its_own_free(idents) -> None:
+    """The master freed a load's allocation instead of committing it (the block was
+    removed meanwhile): the free names that allocation, and the loaded block goes
+    (before, it stayed readable, and a re-registration would have reported it)."""
+    writer, reader = idents
+    table = BlockTable(lambda offset, size: 1, idents=writer)
+    table.new_term(3)
+    assert table.promoted(K1, 0, ALIGN, None, 21) is not None
+    table.freed(0, 20)  # another allocation's free: kept
+    table.freed(0, 0)
+    assert reader.check_then(K1, 0, 0, ALIGN) > 0
+    table.freed(0, 21)
+    assert table.state_of(0) is None and reader.check_then(K1, 0, 0, 1) == -1
+
+
 def test_a_commit_event_never_creates_an_entry() -> None:
     """Commit events only mark blocks the node holds: one naming a range the node
     has nothing in (freed, taken over, never written here) leaves it empty."""

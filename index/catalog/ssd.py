@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvpool.index.catalog.events import BlockCommitted, SsdCopyDropped
+from kvpool.index.catalog.events import BlockCommitted, RangeFreed, SsdCopyDropped
 from kvpool.index.catalog.records import Allocation, BlockMeta, Replica
 from kvpool.index.catalog.state import CatalogState
 
@@ -114,7 +114,8 @@ class SsdTier:
         return None
 
     def finish_promotion(self, block: BlockMeta, alloc: Allocation, ok: bool) -> None:
-        """The node loaded (``ok``) or failed to load the block into ``alloc``'s range."""
+        """The node loaded (``ok``) or failed to load the block into ``alloc``'s range.
+        A load the catalog no longer wants is freed, and the node told to drop it."""
         state = self.state
         node = state.nodes.get(alloc.node_id)
         if node is None:
@@ -124,6 +125,8 @@ class SsdTier:
             node.allocator.free(alloc.offset)
             if not ok:
                 state.forget_ssd_copy(node, block.key)
+            else:  # loaded, but not wanted now (removed, or promoted by another read)
+                node.events.append(RangeFreed(alloc.offset, alloc.alloc_id))
             return
         replica.tier, replica.offset, replica.alloc_id = "dram", alloc.offset, alloc.alloc_id
         state.policy_of(replica).on_insert(block.key, block.parent)

@@ -28,7 +28,8 @@ Invariants (all under one lock):
   theirs: ``promoted``): a later load's ``take_over`` (a direct RPC) can overtake the commit
   of the block loaded before, which must not come back over the new bytes;
 - a heartbeat ``free`` drops only a ``COMMITTED`` entry: an entry written for a newer allocation
-  of the same range (its commit event comes later in the ordered stream) is kept;
+  of the same range (its commit event comes later in the ordered stream) is kept; or a
+  ``WRITTEN`` one it names by its own allocation id (an SSD load the master no longer wants);
 - same-host readers check the identity records (kvpool.transport.shm_ident): a block's record is
   published once it is whole (WRITTEN or COMMITTED) and retracted when its entry goes or another
   entry starts there, always before a claim that lets new bytes into the range is granted;
@@ -227,9 +228,8 @@ class BlockTable:
             if entry is None:
                 return None  # never recreated: see the invariants above
             s = entry.stamp
-            by_id = alloc_id != 0 and s.alloc_id == alloc_id and s.epoch == self.epoch
-            mine = by_id or (self._names(entry, alloc_id) and s.key == key)
-            if not (mine and s.size == size):
+            named = self._names(entry, alloc_id) and s.key == key
+            if not ((self._is_allocation(entry, alloc_id) or named) and s.size == size):
                 return None  # another (newer) allocation of the range holds it now
             if self._adopt_sealed(entry):
                 entry.state = COMMITTED
@@ -261,11 +261,10 @@ class BlockTable:
         """The master freed the block of allocation ``alloc_id`` (0: unknown) at ``offset``."""
         with self._cond:
             entry = self._entries.get(offset)
-            if (
-                entry is not None
-                and entry.state == COMMITTED
-                and not entry.inflight
-                and self._names(entry, alloc_id)
+            if entry is None or entry.inflight:
+                return
+            if (entry.state == COMMITTED and self._names(entry, alloc_id)) or (
+                entry.state == WRITTEN and self._is_allocation(entry, alloc_id)  # an unwanted load
             ):
                 self._remove(entry)
                 self._cond.notify_all()
@@ -352,15 +351,18 @@ class BlockTable:
             self._adopt_sealed(entry)
         return entries
 
+    def _is_allocation(self, entry: Entry, alloc_id: int) -> bool:
+        """Whether ``entry`` is exactly allocation ``alloc_id`` of this term."""
+        s = entry.stamp
+        return alloc_id != 0 and s.alloc_id == alloc_id and s.epoch == self.epoch
+
     def _names(self, entry: Entry, alloc_id: int) -> bool:
         """Whether a heartbeat event about allocation ``alloc_id`` is about ``entry``.
 
         Allocation ids are unique within a term; an entry of an older term (a
         block re-registered with this master) is known to it as 0. Either side
         0 (unknown: an old master, a restored block) falls back to the range."""
-        if alloc_id == 0 or entry.stamp.alloc_id == 0:
-            return True
-        return entry.stamp.alloc_id == alloc_id and entry.stamp.epoch == self.epoch
+        return alloc_id == 0 or entry.stamp.alloc_id == 0 or self._is_allocation(entry, alloc_id)
 
     def _hold(self, entry: Entry, owner: object) -> None:
         entry.inflight += 1
