@@ -172,6 +172,26 @@ def test_a_stale_checked_read_in_a_pipeline_keeps_the_stream_in_sync(fenced_serv
         assert (out == 5).all()
 
 
+def test_a_refused_checked_read_puts_no_text_in_the_callers_buffer(fenced_server) -> None:
+    """A refusal is as long as an ok reply and lands where the payload would: its
+    message is cut to the reply's pad, so whatever the stream offset (each write's
+    16-byte acknowledgement moves it, so four writes give every pad: 48, 32, 16,
+    0), the reader's buffer gets NULs, never the message's text (which spilled
+    into it where the pad was under its 37 bytes)."""
+    _, _, tcp = fenced_server
+    for i in range(4):
+        stamp = WriteStamp(3, 50 + i, i * 4096, 4096, K2)
+        assert tcp.stamped(
+            [(w.OP_WRITE_FINAL, stamp.pack(), i * 4096, np.full(4096, 3, np.uint8))]
+        ) == [w.ST_OK]
+        batch, single = np.zeros(4096, np.uint8), np.zeros(4096, np.uint8)
+        assert tcp.read_blocks([(i * 4096, batch, K1, i * 4096)]) == [False]
+        assert not tcp.read_block(i * 4096, 0, single, K1)
+        assert not batch.any() and not single.any(), i
+    out = np.zeros(4096, np.uint8)  # still in sync
+    assert tcp.read_block(3 * 4096, 0, out, K2) and (out == 3).all()
+
+
 def test_a_batch_with_one_output_that_is_not_a_plain_host_array_reads_every_block(
     fenced_server,
 ) -> None:

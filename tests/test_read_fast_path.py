@@ -90,7 +90,7 @@ def test_a_stale_cached_lease_is_a_miss_never_another_blocks_bytes(cluster, tran
         before = pool.stats()["client"]["misses"]
         out[:] = 0
         assert pool.get_into(a, out) is None  # fast path refused, general path refused
-        assert not out.any()  # checked before any byte moved
+        assert not out.any()  # no other block's bytes, nor text: TCP's refusal fills NULs
         assert pool.get_into_batch([a, b], [np.zeros(BLOCK, np.uint8)] * 2) == [None, BLOCK]
         assert pool.stats()["client"]["misses"] == before + 2
         assert pool.get_into(b, out) == BLOCK and np.array_equal(out, payload(2))

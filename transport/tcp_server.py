@@ -302,7 +302,7 @@ class TcpDataServer:
         held = None if fence is None else fence.begin_read(key, block_offset, offset, length)
         pad = -(sent + w.RESP.size) % w.ALIGN  # w.read_pad, inline
         if held is None:
-            reply = _stale_reply(rid, pad + length if offset + length <= self.size else 0)
+            reply = _stale_reply(rid, pad + length if offset + length <= self.size else 0, pad)
             sock.sendall(reply)
             return len(reply)
         total = w.RESP.size + pad + length
@@ -339,7 +339,7 @@ class TcpDataServer:
                 entry = None if begin is None else begin(key, block_offset, offset, length)
                 pad = -(sent + w.RESP.size) % w.ALIGN  # w.read_pad, inline
                 if entry is None:
-                    reply = _stale_reply(rid, pad + length if offset + length <= size else 0)
+                    reply = _stale_reply(rid, pad + length if offset + length <= size else 0, pad)
                     parts.append(reply)
                     sent += len(reply)
                 else:
@@ -381,8 +381,10 @@ class TcpDataServer:
         )
 
 
-def _stale_reply(rid: int, fill: int) -> bytes:
-    """A refused checked read's reply, its message cut or NUL-filled to ``fill`` (an
-    ok reply's pad + payload: as long as an ok reply; 0: the whole message)."""
-    msg = _STALE_MSG[:fill].ljust(fill, b"\0") if fill else _STALE_MSG
+def _stale_reply(rid: int, fill: int, pad: int) -> bytes:
+    """A refused checked read's reply, as long as an ok one: ``fill`` bytes (the ok
+    reply's pad + payload; 0: the whole message, unpadded) of which only the first
+    ``pad`` carry text, the rest NULs: the reader receives this where the payload
+    would land, so its buffer gets NULs, never text that could pass for bytes."""
+    msg = _STALE_MSG[:pad].ljust(fill, b"\0") if fill else _STALE_MSG
     return w.RESP.pack(w.ST_STALE, rid, len(msg)) + msg

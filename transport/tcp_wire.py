@@ -23,7 +23,7 @@ Then any number of requests, answered strictly in order:
   gets ``ST_STALE`` or ``ST_BUSY`` (its pad and payload are drained: the
   connection stays usable); ``READ_BLOCK`` (+ ``IDENT``) is a READ answered ``ST_STALE``
   when the range no longer holds the named block, that refusal exactly as long as
-  an ok reply (its message cut or NUL-filled to the ok reply's pad + payload), so a
+  an ok reply (its message cut to the ok reply's pad, NULs in place of the payload), so a
   client places every reply of a pipeline of checked reads before any arrives (one
   scatter receive); a server may answer a batch of them with one gather send;
 - ``RESP`` (status, request id, length); for an ok READ or READ_BLOCK ``pad``
