@@ -42,7 +42,7 @@ from kvpool.config import format_size
 
 if TYPE_CHECKING:
     from kvpool.bench.common import Row
-    from kvpool.bench.remote import RemoteRow
+    from kvpool.bench.remote_rows import RemoteRow
 
 #: The prefix suite's latency target (issue 17): its rows' baseline.
 PREFIX_TARGET_US = 200.0

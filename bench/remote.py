@@ -30,23 +30,22 @@ least two batches, at most 512 blocks), every buffer is pre-faulted, and puts
 are timed into freshly freed ranges (the keys are removed, untimed, before
 every round).
 
-``--peer mooncake`` adds rows for Mooncake Store (its master plus a second
-process over TCP; this process reads and writes through its TCP transfer
-engine) when ``mooncake-transfer-engine-non-cuda`` is importable, with the
-same sizes, ops and raw-socket baseline; otherwise it prints why it skipped.
+``--peer mooncake`` adds rows for Mooncake Store (``kvpool.bench.mooncake_peer``:
+its master plus a second process over TCP; this process reads and writes
+through its TCP transfer engine) when ``mooncake-transfer-engine-non-cuda`` is
+importable, with the same sizes, ops and raw-socket baseline, each size's rows
+right after ours of that size; otherwise it prints why it skipped.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, closing, contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -54,11 +53,12 @@ import numpy as np
 
 from kvpool.api import KVStore
 from kvpool.args import positive_int, size_arg, sizes_arg
-from kvpool.bench.common import Timing, count_for, faulted, paired, write_json
+from kvpool.bench.common import count_for, faulted, paired, write_json
+from kvpool.bench.mooncake_peer import mooncake_peer
+from kvpool.bench.remote_rows import RemoteRow, on_cpus, print_rows, remote_row
 from kvpool.bench.remote_transport import RawClient, split_cpus
 from kvpool.cluster.client.grants import DEFAULT_GRANT_BYTES
 from kvpool.cluster.client.remote_pool import RemotePool
-from kvpool.config import format_size
 from kvpool.procs import spawn_kvpool, stop_by_stdin
 
 WORKING_SET = 64 << 20
@@ -66,45 +66,7 @@ TRANSPORTS = ("shm", "tcp", "ucx")
 _PAGE = 4096
 
 
-@dataclass
-class RemoteRow:
-    """One result line: ours against the baseline measured in the same run."""
-
-    op: str
-    transport: str
-    size: int  # bytes per block (batch rows: per block too)
-    gbps: float
-    baseline: str
-    baseline_gbps: float
-    ratio: float
-    p50_us: float  # per call (batch rows: per batch call)
-    p99_us: float
-    batch: int = 1
-    store: str = "kvpool"
-
-
-def _row(op: str, transport: str, size: int, ours: Timing, base: Timing,
-         baseline: str, batch: int = 1, store: str = "kvpool") -> RemoteRow:  # fmt: skip
-    return RemoteRow(
-        op=op,
-        transport=transport,
-        size=size,
-        gbps=round(ours.gbps, 3),
-        baseline=baseline,
-        baseline_gbps=round(base.gbps, 3),
-        ratio=round(ours.gbps / base.gbps, 3),
-        p50_us=round(ours.percentile_us(50), 1),
-        p99_us=round(ours.percentile_us(99), 1),
-        batch=batch,
-        store=store,
-    )
-
-
 # --- processes ------------------------------------------------------------------------
-
-
-def _preexec(cpus: set[int] | None) -> Callable[[], None] | None:
-    return (lambda: os.sched_setaffinity(0, cpus)) if cpus else None
 
 
 @contextmanager
@@ -115,7 +77,7 @@ def _raw_server(region: int, cpus: set[int] | None) -> Iterator[int]:
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
-        preexec_fn=_preexec(cpus),
+        preexec_fn=on_cpus(cpus),
     )
     assert popen.stdout is not None and popen.stdin is not None
     try:
@@ -279,13 +241,13 @@ def _kvpool_rows(
     remove_all()
     if "put" in ops:
         base, ours = paired(size, b_put, put, count, rounds, remove_all)
-        rows.append(_row("put", transport, size, ours, base, what))
+        rows.append(remote_row("put", transport, size, ours, base, what))
     else:  # the reads need the keys stored
         for i in range(count):
             put(i)
     if "get_into" in ops:
         base, ours = paired(size, b_get, get, count, rounds)
-        rows.append(_row("get_into", transport, size, ours, base, what))
+        rows.append(remote_row("get_into", transport, size, ours, base, what))
     # The same reads inside one lease held over the whole working set (as a
     # layer-wise reader holds its prefix): no master round trip per call, so
     # this row is the client's data path alone.
@@ -294,14 +256,14 @@ def _kvpool_rows(
             if len(lease.keys) != count:
                 raise RuntimeError("a stored key could not be leased")
             base, ours = paired(size, b_get, get, count, rounds)
-        rows.append(_row("get_into_leased", transport, size, ours, base, what))
+        rows.append(remote_row("get_into_leased", transport, size, ours, base, what))
     n = len(groups)
     if "put_batch" in ops:
         base, ours = paired(size * batch, b_put_batch, put_batch, n, rounds, remove_all)
-        rows.append(_row("put_batch", transport, size, ours, base, what_put_b, batch))
+        rows.append(remote_row("put_batch", transport, size, ours, base, what_put_b, batch))
     if "get_into_batch" in ops:
         base, ours = paired(size * batch, b_get_batch, get_batch, n, rounds)
-        rows.append(_row("get_into_batch", transport, size, ours, base, what_get_b, batch))
+        rows.append(remote_row("get_into_batch", transport, size, ours, base, what_get_b, batch))
     remove_all()
     used = pool.stats()["transport"]
     if used != transport:
@@ -370,6 +332,8 @@ def run_remote(
         raise ValueError(f"unknown transport(s) {sorted(unknown)}; choose from shm, tcp, ucx")
     if batch < 1 or rounds < 1:
         raise ValueError("--batch and --rounds must be at least 1")
+    if peer not in (None, "mooncake"):
+        raise ValueError(f"unknown peer {peer!r} (supported: mooncake)")
     counts = {s: _count(s, batch, working_set) for s in sizes}
     region = max(counts[s] * _rounded(s) for s in sizes)
     # Headroom, plus room for the put grants of every client (one per transport):
@@ -385,266 +349,28 @@ def run_remote(
     client_cpus, server_cpus = split if split else (None, None)
     saved = os.sched_getaffinity(0)
     rows: list[RemoteRow] = []
-    with (
-        local_cluster(dram, server_cpus, room / dram) as url,
-        _raw_server(region, server_cpus) as raw_port,
-    ):
+    with ExitStack() as running:
+        url = running.enter_context(local_cluster(dram, server_cpus, room / dram))
+        raw_port = running.enter_context(_raw_server(region, server_cpus))
         usable = _usable(transports, url)
-        pools = {t: connect_client(url, t) for t in usable}
+        pools = {t: running.enter_context(closing(connect_client(url, t))) for t in usable}
+        mooncake = running.enter_context(mooncake_peer(region, server_cpus)) if peer else None
         raw = RawClient(raw_port)
-        try:
-            if client_cpus:
-                os.sched_setaffinity(0, client_cpus)
-            for size in sizes:
-                bufs = _Buffers.make(size, counts[size])
-                for t in usable:
-                    rows += _kvpool_rows(pools[t], t, bufs, raw, batch, rounds, ops)
-                del bufs
-        finally:
-            os.sched_setaffinity(0, saved)
-            raw.sock.close()
-            for pool in pools.values():
-                pool.close()
-    if peer == "mooncake":
-        rows += run_mooncake(sizes, batch, rounds, pin, working_set)
-    elif peer:
-        raise ValueError(f"unknown peer {peer!r} (supported: mooncake)")
-    return rows
-
-
-# --- Mooncake Store peer ----------------------------------------------------------
-
-_MC_HOLDER = r"""
-import sys, time
-from mooncake.store import MooncakeDistributedStore
-store = MooncakeDistributedStore()
-rc = store.setup("127.0.0.1", "P2PHANDSHAKE", int(sys.argv[1]), 16 << 20, "tcp", "", sys.argv[2])
-print("mooncake holder ready", rc, flush=True)
-sys.stdin.read()
-"""
-
-
-def _mooncake_missing() -> str:
-    """'' when Mooncake Store can be tried here, else why not."""
-    try:
-        from mooncake.store import MooncakeDistributedStore  # noqa: F401
-    except Exception as exc:  # ImportError, or OSError when libibverbs is missing
-        return (
-            f"mooncake is not importable ({type(exc).__name__}: {exc}); "
-            "pip install mooncake-transfer-engine-non-cuda and apt-get install libibverbs1"
-        )
-    if _mooncake_master() is None:
-        return "the mooncake_master binary was not found"
-    return ""
-
-
-def _mooncake_master() -> str | None:
-    """The mooncake_master executable shipped inside the wheel (else on PATH)."""
-    import mooncake
-
-    path = os.path.join(os.path.dirname(mooncake.__file__), "mooncake_master")
-    return path if os.access(path, os.X_OK) else shutil.which("mooncake_master")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def run_mooncake(
-    sizes: Sequence[int], batch: int, rounds: int, pin: bool, working_set: int = WORKING_SET
-) -> list[RemoteRow]:
-    """The same workload against Mooncake Store over TCP; [] (and a message) if absent."""
-    os.environ.setdefault("MC_TCP_BIND_ADDRESS", "127.0.0.1")
-    why = _mooncake_missing()
-    if why:
-        print(f"peer mooncake: skipped ({why})")
-        return []
-    with _stderr_to_file() as log:  # Mooncake logs every step at INFO on stderr (glog)
-        try:
-            return _run_mooncake(sizes, batch, rounds, pin, working_set)
-        except BaseException:
-            log.seek(0)
-            tail = log.read()[-4000:].decode(errors="replace")
-            print(f"peer mooncake failed; its log ends with:\n{tail}", file=sys.__stdout__)
-            raise
-
-
-@contextmanager
-def _stderr_to_file() -> Iterator[Any]:
-    """Point file descriptor 2 at a temporary file for the duration (C++ logs included)."""
-    import tempfile
-
-    sys.stderr.flush()
-    saved = os.dup(2)
-    with tempfile.TemporaryFile() as log:
-        os.dup2(log.fileno(), 2)
-        try:
-            yield log
-        finally:
-            sys.stderr.flush()
-            os.dup2(saved, 2)
-            os.close(saved)
-
-
-def _run_mooncake(
-    sizes: Sequence[int], batch: int, rounds: int, pin: bool, working_set: int
-) -> list[RemoteRow]:
-    from mooncake.store import MooncakeDistributedStore
-
-    split = split_cpus() if pin else None
-    client_cpus, server_cpus = split if split else (None, None)
-    saved = os.sched_getaffinity(0)
-    counts = {s: _count(s, batch, working_set) for s in sizes}
-    region = max(counts[s] * _rounded(s) for s in sizes)
-    rows: list[RemoteRow] = []
-    port = _free_port()
-    holder_bytes = region + region // 2 + (64 << 20)
-    master = subprocess.Popen(
-        [
-            str(_mooncake_master()),
-            f"--rpc_port={port}",
-            f"--metrics_port={_free_port()}",
-            "--rpc_address=127.0.0.1",
-            "--default_kv_lease_ttl=5000",  # 100 ms expired 8 x 16 MiB batches under load
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        preexec_fn=_preexec(server_cpus),
-    )
-    holder = None
-    try:
-        time.sleep(1.0)
-        # The second process contributes the memory the blocks live in: so every
-        # byte crosses a process boundary over Mooncake's TCP transport.
-        holder = subprocess.Popen(
-            [sys.executable, "-c", _MC_HOLDER, str(holder_bytes), f"127.0.0.1:{port}"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.DEVNULL,
-            text=True,
-            env=dict(os.environ),
-            preexec_fn=_preexec(server_cpus),
-        )
-        assert holder.stdout is not None
-        line = holder.stdout.readline()
-        if "ready 0" not in line:
-            print(f"peer mooncake: skipped (holder process failed: {line.strip()!r})")
-            return []
-        store = MooncakeDistributedStore()
-        # This process lends no memory (segment 0), so every block lives in the holder.
-        rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 0, 16 << 20, "tcp", "", f"127.0.0.1:{port}")
-        if rc != 0:
-            print(f"peer mooncake: skipped (client setup returned {rc})")
-            return []
-        with _raw_server(region, server_cpus) as raw_port:
-            raw = RawClient(raw_port)
-            try:
-                if client_cpus:
-                    os.sched_setaffinity(0, client_cpus)
-                for size in sizes:
-                    rows += _mooncake_rows(store, size, counts[size], raw, batch, rounds)
-            finally:
-                os.sched_setaffinity(0, saved)
-                raw.sock.close()
-        with suppress(Exception):
-            store.close()
-    finally:
-        if holder is not None:
-            stop_by_stdin(holder, 15)
-        master.terminate()
-        try:
-            master.wait(10)
-        except subprocess.TimeoutExpired:
-            master.kill()
-            master.wait(10)
-    return rows
-
-
-def _mooncake_rows(
-    store: Any, size: int, count: int, raw: RawClient, batch: int, rounds: int
-) -> list[RemoteRow]:
-    srcs = [faulted(size) for _ in range(count)]
-    outs = [faulted(size, fill=0) for _ in range(count)]
-    for buf in [*srcs, *outs]:
-        if store.register_buffer(buf.ctypes.data, size) != 0:
-            raise RuntimeError("mooncake register_buffer failed")
-    keys = [f"bench-{size}-{i}" for i in range(count)]
-    offs = [i * size for i in range(count)]
-    groups = [list(range(g, g + batch)) for g in range(0, count, batch)]
-
-    def remove_all() -> None:
-        for key in keys:
-            store.remove(key, True)  # force: a just-read object is leased for a while
-
-    def put(i: int) -> None:
-        if store.put_from(keys[i], srcs[i].ctypes.data, size) != 0:
-            raise RuntimeError("mooncake put_from failed")
-
-    def get(i: int) -> None:
-        if store.get_into(keys[i], outs[i].ctypes.data, size) != size:
-            raise RuntimeError("mooncake get_into failed")
-
-    def put_batch(g: int) -> None:
-        idx = groups[g]
-        rcs = store.batch_put_from(
-            [keys[i] for i in idx], [srcs[i].ctypes.data for i in idx], [size] * len(idx)
-        )
-        if any(rc != 0 for rc in rcs):
-            raise RuntimeError("mooncake batch_put_from failed")
-
-    def get_batch(g: int) -> None:
-        idx = groups[g]
-        got = store.batch_get_into(
-            [keys[i] for i in idx], [outs[i].ctypes.data for i in idx], [size] * len(idx)
-        )
-        if list(got) != [size] * len(idx):
-            raise RuntimeError("mooncake batch_get_into failed")
-
-    def b_put_batch(g: int) -> None:
-        for i in groups[g]:
-            raw.put(offs[i], srcs[i])
-
-    rows = []
-    remove_all()
-    what = "raw socket req/resp"
-    base, ours = paired(size, lambda i: raw.put(offs[i], srcs[i]), put, count, rounds,
-                         remove_all)  # fmt: skip
-    rows.append(_row("put", "tcp", size, ours, base, what, store="mooncake"))
-    base, ours = paired(size, lambda i: raw.get(offs[i], outs[i]), get, count, rounds)
-    rows.append(_row("get_into", "tcp", size, ours, base, what, store="mooncake"))
-    n = len(groups)
-    base, ours = paired(size * batch, b_put_batch, put_batch, n, rounds, remove_all)
-    rows.append(_row("put_batch", "tcp", size, ours, base, f"{what} (x{batch})", batch,
-                     "mooncake"))  # fmt: skip
-    base, ours = paired(
-        size * batch,
-        lambda g: raw.stream(offs[groups[g][0]], [outs[i] for i in groups[g]]),
-        get_batch,
-        n,
-        rounds,
-    )
-    rows.append(_row("get_into_batch", "tcp", size, ours, base,
-                     f"raw socket stream (x{batch})", batch, "mooncake"))  # fmt: skip
-    remove_all()
-    for buf in [*srcs, *outs]:
-        store.unregister_buffer(buf.ctypes.data)
+        running.callback(raw.sock.close)
+        running.callback(os.sched_setaffinity, 0, saved)
+        if client_cpus:
+            os.sched_setaffinity(0, client_cpus)
+        for size in sizes:
+            bufs = _Buffers.make(size, counts[size])
+            for t in usable:
+                rows += _kvpool_rows(pools[t], t, bufs, raw, batch, rounds, ops)
+            del bufs
+            if mooncake is not None:  # right after ours of this size (bench/mooncake_peer.py)
+                rows += mooncake.rows(size, counts[size], raw, batch, rounds)
     return rows
 
 
 # --- CLI -------------------------------------------------------------------------------
-
-
-def print_rows(rows: Sequence[RemoteRow]) -> None:
-    header = f"{'store':<8} {'op':<15} {'transport':<9} {'size':>7} {'GB/s':>7} {'base':>7} "
-    print(header + f"{'ratio':>6} {'p50 us':>9} {'p99 us':>9}  baseline")
-    for r in rows:
-        print(
-            f"{r.store:<8} {r.op:<15} {r.transport:<9} {format_size(r.size):>7} {r.gbps:>7.2f} "
-            f"{r.baseline_gbps:>7.2f} {r.ratio:>6.2f} {r.p50_us:>9.1f} {r.p99_us:>9.1f}  "
-            f"{r.baseline}"
-        )
 
 
 def register_remote(suites: Any) -> None:
