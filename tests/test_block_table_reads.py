@@ -124,3 +124,28 @@ def test_reads_refuse_other_blocks_parts_outside_and_unfinished_claims() -> None
     for h in held:
         t.end_read(h)
     assert t.claim(WriteStamp(3, 9, 0, SIZE, K2), "new") == FENCE_OK
+
+
+def test_a_batch_of_reads_answers_each_read_in_order_and_holds_only_those_served() -> None:
+    """``begin_reads`` (one lock for a pipelined batch) answers exactly as
+    ``begin_read`` would, read by read; ``end_reads`` of the held ones frees them all."""
+    t = written()
+    assert t.claim(WriteStamp(3, 7, 2 * SIZE, SIZE, K1), "w") == FENCE_OK  # not whole yet
+    reads = [
+        (K1, 0, 0, SIZE),  # served
+        (K2, 0, 0, SIZE),  # another block holds the range
+        (K2, SIZE, SIZE + 100, 10),  # served: a part of the block
+        (K1, 0, 100, SIZE),  # past the block's end
+        (K1, 2 * SIZE, 2 * SIZE, SIZE),  # a claim: bytes not whole
+        (K1, 5 * SIZE, 5 * SIZE, 1),  # nothing there
+        (K1, 0, 0, SIZE),  # the same block again: held twice
+    ]
+    held = t.begin_reads(reads)
+    assert [h is not None for h in held] == [True, False, True, False, False, False, True]
+    assert held[0] is held[6]
+    newer = WriteStamp(3, 9, 0, SIZE, K2)
+    t.claim_wait = 0.05
+    assert t.claim(newer, "new") == FENCE_BUSY  # K1 is held by two reads
+    t.end_reads([h for h in held if h is not None])
+    assert t.claim(newer, "new") == FENCE_OK and t.waiting == 0
+    assert t.begin_reads([]) == []

@@ -72,8 +72,9 @@ def key(i: int) -> bytes:
 def test_pipelined_writes_and_reads_of_every_size_stay_in_sync(served) -> None:
     """Writes whose header and payload share a recv (payload copied out of the
     buffer), writes that span recvs, then checked-read batches larger than one
-    gather (GATHER_MAX), a stale read in the middle: every byte where it belongs."""
-    server, _, info = served
+    gather (GATHER_MAX), a stale read in the middle: every byte where it belongs, and
+    every block the batches held is free again after them (a newer claim is granted)."""
+    server, fence, info = served
     sizes = [100, 4096, 5000, 64, 70000, 1, 3000] * 3
     offsets, blocks, at = [], [], 0
     rng = np.random.default_rng(7)
@@ -106,6 +107,9 @@ def test_pipelined_writes_and_reads_of_every_size_stay_in_sync(served) -> None:
     finally:
         conn.close()
     assert server.bytes_read > 0
+    for i, (off, b) in enumerate(zip(offsets, blocks, strict=True)):  # no read still held
+        newer = WriteStamp(EPOCH, 100 + i, off, len(b), key(200 + i))
+        assert fence.claim(newer, "newer") == FENCE_OK, i
 
 
 def test_a_request_that_arrives_in_pieces_is_served(served) -> None:

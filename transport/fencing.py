@@ -31,6 +31,7 @@ kvpool.transport.tcp_wire's stamped and checked-read ops.
 from __future__ import annotations
 
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -114,6 +115,15 @@ class WriteFence(Protocol):
         ...
 
     def end_read(self, held: Any) -> None: ...
+
+    def begin_reads(self, reads: Iterable[tuple[bytes, int, int, int]]) -> list[Any]:
+        """``begin_read`` of each (key, block offset, offset, length) under one lock (a
+        pipelined batch): per read, what to hand to ``end_reads``, or None."""
+        ...
+
+    def end_reads(self, held: Iterable[Any]) -> None:
+        """``end_read`` of each (``begin_reads``' answers, None left out)."""
+        ...
 
     def owner_gone(self, owner: object) -> None:
         """The connection closed: end every write it still had in flight."""

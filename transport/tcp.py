@@ -210,17 +210,21 @@ class TcpTransport(Transport):
             return [self.read_block(block_offset, offset - block_offset, out, key)]
         size, pack = self.info.size, IDENT.pack
         host_plan = []  # (offset, host array, packed IDENT): one pass while all are host arrays
+        nbytes = 0
         for offset, out, key, block_offset in items:
             if not plain_host(out, writable=True):
                 break
-            if offset < 0 or offset + out.nbytes > size:
-                check_range(offset, out.nbytes, size)  # raises the usual error
+            n = out.nbytes
+            if offset < 0 or offset + n > size:
+                check_range(offset, n, size)  # raises the usual error
             host_plan.append((offset, out, pack(key, block_offset)))
+            nbytes += n
         else:
             served = self._io(DataConn.read_blocks, host_plan)
-            self.bytes_read += sum(
-                out.nbytes for (_, out, _), ok in zip(host_plan, served, strict=True) if ok
-            )
+            if not all(served):  # count only the bytes of reads the node served
+                pairs = zip(host_plan, served, strict=True)
+                nbytes = sum(out.nbytes for (_, out, _), ok in pairs if ok)
+            self.bytes_read += nbytes
             return served
         plan, devices = [], []
         for offset, out, key, block_offset in items:

@@ -320,52 +320,52 @@ class TcpDataServer:
 
     def _read_blocks(self, sock: socket.socket, inbox: Inbox, sent: int) -> tuple[int, int]:
         """The checked read at the head of ``inbox`` and each whole one buffered behind
-        it (a pipelined batch, up to GATHER_*), answered with one gather send; each
-        entry held until the send ends; (bytes sent, bytes received)."""
-        buf, fence, size, unpack = inbox.buf, self.fence, self.size, _BLOCK.unpack_from
-        begin = None if fence is None else fence.begin_read
-        block_req, read_block = _BLOCK_REQ, w.OP_READ_BLOCK
+        it (a pipelined batch, up to GATHER_*), answered with one gather send; their
+        blocks held (one fence call for all) until the send ends; (bytes sent, bytes
+        received). The caller saw the first two whole: both checked reads."""
+        start, block_req, read_block = inbox.start, _BLOCK_REQ, w.OP_READ_BLOCK
+        whole = min((inbox.end - start) // block_req, GATHER_MAX)
+        reads = []  # (op, pad, rid, offset, length, key, block offset) per request
+        nbytes = 0
+        for request in _BLOCK.iter_unpack(inbox.buf[start : start + whole * block_req]):
+            if request[0] != read_block:
+                break
+            reads.append(request)
+            nbytes += request[4]
+            if nbytes >= GATHER_BYTES:
+                break
+        inbox.start = start + len(reads) * block_req
+        fence = self.fence
+        if fence is None:
+            held: list[Any] = [None] * len(reads)
+        else:
+            held = fence.begin_reads([(r[5], r[6], r[3], r[4]) for r in reads])
+        size, region, pack, head = self.size, self._mv, w.READ_RESP.pack, w.RESP.size
         parts: list[bytes | memoryview] = []
-        held: list[Any] = []
-        first, nbytes, count = sent, 0, 0
+        first, nbytes = sent, 0
         try:
-            while True:
-                at = inbox.start  # Inbox.take, inline: the hot path
-                if inbox.end - at >= block_req:
-                    inbox.start = at + block_req
-                else:
-                    at = inbox.take(block_req)
-                _, _, rid, offset, length, key, block_offset = unpack(buf, at)
-                entry = None if begin is None else begin(key, block_offset, offset, length)
-                pad = -(sent + w.RESP.size) % w.ALIGN  # w.read_pad, inline
+            for (_, _, rid, offset, length, _, _), entry in zip(reads, held, strict=True):
+                pad = -(sent + head) % w.ALIGN  # w.read_pad, inline
                 if entry is None:
                     reply = _stale_reply(rid, pad + length if offset + length <= size else 0, pad)
                     parts.append(reply)
                     sent += len(reply)
-                else:
-                    held.append(entry)
-                    parts.append(w.READ_RESP.pack(w.ST_OK, pad, rid, length))
-                    parts.append(_PADS[pad])
-                    parts.append(self._mv[offset : offset + length])
-                    sent += w.RESP.size + pad + length
-                    nbytes += length
-                count += 1
-                if (
-                    count >= GATHER_MAX
-                    or nbytes >= GATHER_BYTES
-                    or inbox.end - inbox.start < block_req
-                    or buf[inbox.start] != read_block
-                ):
-                    break
+                    continue
+                parts += (
+                    pack(w.ST_OK, pad, rid, length),
+                    _PADS[pad],
+                    region[offset : offset + length],
+                )
+                sent += head + pad + length
+                nbytes += length
             done = sock.sendmsg(parts)  # one gather send, nearly always the whole batch
             if done < sent - first:
                 w.send_all(sock, parts, done)
             self.bytes_read += nbytes
         finally:
-            for entry in held:
-                assert fence is not None
-                fence.end_read(entry)
-        return sent - first, count * block_req
+            if fence is not None:
+                fence.end_reads([entry for entry in held if entry is not None])
+        return sent - first, len(reads) * block_req
 
     def _fence_reply(self, sock: socket.socket | Outbox, rid: int, status: int) -> int:
         """The fence's verdict as a reply; the bytes sent."""

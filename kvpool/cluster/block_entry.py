@@ -27,6 +27,31 @@ class Entry:
     checksum: int = 0  # xxh3_64 of the bytes once known (0: not computed yet)
     granted_ns: int = 0  # when a claim sealable in shared memory was granted (0: not one)
 
+    def serves(self, key: bytes, offset: int, length: int) -> bool:
+        """Whether a checked read of ``[offset, offset + length)`` as block ``key`` may be
+        served from this entry: that block's, whole (not a claim), not aborted, covering
+        the range."""
+        s = self.stamp
+        return (
+            s.key == key
+            and self.state != CLAIMED
+            and not self.aborted
+            and s.offset <= offset
+            and offset + length <= s.offset + s.size
+        )
+
+    def is_allocation(self, alloc_id: int, epoch: int) -> bool:
+        """Whether this entry is exactly allocation ``alloc_id`` of term ``epoch``."""
+        s = self.stamp
+        return alloc_id != 0 and s.alloc_id == alloc_id and s.epoch == epoch
+
+    def named_by(self, alloc_id: int, epoch: int) -> bool:
+        """Whether a heartbeat event of term ``epoch`` about allocation ``alloc_id`` is
+        about this entry. Allocation ids are unique within a term; an entry of an older
+        term (a block re-registered with this master) is known to it as 0. Either side
+        0 (unknown: an old master, a restored block) falls back to the range."""
+        return alloc_id == 0 or self.stamp.alloc_id == 0 or self.is_allocation(alloc_id, epoch)
+
     def wire(self) -> list[Any]:
         """As a registration reports it: [key, offset, size, checksum, parent]."""
         s = self.stamp

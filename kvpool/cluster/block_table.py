@@ -44,7 +44,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from kvpool.cluster.block_entry import (
@@ -151,29 +151,30 @@ class BlockTable:
                 self._settle(entry)
             self._cond.notify_all()
 
-    def begin_read(self, key: bytes, block_offset: int, offset: int, length: int) -> Any:
+    def begin_read(self, key: bytes, block_offset: int, offset: int, length: int) -> Entry | None:
         """The whole block ``key`` at ``block_offset`` covering the range, held (no newer
         claim takes it) until ``end_read``; None if the range holds something else now
         (the reader's lease is from an older placement). The node's hot path: few calls."""
         with self._lock:
-            entry = self._entries.get(block_offset)
-            if entry is None:
-                return None
-            if entry.state == CLAIMED:  # sealed in shared memory, not adopted yet?
-                self._adopt_sealed(entry)
-            s = entry.stamp
-            if s.key != key or entry.state == CLAIMED or entry.aborted:
-                return None
-            if offset < s.offset or offset + length > s.offset + s.size:  # not s.covers
-                return None
-            entry.inflight += 1
-            return entry
+            return self._begin_read(key, block_offset, offset, length)
 
-    def end_read(self, entry: Any) -> None:
+    def begin_reads(self, reads: Iterable[tuple[bytes, int, int, int]]) -> list[Entry | None]:
+        """``begin_read`` of each (key, block offset, offset, length), in order, under one
+        lock: a pipelined batch of reads."""
         with self._lock:
-            entry.inflight -= 1
-            if entry.aborted:
-                self._settle(entry)
+            begin = self._begin_read
+            return [begin(key, block, offset, length) for key, block, offset, length in reads]
+
+    def end_read(self, entry: Entry) -> None:
+        self.end_reads((entry,))
+
+    def end_reads(self, held: Iterable[Entry]) -> None:
+        """The reads of these entries (``begin_read(s)``' answers, None left out) ended."""
+        with self._lock:
+            for entry in held:
+                entry.inflight -= 1
+                if entry.aborted:
+                    self._settle(entry)
             if self._waits.waiting:  # (Waits.notify_all, inline)
                 self._waits.cond.notify_all()
 
@@ -228,8 +229,8 @@ class BlockTable:
             if entry is None:
                 return None  # never recreated: see the invariants above
             s = entry.stamp
-            named = self._names(entry, alloc_id) and s.key == key
-            if not ((self._is_allocation(entry, alloc_id) or named) and s.size == size):
+            named = entry.named_by(alloc_id, self.epoch) and s.key == key
+            if not ((entry.is_allocation(alloc_id, self.epoch) or named) and s.size == size):
                 return None  # another (newer) allocation of the range holds it now
             if self._adopt_sealed(entry):
                 entry.state = COMMITTED
@@ -263,8 +264,9 @@ class BlockTable:
             entry = self._entries.get(offset)
             if entry is None or entry.inflight:
                 return
-            if (entry.state == COMMITTED and self._names(entry, alloc_id)) or (
-                entry.state == WRITTEN and self._is_allocation(entry, alloc_id)  # an unwanted load
+            epoch = self.epoch
+            if (entry.state == COMMITTED and entry.named_by(alloc_id, epoch)) or (
+                entry.state == WRITTEN and entry.is_allocation(alloc_id, epoch)  # an unwanted load
             ):
                 self._remove(entry)
                 self._cond.notify_all()
@@ -351,18 +353,14 @@ class BlockTable:
             self._adopt_sealed(entry)
         return entries
 
-    def _is_allocation(self, entry: Entry, alloc_id: int) -> bool:
-        """Whether ``entry`` is exactly allocation ``alloc_id`` of this term."""
-        s = entry.stamp
-        return alloc_id != 0 and s.alloc_id == alloc_id and s.epoch == self.epoch
-
-    def _names(self, entry: Entry, alloc_id: int) -> bool:
-        """Whether a heartbeat event about allocation ``alloc_id`` is about ``entry``.
-
-        Allocation ids are unique within a term; an entry of an older term (a
-        block re-registered with this master) is known to it as 0. Either side
-        0 (unknown: an old master, a restored block) falls back to the range."""
-        return alloc_id == 0 or entry.stamp.alloc_id == 0 or self._is_allocation(entry, alloc_id)
+    def _begin_read(self, key: bytes, block_offset: int, offset: int, length: int) -> Entry | None:
+        entry = self._entries.get(block_offset)
+        if entry is not None and entry.state == CLAIMED:  # sealed in shared memory, not adopted?
+            self._adopt_sealed(entry)
+        if entry is None or not entry.serves(key, offset, length):
+            return None
+        entry.inflight += 1
+        return entry
 
     def _hold(self, entry: Entry, owner: object) -> None:
         entry.inflight += 1
