@@ -149,3 +149,20 @@ def test_a_batch_of_reads_answers_each_read_in_order_and_holds_only_those_served
     t.end_reads([h for h in held if h is not None])
     assert t.claim(newer, "new") == FENCE_OK and t.waiting == 0
     assert t.begin_reads([]) == []
+
+
+def test_a_block_freed_while_read_serves_no_new_read_is_not_listed_and_goes_after() -> None:
+    """A heartbeat free that finds a read in flight (its lease ran out mid-read) was
+    dropped: the block stayed in the table and the next registration's listing
+    brought the removed key back to the master."""
+    t = written()
+    assert t.committed(K1, 0, SIZE, None, 1) is not None and t.state_of(0) == "committed"
+    held = t.begin_read(K1, 0, 0, SIZE)
+    assert held is not None
+    t.freed(0, 1)
+    assert t.begin_read(K1, 0, 0, SIZE) is None  # freed: no new read starts
+    assert [entry[0] for entry in t.listing()] == [K2]  # never reported to a master again
+    assert t.state_of(0) is not None  # the read in flight still has its bytes
+    t.end_read(held)
+    assert t.state_of(0) is None and t.state_of(SIZE) is not None
+    assert t.claim(WriteStamp(3, 9, 0, SIZE, K2), "new") == FENCE_OK  # the range is free

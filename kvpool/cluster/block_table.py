@@ -208,7 +208,7 @@ class BlockTable:
         """Every whole block, checksummed (bytes that changed since are left out)."""
         with self._cond:
             report = []
-            for entry in [e for e in self._adopt_all() if e.state != CLAIMED]:
+            for entry in [e for e in self._adopt_all() if e.state != CLAIMED and not e.aborted]:
                 s = entry.stamp
                 actual = self._checksum(s.offset, s.size)
                 if entry.checksum and actual != entry.checksum:
@@ -259,16 +259,18 @@ class BlockTable:
             return entry
 
     def freed(self, offset: int, alloc_id: int = 0) -> None:
-        """The master freed the block of allocation ``alloc_id`` (0: unknown) at ``offset``."""
+        """The master freed the block of allocation ``alloc_id`` (0: unknown) at ``offset``;
+        one still read (a lease ran out mid-read) serves and lists no more, gone after."""
         with self._cond:
             entry = self._entries.get(offset)
-            if entry is None or entry.inflight:
+            if entry is None:
                 return
             epoch = self.epoch
             if (entry.state == COMMITTED and entry.named_by(alloc_id, epoch)) or (
                 entry.state == WRITTEN and entry.is_allocation(alloc_id, epoch)  # an unwanted load
             ):
-                self._remove(entry)
+                entry.aborted = True  # end_reads removes it once no read is in flight
+                self._settle(entry)
                 self._cond.notify_all()
 
     def take_over(self, offset: int, size: int) -> None:
