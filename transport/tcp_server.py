@@ -302,7 +302,7 @@ class TcpDataServer:
         held = None if fence is None else fence.begin_read(key, block_offset, offset, length)
         pad = -(sent + w.RESP.size) % w.ALIGN  # w.read_pad, inline
         if held is None:
-            reply = _stale_reply(rid, pad + length if offset + length <= self.size else 0, pad)
+            reply = _stale_reply(rid, pad, length, offset + length <= self.size)
             sock.sendall(reply)
             return len(reply)
         total = w.RESP.size + pad + length
@@ -347,7 +347,7 @@ class TcpDataServer:
             for (_, _, rid, offset, length, _, _), entry in zip(reads, held, strict=True):
                 pad = -(sent + head) % w.ALIGN  # w.read_pad, inline
                 if entry is None:
-                    reply = _stale_reply(rid, pad + length if offset + length <= size else 0, pad)
+                    reply = _stale_reply(rid, pad, length, offset + length <= size)
                     parts.append(reply)
                     sent += len(reply)
                     continue
@@ -381,10 +381,11 @@ class TcpDataServer:
         )
 
 
-def _stale_reply(rid: int, fill: int, pad: int) -> bytes:
-    """A refused checked read's reply, as long as an ok one: ``fill`` bytes (the ok
-    reply's pad + payload; 0: the whole message, unpadded) of which only the first
-    ``pad`` carry text, the rest NULs: the reader receives this where the payload
+def _stale_reply(rid: int, pad: int, length: int, in_region: bool) -> bytes:
+    """A refused checked read's reply, as long as the ok one would be (its ``pad`` +
+    ``length`` bytes of payload) when the range lies ``in_region`` (else the whole
+    message, unpadded: the reader's stream is lost anyway). Only the first ``pad``
+    bytes carry text, the rest NULs: the reader receives this where the payload
     would land, so its buffer gets NULs, never text that could pass for bytes."""
-    msg = _STALE_MSG[:pad].ljust(fill, b"\0") if fill else _STALE_MSG
+    msg = _STALE_MSG[:pad].ljust(pad + length, b"\0") if in_region else _STALE_MSG
     return w.RESP.pack(w.ST_STALE, rid, len(msg)) + msg
