@@ -209,11 +209,11 @@ class PeerMargin:
     """kvpool over a peer store for one (op, size) over TCP, from one run's rows.
 
     ``gbps_x`` divides the two stores' GB/s; ``baseline_x`` divides their ratios
-    to the raw socket each was interleaved with. The peer's rows are measured
-    after ours: ``baseline_x`` corrects for the machine's speed drifting in
-    between (the raw socket moved 3.0-4.9 GB/s at 1 MiB within one run here)
-    but carries both raw sockets' own noise. Both are printed; neither
-    replaces the rows."""
+    to the raw socket each was interleaved with. The peer's rows of a size are
+    measured right after ours of that size: ``baseline_x`` corrects for the
+    machine's speed drifting in between (the raw socket moved 3.0-4.9 GB/s at
+    1 MiB within one run here) but carries both raw sockets' own noise. Both
+    are printed; neither replaces the rows."""
 
     op: str
     size: int
