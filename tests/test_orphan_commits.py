@@ -77,6 +77,21 @@ def test_the_table_hands_out_sealed_blocks_no_commit_event_confirmed(tmp_path) -
     assert t.unconfirmed(0.0) == []
 
 
+def test_a_sealed_block_freed_while_read_is_never_handed_out(tmp_path) -> None:
+    """The master freed a sealed block (its allocation revoked) while a read of it
+    was in flight: it stays until the read ends, but no one commits it meanwhile."""
+    t = table(SealRecords(str(tmp_path / "seals"), 4 * PAGE, create=True))
+    stamp = real(1, 0, key=K1)
+    assert t.claim(stamp, "w") == FENCE_OK
+    assert t.finish(stamp, "w", ok=True, seal=True) == FENCE_OK
+    held = t.begin_read(K1, 0, 0, PAGE)
+    assert held is not None
+    t.freed(0, 1)
+    assert t.unconfirmed(0.0) == []
+    t.end_read(held)
+    assert t.state_of(0) is None
+
+
 def test_the_master_commits_an_allocation_made_with_its_key_when_a_node_names_it() -> None:
     cat, _ = catalog({"a": 4})
     key, other = make_keys(2)

@@ -52,8 +52,8 @@ class Unconfirmed:
 
     def due(self, age: float, entries: dict[int, Entry]) -> list[Entry]:
         """The entries sealed at least ``age`` seconds ago that still hold their place in
-        ``entries`` (the table's, by offset) as ``WRITTEN`` (each once; the others sealed
-        that long ago are forgotten)."""
+        ``entries`` (the table's, by offset) as ``WRITTEN``, not freed meanwhile (each
+        once; the others sealed that long ago are forgotten)."""
         queue, cutoff, out = self._queue, self._clock() - age, []
         while queue and queue[0][0] <= cutoff:
             entry = queue.popleft()[1]
@@ -63,4 +63,4 @@ class Unconfirmed:
 
 
 def _still_written(entry: Entry, entries: dict[int, Entry]) -> bool:
-    return entries.get(entry.stamp.offset) is entry and entry.state == WRITTEN
+    return entries.get(entry.stamp.offset) is entry and entry.state == WRITTEN and not entry.aborted
