@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.bench.common import faulted, paired
-from kvpool.bench.remote_rows import RemoteRow, on_cpus, remote_row
+from kvpool.bench.remote_rows import Baselines, RemoteRow, on_cpus, remote_row
 from kvpool.bench.remote_transport import RawClient
 from kvpool.procs import stop_by_stdin
 
@@ -79,7 +79,6 @@ class MooncakePeer:
             if store.register_buffer(buf.ctypes.data, size) != 0:
                 raise RuntimeError("mooncake register_buffer failed")
         keys = [f"bench-{size}-{i}" for i in range(count)]
-        offs = [i * size for i in range(count)]
         groups = [list(range(g, g + batch)) for g in range(0, count, batch)]
 
         def remove_all() -> None:
@@ -110,27 +109,20 @@ class MooncakePeer:
             if list(got) != [size] * len(idx):
                 raise RuntimeError("mooncake batch_get_into failed")
 
-        def b_put_batch(g: int) -> None:
-            for i in groups[g]:
-                raw.put(offs[i], srcs[i])
-
-        def b_get_batch(g: int) -> None:
-            raw.stream(offs[groups[g][0]], [outs[i] for i in groups[g]])
-
-        what, n = "raw socket req/resp", len(groups)
+        base_ops = Baselines.raw_socket(raw, size, srcs, outs, groups)
+        what, n = base_ops.name, len(groups)
         rows = []
         remove_all()
-        base, ours = paired(size, lambda i: raw.put(offs[i], srcs[i]), put, count, rounds,
-                             remove_all)  # fmt: skip
+        base, ours = paired(size, base_ops.put, put, count, rounds, remove_all)
         rows.append(remote_row("put", "tcp", size, ours, base, what, store="mooncake"))
-        base, ours = paired(size, lambda i: raw.get(offs[i], outs[i]), get, count, rounds)
+        base, ours = paired(size, base_ops.get, get, count, rounds)
         rows.append(remote_row("get_into", "tcp", size, ours, base, what, store="mooncake"))
-        base, ours = paired(size * batch, b_put_batch, put_batch, n, rounds, remove_all)
-        rows.append(remote_row("put_batch", "tcp", size, ours, base, f"{what} (x{batch})",
+        base, ours = paired(size * batch, base_ops.put_batch, put_batch, n, rounds, remove_all)
+        rows.append(remote_row("put_batch", "tcp", size, ours, base, base_ops.put_batch_name,
                                batch, "mooncake"))  # fmt: skip
-        base, ours = paired(size * batch, b_get_batch, get_batch, n, rounds)
+        base, ours = paired(size * batch, base_ops.get_batch, get_batch, n, rounds)
         rows.append(remote_row("get_into_batch", "tcp", size, ours, base,
-                               f"raw socket stream (x{batch})", batch, "mooncake"))  # fmt: skip
+                               base_ops.get_batch_name, batch, "mooncake"))  # fmt: skip
         remove_all()
         for buf in [*srcs, *outs]:
             store.unregister_buffer(buf.ctypes.data)

@@ -44,7 +44,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, closing, contextmanager
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -55,7 +55,7 @@ from kvpool.api import KVStore
 from kvpool.args import positive_int, size_arg, sizes_arg
 from kvpool.bench.common import count_for, faulted, paired, write_json
 from kvpool.bench.mooncake_peer import mooncake_peer
-from kvpool.bench.remote_rows import RemoteRow, on_cpus, print_rows, remote_row
+from kvpool.bench.remote_rows import Baselines, RemoteRow, on_cpus, print_rows, remote_row
 from kvpool.bench.remote_transport import RawClient, split_cpus
 from kvpool.cluster.client.grants import DEFAULT_GRANT_BYTES
 from kvpool.cluster.client.remote_pool import RemotePool
@@ -181,7 +181,6 @@ def _kvpool_rows(
 
     size, count, srcs, outs, peer = bufs.size, bufs.count, bufs.srcs, bufs.outs, bufs.peer
     keys = block_keys(np.arange(count, dtype=np.int32), Namespace(f"bench-{size}"), block_tokens=1)
-    offs = [i * size for i in range(count)]
     groups = [list(range(g, g + batch)) for g in range(0, count, batch)]
 
     def remove_all() -> None:
@@ -208,45 +207,22 @@ def _kvpool_rows(
             raise RuntimeError("get_into_batch missed a stored key")
 
     if transport == "shm":
-        what = "numpy copy"
-        b_put: Callable[[int], object] = lambda i: np.copyto(peer[i], srcs[i])  # noqa: E731
-        b_get: Callable[[int], object] = lambda i: np.copyto(outs[i], peer[i])  # noqa: E731
-
-        def b_put_batch(g: int) -> None:
-            for i in groups[g]:
-                np.copyto(peer[i], srcs[i])
-
-        def b_get_batch(g: int) -> None:
-            for i in groups[g]:
-                np.copyto(outs[i], peer[i])
-
-        what_put_b = what_get_b = f"numpy copy (x{batch})"
+        base_ops = Baselines.numpy_copy(srcs, outs, peer, groups)
     else:
         assert raw is not None
-        what = "raw socket req/resp"
-        b_put = lambda i: raw.put(offs[i], srcs[i])  # noqa: E731
-        b_get = lambda i: raw.get(offs[i], outs[i])  # noqa: E731
-
-        def b_put_batch(g: int) -> None:
-            for i in groups[g]:
-                raw.put(offs[i], srcs[i])
-
-        def b_get_batch(g: int) -> None:
-            raw.stream(offs[groups[g][0]], [outs[i] for i in groups[g]])
-
-        what_put_b = f"raw socket req/resp (x{batch})"
-        what_get_b = f"raw socket stream (x{batch})"
+        base_ops = Baselines.raw_socket(raw, size, srcs, outs, groups)
+    what = base_ops.name
 
     rows = []
     remove_all()
     if "put" in ops:
-        base, ours = paired(size, b_put, put, count, rounds, remove_all)
+        base, ours = paired(size, base_ops.put, put, count, rounds, remove_all)
         rows.append(remote_row("put", transport, size, ours, base, what))
     else:  # the reads need the keys stored
         for i in range(count):
             put(i)
     if "get_into" in ops:
-        base, ours = paired(size, b_get, get, count, rounds)
+        base, ours = paired(size, base_ops.get, get, count, rounds)
         rows.append(remote_row("get_into", transport, size, ours, base, what))
     # The same reads inside one lease held over the whole working set (as a
     # layer-wise reader holds its prefix): no master round trip per call, so
@@ -255,15 +231,21 @@ def _kvpool_rows(
         with pool.lease(keys, prefix=False) as lease:
             if len(lease.keys) != count:
                 raise RuntimeError("a stored key could not be leased")
-            base, ours = paired(size, b_get, get, count, rounds)
+            base, ours = paired(size, base_ops.get, get, count, rounds)
         rows.append(remote_row("get_into_leased", transport, size, ours, base, what))
     n = len(groups)
     if "put_batch" in ops:
-        base, ours = paired(size * batch, b_put_batch, put_batch, n, rounds, remove_all)
-        rows.append(remote_row("put_batch", transport, size, ours, base, what_put_b, batch))
+        base, ours = paired(size * batch, base_ops.put_batch, put_batch, n, rounds, remove_all)
+        rows.append(
+            remote_row("put_batch", transport, size, ours, base, base_ops.put_batch_name, batch)
+        )
     if "get_into_batch" in ops:
-        base, ours = paired(size * batch, b_get_batch, get_batch, n, rounds)
-        rows.append(remote_row("get_into_batch", transport, size, ours, base, what_get_b, batch))
+        base, ours = paired(size * batch, base_ops.get_batch, get_batch, n, rounds)
+        rows.append(
+            remote_row(
+                "get_into_batch", transport, size, ours, base, base_ops.get_batch_name, batch
+            )
+        )
     remove_all()
     used = pool.stats()["transport"]
     if used != transport:
