@@ -326,13 +326,13 @@ class TcpDataServer:
         start, block_req, read_block = inbox.start, _BLOCK_REQ, w.OP_READ_BLOCK
         whole = min((inbox.end - start) // block_req, GATHER_MAX)
         reads = []  # (op, pad, rid, offset, length, key, block offset) per request
-        nbytes = 0
+        asked = 0  # payload bytes the requests taken ask for
         for request in _BLOCK.iter_unpack(inbox.buf[start : start + whole * block_req]):
             if request[0] != read_block:
                 break
             reads.append(request)
-            nbytes += request[4]
-            if nbytes >= GATHER_BYTES:
+            asked += request[4]
+            if asked >= GATHER_BYTES:
                 break
         inbox.start = start + len(reads) * block_req
         fence = self.fence
@@ -342,7 +342,7 @@ class TcpDataServer:
             held = fence.begin_reads([(r[5], r[6], r[3], r[4]) for r in reads])
         size, region, pack, head = self.size, self._mv, w.READ_RESP.pack, w.RESP.size
         parts: list[bytes | memoryview] = []
-        first, nbytes = sent, 0
+        first, nbytes = sent, 0  # nbytes: the payload bytes served
         try:
             for (_, _, rid, offset, length, _, _), entry in zip(reads, held, strict=True):
                 pad = -(sent + head) % w.ALIGN  # w.read_pad, inline
