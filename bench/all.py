@@ -21,7 +21,8 @@ baseline_value, ratio``. ``ratio`` is higher-is-better: value / baseline for
 throughput, baseline / value for latency; for layer-wise rows ``value`` is the
 overlap ratio (1.0 = transfers fully hidden) and ``ratio`` its inverse.
 The machine's facts (CPU model, cores, cpuidle driver, kernel, load average
-before and after) are printed with the table; ``--json F`` writes the rows
+before and after, the share of CPU time the hypervisor stole during each suite:
+``kvpool.bench.machine``) are printed with the table; ``--json F`` writes the rows
 (a list) to F and the facts to F's name with ``.machine.json`` in place of
 its extension.
 """
@@ -30,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
@@ -38,6 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.args import positive_int, sizes_arg
 from kvpool.bench.common import write_json
+from kvpool.bench.machine import STEAL_NOTE_PCT, CpuTimes, load_average, machine_facts, steal_since
 from kvpool.config import format_size
 
 if TYPE_CHECKING:
@@ -91,37 +92,6 @@ class Plan:
         mib = 1 << 20
         sizes = [64 << 10, mib]
         return cls(sizes, sizes, 5, 4, 8 * mib, 131_072, 50_000, 100, 8, 1024, 3)
-
-
-def machine_facts() -> dict[str, Any]:
-    """CPU model, cores, cpuidle driver, kernel, Python: what the figures depend on."""
-    model = "unknown"
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    model = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    try:
-        with open("/sys/devices/system/cpu/cpuidle/current_driver") as f:
-            idle = f.read().strip()
-    except OSError:
-        idle = "none"
-    return {
-        "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
-        "cpu_model": model,
-        "cores": os.cpu_count(),
-        "cores_usable": len(os.sched_getaffinity(0)),
-        "cpuidle_driver": idle,
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-    }
-
-
-def _load() -> list[float]:
-    return [round(x, 2) for x in os.getloadavg()]
 
 
 # --- suites -> rows ---------------------------------------------------------------------
@@ -245,12 +215,15 @@ SUITES = ("local", "prefix", "remote", "layerwise")
 def run_all(
     plan: Plan, suites: Sequence[str] = SUITES, ssd_dir: str | None = None
 ) -> tuple[list[BenchRow], dict[str, Any]]:
-    """Run the suites; (rows, machine facts with load before/after and seconds taken)."""
+    """Run the suites; (rows, machine facts with load before/after, the CPU steal
+    during each suite and seconds taken)."""
     facts = machine_facts()
-    facts["load_before"] = _load()
-    start = time.monotonic()
+    facts["load_before"] = load_average()
+    facts["steal_pct"] = {}
+    start, started = time.monotonic(), CpuTimes.now()
     rows: list[BenchRow] = []
     for suite in suites:
+        before = CpuTimes.now()
         if suite == "local":
             rows += local_rows(plan, ssd_dir)
         elif suite == "prefix":
@@ -261,7 +234,9 @@ def run_all(
             rows += layerwise_rows(plan)
         else:
             raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
-    facts["load_after"] = _load()
+        facts["steal_pct"][suite] = steal_since(before)
+    facts["steal_pct"]["all"] = steal_since(started)
+    facts["load_after"] = load_average()
     facts["seconds"] = round(time.monotonic() - start, 1)
     return rows, facts
 
@@ -314,6 +289,15 @@ def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool
         f"{facts['cpuidle_driver']}, kernel {facts['kernel']}, Python {facts['python']}; "
         f"load {facts['load_before']} -> {facts['load_after']}; {facts['seconds']} s"
     )
+    steal = {k: v for k, v in facts.get("steal_pct", {}).items() if v is not None}
+    if steal:
+        print("CPU steal: " + ", ".join(f"{k} {v}%" for k, v in steal.items()))
+        stolen = [k for k, v in steal.items() if v > STEAL_NOTE_PCT and k != "all"]
+        if stolen:
+            print(
+                f"note: the hypervisor took over {STEAL_NOTE_PCT:g}% of CPU time during "
+                f"{', '.join(stolen)}: those rows were measured on a contended machine"
+            )
     if markdown:
         print("\n| suite | store | op | path | size | value | unit | baseline | baseline value "
               "| ratio |\n|---|---|---|---|---:|---:|---|---|---:|---:|")  # fmt: skip

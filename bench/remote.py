@@ -54,6 +54,7 @@ import numpy as np
 from kvpool.api import KVStore
 from kvpool.args import positive_int, size_arg, sizes_arg
 from kvpool.bench.common import count_for, faulted, paired, write_json
+from kvpool.bench.machine import CpuTimes, steal_since
 from kvpool.bench.mooncake_peer import mooncake_peer
 from kvpool.bench.remote_rows import Baselines, RemoteRow, on_cpus, print_rows, remote_row
 from kvpool.bench.remote_transport import RawClient, split_cpus
@@ -380,6 +381,7 @@ def register_remote(suites: Any) -> None:
 
 def _run(args: argparse.Namespace) -> int:
     transports = [t.strip().lower() for t in args.transport.split(",") if t.strip()]
+    before = CpuTimes.now()
     rows = run_remote(
         args.sizes,
         transports,
@@ -391,5 +393,8 @@ def _run(args: argparse.Namespace) -> int:
         args.ops,
     )
     print_rows(rows)
+    steal = steal_since(before)
+    if steal is not None:  # what a contended VM did to the run (kvpool.bench.machine)
+        print(f"CPU steal during the run: {steal}% of CPU time")
     write_json(args.json, [asdict(r) for r in rows])
     return 0

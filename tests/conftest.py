@@ -80,3 +80,17 @@ def pair() -> Iterator[tuple[socket.socket, socket.socket]]:
     yield a, b
     a.close()
     b.close()
+
+
+@pytest.fixture(params=["native", "python"])
+def checked_read_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test of pipelined checked reads (``DataConn.read_blocks``) once through
+    the native exchange (``tcp_recv.read_blocks``; skipped where the extension was
+    not built) and once through the Python one."""
+    from kvpool.transport import tcp_recv
+
+    if request.param == "python":
+        monkeypatch.setattr(tcp_recv, "read_blocks", None)
+    elif tcp_recv.read_blocks is None:
+        pytest.skip(f"the native exchange is off: {tcp_recv.STATUS}")
+    return str(request.param)

@@ -19,7 +19,7 @@ KEYS = ["suite", "store", "op", "path", "size", "value", "unit", "baseline", "ba
         "ratio"]  # fmt: skip
 OPS = {"put", "get_into", "put_batch", "get_into_batch", "prefix_match", "store", "load"}
 FACTS = {"date_utc", "cpu_model", "cores", "cpuidle_driver", "kernel", "load_before",
-         "load_after", "seconds"}  # fmt: skip
+         "load_after", "seconds", "steal_pct"}  # fmt: skip
 
 
 def _bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -133,6 +133,40 @@ def test_machine_facts_are_written_and_printed(quick_run: tuple[list[dict], dict
     assert set(facts) >= FACTS
     assert len(facts["load_before"]) == 3 and len(facts["load_after"]) == 3
     assert facts["cpu_model"] in stdout and "load" in stdout
+    steal = facts["steal_pct"]  # every suite's share of CPU time stolen, and the whole run's
+    assert set(steal) == {"local", "prefix", "remote", "layerwise", "all"}
+    assert all(v is None or 0 <= v <= 100 for v in steal.values())
+    if steal["all"] is not None:
+        assert f"all {steal['all']}%" in stdout
+
+
+def test_cpu_steal_is_read_from_the_kernels_accounting(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``/proc/stat``'s first line: steal is its eighth counter, the total the sum of
+    the first eight (guest time is inside user time); a suite over the note's
+    threshold is named under the facts."""
+    from kvpool.bench.all import print_report
+    from kvpool.bench.machine import STEAL_NOTE_PCT, CpuTimes
+
+    stat = tmp_path / "stat"
+    stat.write_text("cpu  100 0 50 800 10 0 0 40 7 0\ncpu0 1 2 3\n")
+    before = CpuTimes.now(str(stat))
+    assert before == CpuTimes(steal=40, total=1000)
+    stat.write_text("cpu  200 0 100 1400 10 0 0 290 9 0\n")
+    after = CpuTimes.now(str(stat))
+    assert after is not None and after.steal_pct_since(before) == 25.0  # 250 of 1000 ticks
+    assert after.steal_pct_since(None) is None and before.steal_pct_since(after) is None
+    stat.write_text("intr 1 2 3\n")  # not the accounting line
+    assert CpuTimes.now(str(stat)) is None
+    assert CpuTimes.now(str(tmp_path / "missing")) is None
+    facts = dict.fromkeys(["date_utc", "cpu_model", "cores", "cpuidle_driver", "kernel"], "x")
+    facts.update(python="3", load_before=[0, 0, 0], load_after=[0, 0, 0], seconds=1.0)
+    facts["steal_pct"] = {"local": 0.5, "remote": 31.2, "layerwise": None, "all": 12.0}
+    print_report([], facts)
+    out = capsys.readouterr().out
+    assert "CPU steal: local 0.5%, remote 31.2%, all 12.0%" in out
+    assert f"over {STEAL_NOTE_PCT:g}% of CPU time during remote:" in out
 
 
 def test_unknown_suite_is_refused(tmp_path: Path) -> None:

@@ -34,3 +34,4 @@ def test_bench_remote_json_shape(tmp_path: Path, capsys: object) -> None:
         assert row["batch"] == (4 if row["op"].endswith("_batch") else 1)
     printed = capsys.readouterr().out  # type: ignore[attr-defined]
     assert "get_into_batch" in printed and "numpy copy" in printed
+    assert "CPU steal during the run: " in printed  # /proc/stat is there on Linux

@@ -231,6 +231,7 @@ def test_single_checked_reads_refused_and_served_on_one_connection(fenced_server
         assert (half == 3).all()
 
 
+@pytest.mark.usefixtures("checked_read_path")
 def test_read_block_checks_like_read_blocks_and_keeps_the_stream_in_sync(fenced_server) -> None:
     """``TcpTransport.read_block`` (the read fast path's call, the signature of the
     shm one): True and the bytes, or False when another block holds the range;
@@ -258,6 +259,7 @@ def test_read_block_checks_like_read_blocks_and_keeps_the_stream_in_sync(fenced_
     assert tcp.read_block(0, 0, out, K2) and np.array_equal(out, data)  # still in sync
 
 
+@pytest.mark.usefixtures("checked_read_path")
 def test_checked_reads_larger_than_one_waitall_receive_stay_exact_and_in_sync() -> None:
     """Replies over ``WAITALL_MAX`` are taken as they arrive (several receives): a
     single read and a pipelined batch of 1 MiB blocks, a refusal of the same length

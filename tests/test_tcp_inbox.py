@@ -69,6 +69,7 @@ def key(i: int) -> bytes:
     return i.to_bytes(16, "big")
 
 
+@pytest.mark.usefixtures("checked_read_path")
 def test_pipelined_writes_and_reads_of_every_size_stay_in_sync(served) -> None:
     """Writes whose header and payload share a recv (payload copied out of the
     buffer), writes that span recvs, then checked-read batches larger than one
@@ -147,6 +148,7 @@ def test_a_request_that_arrives_in_pieces_is_served(served) -> None:
             sent += len(reply)
 
 
+@pytest.mark.usefixtures("checked_read_path")
 def test_transport_batches_read_while_other_connections_write(served) -> None:
     """Checked-read batches on one connection while another writes and a third
     reads single blocks: each sees only whole blocks it named."""
@@ -212,6 +214,7 @@ def test_recv_scatter_fills_views_in_order_across_short_receives(
             w.recv_scatter(b, [memoryview(bytearray(1024))], 1024)
 
 
+@pytest.mark.usefixtures("checked_read_path")
 def test_a_refused_checked_read_answers_as_many_bytes_as_an_ok_one(served) -> None:
     """Even for blocks shorter than the refusal's message: a pipeline of tiny
     checked reads, refused and served, stays in sync (one scatter receive)."""

@@ -30,12 +30,16 @@ import numpy as np
 
 from kvpool.errors import CallTimeoutError, ConnectionLostError, HandshakeRefusedError, RemoteError
 from kvpool.rpc.frame import set_io_timeout
+from kvpool.transport import tcp_recv
 from kvpool.transport import tcp_wire as w
+from kvpool.transport.fencing import IDENT
 from kvpool.transport.tcp_recv import spin
 
 _ZEROS = bytes(w.ALIGN)
 #: Replies one scatter receive takes at most (two iovecs each, far below IOV_MAX).
 SCATTER_REPLIES = 64
+_HEAD_STEP = w.RESP.size + w.ALIGN  # room for a reply's header and its largest pad
+_BLOCK_REQ = w.REQ.size + IDENT.size  # a checked read's request
 
 
 class DataConn:
@@ -178,61 +182,62 @@ class DataConn:
 
         Every reply to a checked read is exactly as long as an ok one (a refusal
         is padded, see tcp_server), so where each header, pad and payload lands
-        is known before any arrives: the replies are received with scatter
-        ``recvmsg_into`` calls of up to ``SCATTER_REPLIES`` replies each (one
-        ``MSG_WAITALL`` syscall for a small batch, instead of one or more per
-        reply; see ``w.WAITALL_MAX``), then each header is checked."""
-        rids = self._next_rids(len(plan))
+        is known before any arrives. Where the ``tcp_recv`` extension is built one
+        native call sends the requests, receives every reply (scatter receives,
+        one ``MSG_WAITALL`` syscall for a small batch; see ``w.WAITALL_MAX``) and
+        checks the headers; else the same in Python, ``SCATTER_REPLIES`` replies
+        per scatter receive."""
+        first = self._rid + 1
+        self._rid = (self._rid + len(plan)) & 0xFFFFFFFF
+        native = tcp_recv.read_blocks
+        if native is not None:
+            heads = bytearray(_HEAD_STEP * len(plan))
+            start = self._received
+            found, at, self._received = native(
+                self._fd, plan, first & 0xFFFFFFFF, start, heads, w.WAITALL_MAX
+            )
+            self._sent += _BLOCK_REQ * len(plan)
+            if at < len(plan):  # raises: that reply was neither ok nor refused as stale
+                hosts = [host for _, host, _ in plan]
+                pad = _pads(start, hosts)[at]
+                _reply_found(heads, at, (first + at) & 0xFFFFFFFF, pad, hosts[at])
+                raise ConnectionLostError(f"data stream out of sync (reply {at} of {len(plan)})")
+            return found
         pack, op = w.REQ.pack, w.OP_READ_BLOCK
         requests = b"".join(
             [
-                pack(op, 0, rid, off, host.nbytes) + ident
-                for rid, (off, host, ident) in zip(rids, plan, strict=True)
+                pack(op, 0, (first + i) & 0xFFFFFFFF, off, host.nbytes) + ident
+                for i, (off, host, ident) in enumerate(plan)
             ]
         )
         self.sock.sendall(requests)
         self._sent += len(requests)
-        found: list[bool] = []
+        found = []
         for at in range(0, len(plan), SCATTER_REPLIES):
-            part = plan[at : at + SCATTER_REPLIES]
-            found += self._recv_replies(rids[at : at + SCATTER_REPLIES], [h for _, h, _ in part])
+            hosts = [h for _, h, _ in plan[at : at + SCATTER_REPLIES]]
+            found += self._recv_replies(first + at, hosts)
         return found
 
-    def _recv_replies(self, rids: list[int], hosts: list[Any]) -> list[bool]:
-        """The replies to pipelined checked reads into ``hosts``, in one scatter
-        receive; per reply True, or False when refused (ST_STALE)."""
-        h, align = w.RESP.size, w.ALIGN
-        step = h + align  # room for a header and its largest pad, per reply
-        heads = memoryview(bytearray(step * len(hosts)))
-        views, pads = [], []
-        received = first = self._received
-        for i, host in enumerate(hosts):
-            pad = -(received + h) % align  # w.read_pad, inline
-            views.append(heads[i * step : i * step + h + pad])
+    def _recv_replies(self, first: int, hosts: list[Any]) -> list[bool]:
+        """The replies to pipelined checked reads (request ids from ``first``) into
+        ``hosts``, in one scatter receive; per reply True, or False when refused
+        (ST_STALE)."""
+        h = w.RESP.size
+        heads = bytearray(_HEAD_STEP * len(hosts))
+        mv = memoryview(heads)
+        views = []
+        pads = _pads(self._received, hosts)
+        for i, (host, pad) in enumerate(zip(hosts, pads, strict=True)):
+            views.append(mv[i * _HEAD_STEP : i * _HEAD_STEP + h + pad])
             if host.nbytes:
                 views.append(w.byte_view(host))
-            pads.append(pad)
-            received += h + pad + host.nbytes
-        w.recv_scatter(self.sock, views, received - first)
-        found = []
-        unpack = w.RESP.unpack_from
-        for i, (rid, pad, host) in enumerate(zip(rids, pads, hosts, strict=True)):
-            status, got_rid, length = unpack(heads, i * step)
-            if got_rid != rid:
-                raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")
-            if status == w.ST_OK:
-                if length != host.nbytes or heads[i * step + 1] != pad:
-                    raise ConnectionLostError(f"data stream out of sync (reply {rid}: {length} B)")
-                found.append(True)
-                continue
-            if length != pad + host.nbytes:  # an error not padded like an ok reply
-                raise ConnectionLostError("data stream out of sync (short error reply)")
-            if status != w.ST_STALE:
-                msg = bytes(heads[i * step + h : i * step + h + pad]) + bytes(w.byte_view(host))
-                raise RemoteError("data", msg.rstrip(b"\0").decode(errors="replace"))
-            found.append(False)
-        self._received = received
-        return found
+        total = sum(h + pad + host.nbytes for host, pad in zip(hosts, pads, strict=True))
+        w.recv_scatter(self.sock, views, total)
+        self._received += total
+        return [
+            _reply_found(heads, i, (first + i) & 0xFFFFFFFF, pad, host)
+            for i, (host, pad) in enumerate(zip(hosts, pads, strict=True))
+        ]
 
     def stamped_many(self, plan: list[tuple[int, bytes, int, Any]]) -> list[int]:
         """Fenced ops (op, packed stamp, offset, payload or None), pipelined; the
@@ -314,3 +319,35 @@ class DataConn:
             self._send_request(w.OP_WRITE, rid, off, data, b"")
         for rid in rids:
             self._read_resp(rid)
+
+
+def _pads(received: int, hosts: list[Any]) -> list[int]:
+    """The pad of each reply to checked reads into ``hosts`` when the server has
+    sent ``received`` bytes before the first (``w.read_pad``, reply by reply)."""
+    pads = []
+    for host in hosts:
+        pad = w.read_pad(received)
+        pads.append(pad)
+        received += w.RESP.size + pad + host.nbytes
+    return pads
+
+
+def _reply_found(heads: bytearray, i: int, rid: int, pad: int, host: Any) -> bool:
+    """Reply ``i`` of a pipeline of checked reads, its header (and pad) at
+    ``heads[i * _HEAD_STEP]``, its payload in ``host``: True when ok, False when
+    refused (ST_STALE); anything else raises (``ConnectionLostError`` for a reply
+    out of sync, ``RemoteError`` for another refusal, the stream then in sync)."""
+    h, at = w.RESP.size, i * _HEAD_STEP
+    status, got_rid, length = w.RESP.unpack_from(heads, at)
+    if got_rid != rid:
+        raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")
+    if status == w.ST_OK:
+        if length != host.nbytes or heads[at + 1] != pad:
+            raise ConnectionLostError(f"data stream out of sync (reply {rid}: {length} B)")
+        return True
+    if length != pad + host.nbytes:  # an error not padded like an ok reply
+        raise ConnectionLostError("data stream out of sync (short error reply)")
+    if status != w.ST_STALE:
+        msg = bytes(heads[at + h : at + h + pad]) + bytes(w.byte_view(host))
+        raise RemoteError("data", msg.rstrip(b"\0").decode(errors="replace"))
+    return False

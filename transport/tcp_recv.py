@@ -5,7 +5,8 @@ is there or ``SPIN_US`` microseconds passed, and returns; the caller's
 blocking receive then runs as before. Every receive of a reply in
 ``kvpool.transport.tcp_conn`` spins first. ``recv_all(fd, views, flags)`` fills
 a list of buffers (a pipelined batch's replies, or the rest of one) in one
-native call, spinning before each of its receives.
+native call, spinning before each of its receives; ``read_blocks`` runs a
+pipelined batch of checked reads (requests, replies, header checks) in one.
 
 Why: on VMs whose idle loop halts the vCPU as soon as a thread sleeps, a reply
 that arrives while the caller sleeps costs a halt, a VM exit and a wake-up,
@@ -25,7 +26,8 @@ environment, read once at import:
 
 Where the compiled ``kvpool.transport._tcp_recv`` is absent (an optional
 extension: no C compiler at install time) ``spin`` does nothing and
-``recv_all`` is None (``tcp_wire.recv_scatter`` then loops in Python).
+``recv_all`` and ``read_blocks`` are None (``tcp_wire.recv_scatter`` and
+``DataConn.read_blocks`` then loop in Python).
 ``STATUS`` says which, and why; ``counters()`` how the spins ended.
 """
 
@@ -75,6 +77,29 @@ def _recv_all(fd: int, views: list[memoryview], flags: int) -> int:
 recv_all: Callable[[int, list[memoryview], int], int] | None = (
     None if _module is None else _recv_all
 )
+
+
+def _read_blocks(
+    fd: int,
+    plan: list[tuple[int, Any, bytes]],
+    first_rid: int,
+    received: int,
+    heads: bytearray,
+    waitall_max: int,
+) -> tuple[list[bool], int, int]:
+    return _module.read_blocks(fd, plan, first_rid, received, heads, waitall_max, _BUDGET_NS)
+
+
+#: A pipelined batch of checked reads in one native call (requests sent, replies
+#: received, headers checked; the C source says how): (found, index of the first
+#: reply neither ok nor stale, bytes the server has sent now). None where the
+#: extension was not built.
+read_blocks: (
+    Callable[
+        [int, list[tuple[int, Any, bytes]], int, int, bytearray, int], tuple[list[bool], int, int]
+    ]
+    | None
+) = None if _module is None else _read_blocks
 
 
 def spin(fd: int) -> None:
