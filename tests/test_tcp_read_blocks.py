@@ -81,7 +81,7 @@ def test_requests_go_out_exactly_and_every_reply_lands_in_place(pair, received: 
     sizes = [100, 0, 5000, 200_000, 1]
     statuses = [w.ST_OK, w.ST_OK, w.ST_STALE, w.ST_OK, w.ST_OK]
     outs = [np.zeros(n, np.uint8) for n in sizes]
-    plan = [(i * 4096, out, _ident(i)) for i, out in enumerate(outs)]
+    plan = [(np.int64(i * 4096), out, _ident(i)) for i, out in enumerate(outs)]  # any index
     rids = list(range(41, 46))
     stream, _ = _replies(received, rids, sizes, statuses)
 
@@ -184,6 +184,8 @@ def test_bad_arguments_are_refused_before_anything_is_sent(pair) -> None:
         call(fd, [(0, b"read-only", _ident(0))], 1, 0, heads, w.WAITALL_MAX, 0)
     with pytest.raises(OverflowError):
         call(fd, [(-1, out, _ident(0))], 1, 0, heads, w.WAITALL_MAX, 0)
+    with pytest.raises(TypeError):
+        call(fd, [(0.5, out, _ident(0))], 1, 0, heads, w.WAITALL_MAX, 0)
     with pytest.raises(ValueError, match="heads of 80 B for 2"):
         call(fd, [(0, out, _ident(0))] * 2, 1, 0, heads, w.WAITALL_MAX, 0)
     with pytest.raises(ValueError):

@@ -355,7 +355,11 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
     Py_ssize_t nv = 0;
     for (Py_ssize_t i = 0; i < n; i++) {
         PyObject *item = PyList_GET_ITEM(plan, i);
-        unsigned long long offset = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(item, 0));
+        PyObject *index = PyNumber_Index(PyTuple_GET_ITEM(item, 0)); /* as struct.pack takes it */
+        if (index == NULL)
+            goto done;
+        unsigned long long offset = PyLong_AsUnsignedLongLong(index);
+        Py_DECREF(index);
         if (offset == (unsigned long long)-1 && PyErr_Occurred())
             goto done;
         unsigned char *req = requests + i * (REQ_SIZE + IDENT_SIZE);
