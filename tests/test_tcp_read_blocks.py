@@ -14,13 +14,13 @@ node serves both in ``test_tcp_inbox.py`` and ``test_fencing.py``).
 
 from __future__ import annotations
 
-import importlib
 import socket
 import threading
 import time
 
 import numpy as np
 import pytest
+from tcprecvhelpers import native, needs_native, send_in_pieces
 
 from kvpool.errors import ConnectionLostError, RemoteError
 from kvpool.rpc.frame import set_io_timeout
@@ -28,13 +28,6 @@ from kvpool.transport import tcp_wire as w
 from kvpool.transport.fencing import IDENT
 from kvpool.transport.tcp_conn import DataConn
 
-try:
-    native = importlib.import_module("kvpool.transport._tcp_recv")
-except ImportError as exc:
-    native, WHY = None, f"kvpool.transport._tcp_recv not built: {exc}"
-else:
-    WHY = ""
-needs_native = pytest.mark.skipif(native is None, reason=WHY)
 STEP = w.RESP.size + w.ALIGN  # the heads buffer's room per reply
 REQUEST = w.REQ.size + IDENT.size
 
@@ -57,13 +50,6 @@ def _replies(
         else:
             out += w.RESP.pack(status, rid, pad + n) + b"stale"[:pad].ljust(pad + n, b"\0")
     return bytes(out), pads
-
-
-def _send_in_pieces(sock: socket.socket, data: bytes, pieces: int, pause: float) -> None:
-    step = -(-len(data) // pieces)
-    for at in range(0, len(data), step):
-        sock.sendall(data[at : at + step])
-        time.sleep(pause)
 
 
 def _call(fd: int, plan: list, first_rid: int, received: int) -> tuple[list[bool], int, int]:
@@ -93,7 +79,7 @@ def test_requests_go_out_exactly_and_every_reply_lands_in_place(pair, received: 
             for rid, (off, out, ident) in zip(rids, plan, strict=True)
         )
         assert bytes(requests) == expected
-        _send_in_pieces(b, stream + b"next", 11, 0.002)
+        send_in_pieces(b, stream + b"next", 11, 0.002)
 
     thread = threading.Thread(target=peer)
     thread.start()

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import importlib
 import os
 import signal
 import socket
@@ -30,6 +29,7 @@ import numpy as np
 import pytest
 from clusterhelpers import start_cluster, wait_until
 from poolhelpers import make_keys, payload
+from tcprecvhelpers import native, needs_native, send_in_pieces
 
 import kvpool
 from kvpool.errors import ConnectionLostError
@@ -38,13 +38,6 @@ from kvpool.transport import tcp_recv, tcp_wire
 
 if not tcp_recv.active() and os.environ.get("KVPOOL_REQUIRE_TCP_RECV") == "1":
     pytest.fail(f"KVPOOL_REQUIRE_TCP_RECV=1 but spinning is {tcp_recv.STATUS}", pytrace=False)
-try:
-    native = importlib.import_module("kvpool.transport._tcp_recv")
-except ImportError as exc:
-    native, WHY = None, f"kvpool.transport._tcp_recv not built: {exc}"
-else:
-    WHY = ""
-needs_native = pytest.mark.skipif(native is None, reason=WHY)
 MS = 1_000_000  # ns
 
 
@@ -151,13 +144,6 @@ def test_the_gil_is_released_while_spinning(pair) -> None:
     assert progressed > 1000
 
 
-def _send_in_pieces(sock: socket.socket, data: bytes, pieces: int, pause: float) -> None:
-    step = -(-len(data) // pieces)
-    for at in range(0, len(data), step):
-        sock.sendall(data[at : at + step])
-        time.sleep(pause)
-
-
 @needs_native
 @pytest.mark.parametrize("budget_ns", [0, 100_000])
 def test_recv_all_fills_every_buffer_exactly_and_reads_no_further(pair, budget_ns: int) -> None:
@@ -165,7 +151,7 @@ def test_recv_all_fills_every_buffer_exactly_and_reads_no_further(pair, budget_n
     lengths = [16, 48, 0, 65536, 1, 300_000, 7]
     stream = np.random.default_rng(5).integers(0, 256, sum(lengths) + 9, dtype=np.uint8)
     outs = [bytearray(n) for n in lengths]
-    sender = threading.Thread(target=_send_in_pieces, args=(b, stream.tobytes(), 13, 0.002))
+    sender = threading.Thread(target=send_in_pieces, args=(b, stream.tobytes(), 13, 0.002))
     sender.start()
     got = native.recv_all(a.fileno(), [memoryview(o) for o in outs], 0, budget_ns)
     sender.join()
@@ -179,7 +165,7 @@ def test_recv_all_with_waitall_and_into_numpy_views(pair) -> None:
     a, b = pair
     data = np.arange(100_000, dtype=np.uint32).astype(np.uint8)
     head, body = bytearray(64), np.zeros(data.nbytes - 64, np.uint8)
-    threading.Thread(target=_send_in_pieces, args=(b, data.tobytes(), 4, 0.001)).start()
+    threading.Thread(target=send_in_pieces, args=(b, data.tobytes(), 4, 0.001)).start()
     views = [memoryview(head), memoryview(body)]
     assert native.recv_all(a.fileno(), views, socket.MSG_WAITALL, 0) == data.nbytes
     assert bytes(head) + body.tobytes() == data.tobytes()
