@@ -29,7 +29,7 @@ from kvpool.transport.fencing import IDENT
 from kvpool.transport.tcp_conn import DataConn
 
 STEP = w.RESP.size + w.ALIGN  # the heads buffer's room per reply
-REQUEST = w.REQ.size + IDENT.size
+REQUEST = w.READ_BLOCK_REQ.size
 
 
 def _ident(i: int) -> bytes:

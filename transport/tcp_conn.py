@@ -32,14 +32,12 @@ from kvpool.errors import CallTimeoutError, ConnectionLostError, HandshakeRefuse
 from kvpool.rpc.frame import set_io_timeout
 from kvpool.transport import tcp_recv
 from kvpool.transport import tcp_wire as w
-from kvpool.transport.fencing import IDENT
 from kvpool.transport.tcp_recv import spin
 
 _ZEROS = bytes(w.ALIGN)
 #: Replies one scatter receive takes at most (two iovecs each, far below IOV_MAX).
 SCATTER_REPLIES = 64
 _HEAD_STEP = w.RESP.size + w.ALIGN  # room for a reply's header and its largest pad
-_BLOCK_REQ = w.REQ.size + IDENT.size  # a checked read's request
 
 
 class DataConn:
@@ -196,7 +194,7 @@ class DataConn:
             found, at, self._received = native(
                 self._fd, plan, first & 0xFFFFFFFF, start, heads, w.WAITALL_MAX
             )
-            self._sent += _BLOCK_REQ * len(plan)
+            self._sent += w.READ_BLOCK_REQ.size * len(plan)
             if at < len(plan):  # raises: that reply was neither ok nor refused as stale
                 hosts = [host for _, host, _ in plan]
                 pad = _pads(start, hosts)[at]
@@ -225,13 +223,13 @@ class DataConn:
         h = w.RESP.size
         heads = bytearray(_HEAD_STEP * len(hosts))
         mv = memoryview(heads)
-        views = []
+        views, total = [], 0
         pads = _pads(self._received, hosts)
         for i, (host, pad) in enumerate(zip(hosts, pads, strict=True)):
             views.append(mv[i * _HEAD_STEP : i * _HEAD_STEP + h + pad])
             if host.nbytes:
                 views.append(w.byte_view(host))
-        total = sum(h + pad + host.nbytes for host, pad in zip(hosts, pads, strict=True))
+            total += h + pad + host.nbytes
         w.recv_scatter(self.sock, views, total)
         self._received += total
         return [

@@ -17,7 +17,6 @@ import contextlib
 import logging
 import secrets
 import socket
-import struct
 import threading
 from typing import Any
 
@@ -29,7 +28,6 @@ from kvpool.transport import tcp_wire as w
 from kvpool.transport.fencing import (
     FENCE_BUSY,
     FENCE_OK,
-    IDENT,
     STAMP,
     WriteFence,
     WriteStamp,
@@ -40,7 +38,7 @@ log = logging.getLogger("kvpool.transport.tcp")
 _STALE_MSG = b"that block no longer holds this range"
 #: Checked reads one gather send answers, at most: requests, payload bytes so far
 GATHER_MAX, GATHER_BYTES = 64, 1 << 20
-_BLOCK = struct.Struct(w.REQ.format + IDENT.format[1:])  # a checked read's request: REQ + IDENT
+_BLOCK = w.READ_BLOCK_REQ
 _BLOCK_REQ = _BLOCK.size
 _PADS = tuple(bytes(n) for n in range(w.ALIGN))  # an ok reply's pad, by length: no slicing
 #: Fenced ops with no payload either way (a claim taken ahead, a seal, a release):

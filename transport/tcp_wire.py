@@ -64,6 +64,7 @@ from kvpool.errors import ConnectionLostError
 from kvpool.rpc.auth import token_matches
 from kvpool.rpc.frame import tune_socket
 from kvpool.transport import tcp_recv
+from kvpool.transport.fencing import IDENT
 
 log = logging.getLogger("kvpool.transport.tcp")
 MAGIC = b"KVDT"
@@ -76,6 +77,8 @@ HELLO_REPLY = struct.Struct("!4sBxH")
 REQ = struct.Struct("!BBxxIQQ")  # op, pad (WRITE payloads), request id, offset, length
 RESP = struct.Struct("!BxxxIQ")
 READ_RESP = struct.Struct("!BBxxIQ")  # an ok READ's RESP: status, pad, request id, length
+#: A checked read's request, whole: ``REQ`` (op READ_BLOCK, pad 0) + ``IDENT``
+READ_BLOCK_REQ = struct.Struct(REQ.format + IDENT.format[1:])
 ALIGN = 64
 
 OP_READ, OP_WRITE, OP_PING = 1, 2, 3
