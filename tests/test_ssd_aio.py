@@ -288,10 +288,132 @@ def test_only_a_ring_header_we_know_is_watched() -> None:
     at = ctypes.addressof(header)
     assert aio_module._ring_of(0) is None  # no context (a fake writer's)
     assert aio_module._ring_of(at) is None  # no magic
-    header[4] = 0xA10A10A1
+    header[1], header[4], header[7] = 127, 0xA10A10A1, 32  # slots, magic, header length
     assert aio_module._ring_of(at) is not None
     header[6] = 1  # a feature this reader does not understand
     assert aio_module._ring_of(at) is None
+    header[6], header[7] = 0, 64  # a longer header: the events are not where we look
+    assert aio_module._ring_of(at) is None
+    header[7], header[1] = 32, 0  # no slots
+    assert aio_module._ring_of(at) is None
+
+
+# -- completions taken from the ring (x86_64) ----------------------------------------
+
+
+class _CountingSyscall:
+    """The real syscall, counting the io_getevents calls."""
+
+    def __init__(self, writer: DirectWriter) -> None:
+        self.real, self.getevents = writer._syscall, 0
+        self.number = writer._numbers[3]
+
+    def __call__(self, number: Any, *args: Any) -> int:
+        if number.value == self.number:
+            self.getevents += 1
+        return int(self.real(number, *args))
+
+
+def _reaping_writer(monkeypatch: pytest.MonkeyPatch) -> DirectWriter:
+    """A writer that takes completions from the ring, spinning until one is posted
+    (a 10 s budget: never a timeout, so which path reads the completion is certain)."""
+    monkeypatch.setattr(aio_module, "SPIN_US", 10_000_000)
+    writer = _spinning_writer()
+    if writer._posted is None:
+        writer.close()
+        pytest.skip("completions are taken from the ring on x86_64 only")
+    return writer
+
+
+def test_completions_are_taken_from_the_ring_round_and_round(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """More writes than the ring has slots, each read back exact, every completion
+    taken without io_getevents: the head wrapped round the ring."""
+    writer = _reaping_writer(monkeypatch)
+    ring = writer._ring
+    assert ring is not None
+    slots = ring[1]
+    counting = _CountingSyscall(writer)
+    writer._syscall = counting  # type: ignore[assignment]
+    plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
+    try:
+        for i in range(slots + 9):
+            data = _aligned(_PAGE, 100 + i)
+            at = (i % 256) * _PAGE
+            assert writer.submit(direct, data, at)
+            assert writer.wait() == _PAGE
+            assert os.pread(plain, _PAGE, at) == data.tobytes()
+            assert ring[2] == ring[3]  # consumed: nothing stays posted
+        assert writer.spin_ready == slots + 9 and counting.getevents == 0  # round the ring
+    finally:
+        writer.close()
+        os.close(direct)
+        os.close(plain)
+
+
+class _InterruptedArray:
+    """The ring's event array as a signal would interrupt its read."""
+
+    def __getitem__(self, index: int) -> Any:
+        raise KeyboardInterrupt
+
+
+def test_a_signal_while_taking_a_completion_leaves_it_to_io_getevents(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = _reaping_writer(monkeypatch)
+    ring = writer._ring
+    assert ring is not None
+    counting = _CountingSyscall(writer)
+    writer._syscall = counting  # type: ignore[assignment]
+    posted = writer._posted
+    plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
+    try:
+        data = _aligned(64 << 10, 110)
+        assert writer.submit(direct, data, 0)
+        writer._posted = _InterruptedArray()  # type: ignore[assignment]
+        with pytest.raises(KeyboardInterrupt):
+            writer.wait()
+        assert counting.getevents == 1 and ring[2] == ring[3]  # read there, once
+        assert writer._inflight is None
+        assert os.pread(plain, data.nbytes, 0) == data.tobytes()
+        writer._posted = posted
+        again = _aligned(64 << 10, 111)
+        assert writer.submit(direct, again, 0) and writer.wait() == again.nbytes  # usable
+        assert os.pread(plain, again.nbytes, 0) == again.tobytes()
+    finally:
+        writer.close()
+        os.close(direct)
+        os.close(plain)
+
+
+def test_a_completion_that_is_not_ours_is_a_lost_write(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The ring should only ever hold our one write's completion; anything else
+    means we misread it, so the write's state is unknown (AioLost)."""
+    writer = _reaping_writer(monkeypatch)
+    posted = writer._posted
+    assert posted is not None
+
+    class Foreign:
+        def __getitem__(self, index: int) -> Any:
+            event = aio_module._Event()
+            event.obj, event.res = 1, posted[index].res
+            return event
+
+    plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
+    try:
+        assert writer.submit(direct, _aligned(64 << 10, 120), 0)
+        writer._posted = Foreign()  # type: ignore[assignment]
+        with pytest.raises(AioLost, match="not ours"):
+            writer.wait()
+        assert writer._inflight is None  # the real completion was still read
+    finally:
+        writer.close()
+        os.close(direct)
+        os.close(plain)
 
 
 @pytest.mark.parametrize(
@@ -363,3 +485,23 @@ def test_without_spinning_small_stores_are_written_synchronously(
         assert tier.read_into(record, out) and np.array_equal(out, slot)
     finally:
         tier.close()
+
+
+def test_submit_takes_writable_and_read_only_buffers_and_refuses_scattered_ones(
+    tmp_path: Any,
+) -> None:
+    writer = _writer()
+    plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
+    try:
+        data = _aligned(2 * _PAGE, 130)
+        read_only = data.view()
+        read_only.flags.writeable = False
+        for at, buffer in ((0, data), (4 * _PAGE, read_only)):
+            assert writer.submit(direct, buffer, at) and writer.wait() == buffer.nbytes
+            assert os.pread(plain, buffer.nbytes, at) == data.tobytes()
+        assert not writer.submit(direct, _aligned(4 * _PAGE, 131)[::2], 0)  # not one piece
+        assert writer._inflight is None
+    finally:
+        writer.close()
+        os.close(direct)
+        os.close(plain)

@@ -269,33 +269,35 @@ class SsdTier:
         """
         rounded = self.allocator.round_up(size)
         fd = self._fd_direct if data.nbytes >= rounded else None  # O_DIRECT if possible
+        whole = data if data.nbytes == rounded else data[:rounded]  # what O_DIRECT moves
+        body = whole if size == rounded else data[:size]  # what the record describes
         try:
             if (
                 fd is not None
                 and (aio := self._writer()) is not None
                 and (size >= _OVERLAP_BYTES or aio.spins)
-                and aio.submit(fd, data[:rounded], offset)
+                and aio.submit(fd, whole, offset)
             ):
                 txn = None
                 try:  # hash and stage while the write runs
-                    record = SsdRecord(offset, size, checksum_of(data[:size]), parent)
+                    record = SsdRecord(offset, size, checksum_of(body), parent)
                     txn = self._stage(key, record)
                 finally:
                     try:  # never return (or raise) while the write still runs
-                        moved = _finish_direct(aio, fd, data[:rounded], offset)
+                        moved = _finish_direct(aio, fd, whole, offset)
                         if not moved:
-                            _pwrite_full(self._buffered(), data[:size], offset)
+                            _pwrite_full(self._buffered(), body, offset)
                     except BaseException:
                         if txn is not None:
                             txn.abort()
                         raise
             else:
-                record = SsdRecord(offset, size, checksum_of(data[:size]), parent)
+                record = SsdRecord(offset, size, checksum_of(body), parent)
                 txn = self._stage(key, record)
                 try:
-                    moved = fd is not None and _try_direct(_pwrite_full, fd, data[:rounded], offset)
+                    moved = fd is not None and _try_direct(_pwrite_full, fd, whole, offset)
                     if not moved:
-                        _pwrite_full(self._buffered(), data[:size], offset)
+                        _pwrite_full(self._buffered(), body, offset)
                 except BaseException:
                     txn.abort()
                     raise
