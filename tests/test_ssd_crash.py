@@ -153,7 +153,7 @@ def test_the_index_map_grows_while_records_are_staged(
 def test_short_device_writes_are_continued_until_every_byte_lands(
     tmp_path: object, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """``_pwrite_full`` writes straight from the array in one call when the kernel
+    """``pwrite_full`` writes straight from the array in one call when the kernel
     takes it all; a short write (the kernel may stop early) is
     continued from where it stopped, so the block reads back exact."""
     real_pwrite = os.pwrite

@@ -274,8 +274,8 @@ def _address_of(data: np.ndarray) -> int | None:
 def _ring_of(ctx: int) -> ctypes.Array[ctypes.c_uint32] | None:
     """The header of the completion ring at address ``ctx`` (what ``io_setup``
     returns is that address), or None where it is not the layout we know (no
-    context, another magic, incompatible features, another header length, no
-    slots): then ``wait`` only sleeps."""
+    context, another magic, incompatible features, another header length, under
+    two slots): then ``wait`` only sleeps."""
     if not ctx:
         return None
     header = (ctypes.c_uint32 * 8).from_address(ctx)
@@ -283,7 +283,7 @@ def _ring_of(ctx: int) -> ctypes.Array[ctypes.c_uint32] | None:
         header[_RING_MAGIC] != _AIO_RING_MAGIC
         or header[_RING_INCOMPAT] != 0
         or header[_RING_HEADER_LEN] != _RING_HEADER_BYTES
-        or header[_RING_NR] == 0
+        or header[_RING_NR] < 2  # one slot: a consumed head would look unmoved
     ):
         return None
     return header

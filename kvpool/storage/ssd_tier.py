@@ -31,9 +31,10 @@ to buffered I/O. The O_DIRECT write is queued with Linux native AIO
 (``kvpool.storage.direct_aio``) and the caller hashes the same bytes and
 stages the record while it runs, so neither costs time beside the device
 write; the record still commits only after the write completed. That holds
-for every size where the writer waits for small writes awake (``spins``),
-else from ``_OVERLAP_BYTES`` up. Where native AIO is unavailable the write is
-synchronous (hash, then write).
+from ``_OVERLAP_BYTES`` up; below, where the writer can wait for small writes
+awake (``spins``), a write is queued or synchronous (hash, then write) as
+``kvpool.storage.wait_choice`` says (awake unless a recent spin ran out).
+Where native AIO is unavailable every write is synchronous.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ import errno
 import fcntl
 import os
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import lmdb
@@ -53,6 +54,8 @@ from kvpool.errors import BlockTooLargeError, StorageError
 from kvpool.eviction import EvictionPolicy
 from kvpool.storage.allocator import ExtentAllocator
 from kvpool.storage.direct_aio import SPIN_US, AioLost, DirectWriter
+from kvpool.storage.direct_io import finish_direct, pread_full, pwrite_full, try_direct
+from kvpool.storage.wait_choice import WaitChoice
 
 _RECORD = struct.Struct("<QQQ")  # offset, size, checksum; optional 16-byte parent follows
 _DIRECT_ALIGN = 4096
@@ -103,6 +106,7 @@ class SsdTier:
         self._fd_direct: int | None = None
         self._aio: DirectWriter | None = None  # opened on the first O_DIRECT write
         self._aio_tried = False
+        self.wait_choice = WaitChoice()  # how small writes are waited for
         self._lock_fd: int | None = self._prepare_directory()
         try:
             self._fd_buffered, self._fd_direct = self._open_data_file()
@@ -166,21 +170,23 @@ class SsdTier:
         if not (
             self._fd_direct is not None
             and out.nbytes >= rounded
-            and _try_direct(_pread_full, self._fd_direct, out[:rounded], record.offset)
+            and try_direct(pread_full, self._fd_direct, out[:rounded], record.offset)
         ):
-            _pread_full(self._buffered(), target, record.offset)
+            pread_full(self._buffered(), target, record.offset)
         return checksum_of(target) == record.checksum
 
     def write_wait(self) -> dict[str, Any]:
         """How O_DIRECT writes are waited for (for ``stats()``): through native AIO
         or not (None: no write yet), the spin budget for small ones (0: they sleep),
-        and how the spins ended."""
+        how the spins ended, and where the choice sent small writes (wait_choice)."""
         aio = self._aio
         return {
             "aio": aio is not None if self._aio_tried else None,
             "spin_us": SPIN_US if aio is not None and aio.spins else 0,
             "spin_ready": aio.spin_ready if aio is not None else 0,
             "spin_timeouts": aio.spin_timeouts if aio is not None else 0,
+            "awake_writes": self.wait_choice.awake_writes,
+            "sync_writes": self.wait_choice.sync_writes,
         }
 
     def delete(self, key: bytes) -> None:
@@ -271,22 +277,21 @@ class SsdTier:
         fd = self._fd_direct if data.nbytes >= rounded else None  # O_DIRECT if possible
         whole = data if data.nbytes == rounded else data[:rounded]  # what O_DIRECT moves
         body = whole if size == rounded else data[:size]  # what the record describes
+        aio = self._writer() if fd is not None else None
+        small = size < _OVERLAP_BYTES and aio is not None and aio.spins  # see wait_choice
+        queue = self.wait_choice.awake() if small else size >= _OVERLAP_BYTES
+        timeouts = aio.spin_timeouts if small and aio is not None else -1
         try:
-            if (
-                fd is not None
-                and (aio := self._writer()) is not None
-                and (size >= _OVERLAP_BYTES or aio.spins)
-                and aio.submit(fd, whole, offset)
-            ):
+            if queue and aio is not None and fd is not None and aio.submit(fd, whole, offset):
                 txn = None
                 try:  # hash and stage while the write runs
                     record = SsdRecord(offset, size, checksum_of(body), parent)
                     txn = self._stage(key, record)
                 finally:
                     try:  # never return (or raise) while the write still runs
-                        moved = _finish_direct(aio, fd, whole, offset)
+                        moved = finish_direct(aio, fd, whole, offset)
                         if not moved:
-                            _pwrite_full(self._buffered(), body, offset)
+                            pwrite_full(self._buffered(), body, offset)
                     except BaseException:
                         if txn is not None:
                             txn.abort()
@@ -295,9 +300,9 @@ class SsdTier:
                 record = SsdRecord(offset, size, checksum_of(body), parent)
                 txn = self._stage(key, record)
                 try:
-                    moved = fd is not None and _try_direct(_pwrite_full, fd, whole, offset)
+                    moved = fd is not None and try_direct(pwrite_full, fd, whole, offset)
                     if not moved:
-                        _pwrite_full(self._buffered(), body, offset)
+                        pwrite_full(self._buffered(), body, offset)
                 except BaseException:
                     txn.abort()
                     raise
@@ -306,6 +311,8 @@ class SsdTier:
         except OSError as exc:
             raise StorageError(f"SSD write failed at {self.path!r}: {exc}") from exc
         self._commit(txn, key, record)
+        if timeouts >= 0 and aio is not None and aio.spin_timeouts != timeouts:
+            self.wait_choice.ran_out()  # a contended phase, likely: see wait_choice
         return record
 
     def _writer(self) -> DirectWriter | None:
@@ -345,53 +352,3 @@ class SsdTier:
             except BaseException:
                 txn.abort()
                 raise
-
-
-def _try_direct(
-    move: Callable[[int, np.ndarray, int], None], fd: int, data: np.ndarray, offset: int
-) -> bool:
-    """Move the bytes through the O_DIRECT descriptor; False (nothing moved) if the
-    kernel refuses the buffer's alignment with EINVAL. Asking the kernel costs less
-    than computing the buffer's address from Python (~2 us per call)."""
-    try:
-        move(fd, data, offset)
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return False
-        raise
-    return True
-
-
-def _finish_direct(aio: DirectWriter, fd: int, data: np.ndarray, offset: int) -> bool:
-    """Wait for a submitted O_DIRECT write; a short one is finished synchronously.
-    False (the bytes must go through the buffered descriptor) on EINVAL."""
-    try:
-        written = aio.wait()
-    except OSError as exc:
-        if isinstance(exc, AioLost) or exc.errno != errno.EINVAL:
-            raise
-        return False
-    if written < data.nbytes:  # not seen on a preallocated file; rewrite it all
-        return _try_direct(_pwrite_full, fd, data, offset)
-    return True
-
-
-def _pwrite_full(fd: int, data: np.ndarray, offset: int) -> None:
-    # one call in practice, straight from the array: no memoryview for the common case
-    written = os.pwrite(fd, data, offset)  # type: ignore[arg-type]  # numpy exports a buffer
-    if written == data.nbytes:
-        return
-    view = data.data.cast("B")[written:]
-    offset += written
-    while view:
-        written = os.pwrite(fd, view, offset)
-        view, offset = view[written:], offset + written
-
-
-def _pread_full(fd: int, out: np.ndarray, offset: int) -> None:
-    view = out.data.cast("B")
-    while view:
-        got = os.preadv(fd, [view], offset)
-        if got == 0:
-            raise StorageError(f"unexpected end of SSD data file at offset {offset}")
-        view, offset = view[got:], offset + got
