@@ -18,7 +18,7 @@ synchronous; then waiting awake is tried again. A quiet phase thus loses at
 most ``BACKOFF_WRITES`` synchronous writes per (rare) timeout; a contended one
 spends most writes synchronous. A choice that raced the two modes on measured
 store times was tried first and dropped: an awake write measured right after
-synchronous ones runs cold, so its samples undersold it and 39-47% of writes
+synchronous ones runs cold, so its samples undersold it and 38-47% of writes
 went synchronous in quiet phases (0.81-0.97x instead of 0.97-1.09x).
 
 Not thread-safe: the SSD tier calls it under the pool's lock.
