@@ -51,6 +51,21 @@ def _direct_file(path: str, size: int) -> tuple[int, int]:
     return plain, direct
 
 
+def _assert_reopened(path: str, capacity: int, wanted: dict[bytes, np.ndarray]) -> None:
+    """Reopen the tier at ``path``: its records name exactly ``wanted``'s keys, and each
+    block reads back byte for byte."""
+    tier = SsdTier(path, capacity, make_policy("lru"))
+    try:
+        records = dict(tier.load_records())
+        assert set(records) == set(wanted)
+        for key, data in wanted.items():
+            out = _aligned(-(-data.nbytes // _PAGE) * _PAGE, 0)
+            assert tier.read_into(records[key], out)
+            assert np.array_equal(out[: data.nbytes], data)
+    finally:
+        tier.close()
+
+
 def test_a_submitted_write_lands_whole_and_wait_reports_its_bytes(tmp_path: Any) -> None:
     writer = _writer()
     plain, direct = _direct_file(str(tmp_path / "data.bin"), 4 << 20)
@@ -142,16 +157,7 @@ def test_large_stores_through_aio_read_back_exact_and_survive_a_reopen(tmp_path:
         wanted[b"u" * 16] = odd.copy()
     finally:
         tier.close()
-    tier = SsdTier(path, 16 << 20, make_policy("lru"))
-    try:
-        records = dict(tier.load_records())
-        assert set(records) == set(wanted)
-        for key, data in wanted.items():
-            out = _aligned(4 << 20, 0)
-            assert tier.read_into(records[key], out)
-            assert np.array_equal(out[: data.nbytes], data)
-    finally:
-        tier.close()
+    _assert_reopened(path, 16 << 20, wanted)
 
 
 def test_without_native_aio_large_stores_are_written_synchronously(
@@ -462,14 +468,7 @@ def test_small_tier_stores_overlap_the_write_when_it_is_waited_for_awake(tmp_pat
         assert wait["awake_writes"] + wait["sync_writes"] == len(slots)
     finally:
         tier.close()
-    tier = SsdTier(path, 8 << 20, make_policy("lru"))
-    try:
-        records = dict(tier.load_records())
-        for i, slot in enumerate(slots):
-            out = _aligned(64 << 10, 0)
-            assert tier.read_into(records[bytes([i]) * 16], out) and np.array_equal(out, slot)
-    finally:
-        tier.close()
+    _assert_reopened(path, 8 << 20, {bytes([i]) * 16: slot for i, slot in enumerate(slots)})
 
 
 def test_without_spinning_small_stores_are_written_synchronously(
@@ -507,3 +506,31 @@ def test_submit_takes_writable_and_read_only_buffers_and_refuses_scattered_ones(
         writer.close()
         os.close(direct)
         os.close(plain)
+
+
+def test_a_tier_whose_spins_run_out_writes_synchronously_and_reads_back_exact(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 1 us spin budget: a small store's spin soon runs out (a 64 KiB device
+    write outlasts it, unless the hypervisor finished it inside ``io_submit``), and
+    every small store after that goes synchronously (kvpool.storage.wait_choice);
+    every block reads back exact, also after a reopen."""
+    monkeypatch.setattr(aio_module, "SPIN_US", 1)
+    path = str(tmp_path / "tier")
+    tier = SsdTier(path, 8 << 20, make_policy("lru"))
+    slots = [_aligned(64 << 10, i) for i in range(32)]
+    try:
+        for i, slot in enumerate(slots):
+            assert tier.store(i.to_bytes(16, "big"), slot, slot.nbytes, None) is not None
+        wait = tier.write_wait()
+        if not wait["spin_us"]:
+            pytest.skip("small writes are not waited for awake here (no AIO ring)")
+        if wait["spin_timeouts"] == 0:
+            pytest.skip("the device finished every 64 KiB write within 1 us")
+        # awake up to the first timeout, synchronous after it (fewer than BACKOFF_WRITES)
+        assert wait["spin_timeouts"] == 1
+        assert wait["awake_writes"] == wait["spin_ready"] + 1
+        assert wait["sync_writes"] == len(slots) - wait["awake_writes"]
+    finally:
+        tier.close()
+    _assert_reopened(path, 8 << 20, {i.to_bytes(16, "big"): slot for i, slot in enumerate(slots)})

@@ -278,9 +278,10 @@ class SsdTier:
         whole = data if data.nbytes == rounded else data[:rounded]  # what O_DIRECT moves
         body = whole if size == rounded else data[:size]  # what the record describes
         aio = self._writer() if fd is not None else None
-        small = size < _OVERLAP_BYTES and aio is not None and aio.spins  # see wait_choice
-        queue = self.wait_choice.awake() if small else size >= _OVERLAP_BYTES
-        timeouts = aio.spin_timeouts if small and aio is not None else -1
+        if size < _OVERLAP_BYTES and aio is not None and aio.spins:  # small: see wait_choice
+            queue = self.wait_choice.awake(aio.spin_timeouts)
+        else:
+            queue = size >= _OVERLAP_BYTES
         try:
             if queue and aio is not None and fd is not None and aio.submit(fd, whole, offset):
                 txn = None
@@ -311,8 +312,6 @@ class SsdTier:
         except OSError as exc:
             raise StorageError(f"SSD write failed at {self.path!r}: {exc}") from exc
         self._commit(txn, key, record)
-        if timeouts >= 0 and aio is not None and aio.spin_timeouts != timeouts:
-            self.wait_choice.ran_out()  # a contended phase, likely: see wait_choice
         return record
 
     def _writer(self) -> DirectWriter | None:

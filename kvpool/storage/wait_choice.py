@@ -35,19 +35,21 @@ BACKOFF_WRITES = 64
 class WaitChoice:
     """Whether the next small write is waited for awake, and how many went each way."""
 
+    timeouts_seen: int = 0  # the writer's count of spins that ran out, when last asked
     sync_left: int = 0  # small writes still to go synchronously after a timeout
     awake_writes: int = 0
     sync_writes: int = 0
 
-    def awake(self) -> bool:
-        """Whether the small write about to go out is queued and waited for awake."""
+    def awake(self, spin_timeouts: int) -> bool:
+        """Whether the small write about to go out is queued and waited for awake;
+        ``spin_timeouts``: the writer's count of spins that ran out so far (one more
+        than last time starts the ``BACKOFF_WRITES``, this write included)."""
+        if spin_timeouts != self.timeouts_seen:
+            self.timeouts_seen = spin_timeouts
+            self.sync_left = BACKOFF_WRITES
         if self.sync_left:
             self.sync_left -= 1
             self.sync_writes += 1
             return False
         self.awake_writes += 1
         return True
-
-    def ran_out(self) -> None:
-        """A spin ran out of budget: the next small writes go synchronously."""
-        self.sync_left = BACKOFF_WRITES
