@@ -192,10 +192,10 @@ def test_copy_option_lets_the_caller_reuse_buffers(pool: Pool) -> None:
     assert pool.get(keys[1]) == block_bytes(kv, 1)
 
 
-def test_reader_prefetches_one_layer_ahead(pool: Pool) -> None:
+def test_reader_loads_ahead_unless_throttled(pool: Pool) -> None:
     keys, kv = make_keys(2), layers(2)
     store(pool, keys, kv)
-    with pool.layer_reader(keys, LAYOUT) as reader:
+    with pool.layer_reader(keys, LAYOUT, depth=1) as reader:
         reader.wait_layer(0)
         deadline = time.monotonic() + 10
         while not reader.layer_ready(1):  # loaded while the caller "computes" on layer 0
@@ -203,11 +203,18 @@ def test_reader_prefetches_one_layer_ahead(pool: Pool) -> None:
             time.sleep(0.001)
         time.sleep(0.05)
         assert not reader.layer_ready(2)  # depth 1: no further than one ahead
-    with pool.layer_reader(keys, LAYOUT, depth=LAYOUT.num_layers) as reader:
+    with pool.layer_reader(keys, LAYOUT, depth=0) as reader:
+        time.sleep(0.05)
+        assert reader.layer_ready(0) and not reader.layer_ready(1)  # only what was asked
+    with pool.layer_reader(keys, LAYOUT) as reader:  # default: every layer, nobody asking
         deadline = time.monotonic() + 10
         while not reader.layer_ready(LAYOUT.num_layers - 1):
             assert time.monotonic() < deadline
             time.sleep(0.001)
+        for layer in range(LAYOUT.num_layers):
+            k, v = reader.wait_layer(layer)
+            np.testing.assert_array_equal(k, kv[layer][0])
+            np.testing.assert_array_equal(v, kv[layer][1])
 
 
 def test_reader_overlaps_a_slow_consumer(pool: Pool, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -279,8 +286,9 @@ def test_reader_bad_inputs_release_the_lease(pool: Pool) -> None:
         pool.layer_reader(keys, LAYOUT, out=small)
     with pytest.raises(ValueError, match="one"):
         pool.layer_reader(keys, LAYOUT, out=small[:1])
-    with pytest.raises(ValueError, match="depth"):
-        pool.layer_reader(keys, LAYOUT, depth=-1)
+    for depth in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="depth"):
+            pool.layer_reader(keys, LAYOUT, depth=depth)
     assert pins(pool, keys) == [0, 0]
     reader = LayerReader(pool, keys, LAYOUT)
     with pytest.raises(IndexError):

@@ -51,7 +51,7 @@ def test_nodes_lost_mid_stream_fail_writer_and_reader(cluster: Cluster) -> None:
         with LayerWriter(pool, stored, LAYOUT) as writer:
             for layer in range(LAYOUT.num_layers):
                 writer.write_layer(layer, *kv[layer])
-        reader = LayerReader(pool, stored, LAYOUT)
+        reader = LayerReader(pool, stored, LAYOUT, depth=1)  # layers 2.. wait for the kill
         reader.wait_layer(0)
         writer = LayerWriter(pool, keys, LAYOUT)
         writer.write_layer(0, *kv[0])

@@ -8,8 +8,15 @@
 
 The reader leases the longest stored prefix of ``keys`` (``Pool.lease``), so
 no block can be evicted or moved while it is read piecewise, and starts a
-background thread that loads layer 0 at once. ``wait_layer(l)`` lets it run
-``depth`` layers past ``l`` (default 1) and blocks until ``l`` is loaded.
+background thread that loads the layers in order at once. ``wait_layer(l)``
+blocks until ``l`` is loaded. By default (``depth=None``) nothing holds the
+loader back: every layer has its own destination, so loading ahead costs no
+memory, and a loader that must wait for the consumer at every layer pays a
+thread hand-off per layer and loses whatever slack one layer had over the
+next (on 2 vCPUs, with compute as long as the load: overlap 1.16 at
+``depth=1`` against 1.09 unbounded, medians of 41 rounds, issue 17).
+``depth=d`` throttles it to ``d`` layers past the last one asked for (layer 0
+starts at once either way), for a caller that wants the bandwidth meanwhile.
 Each layer is one ``get_into(key, ..., offset=, length=)`` per block for K
 and one for V, so the same code serves the embedded pool and the distributed
 client.
@@ -67,21 +74,23 @@ class LayerReader:
         layout: KVLayout,
         out: Sequence[tuple[Any, Any]] | None = None,
         *,
-        depth: int = 1,
+        depth: int | None = None,
         torch: bool = False,
     ) -> None:
         self.layout = check_layout(layout)
         keys = list(keys)
         check_keys(keys)
-        if not isinstance(depth, int) or isinstance(depth, bool) or depth < 0:
-            raise ValueError(f"depth must be an int >= 0, got {depth!r}")
+        if depth is not None and (
+            not isinstance(depth, int) or isinstance(depth, bool) or depth < 0
+        ):
+            raise ValueError(f"depth must be None or an int >= 0, got {depth!r}")
         if out is not None:
             out = list(out)
             if len(out) != layout.num_layers or not all(
                 isinstance(p, tuple | list) and len(p) == 2 for p in out
             ):
                 raise ValueError(f"out must hold one (k, v) pair per layer ({layout.num_layers})")
-        self._depth = depth
+        self._depth = layout.num_layers if depth is None else depth
         self._lease = pool.lease(keys)
         try:
             self.keys: list[bytes] = list(self._lease.keys)
@@ -93,7 +102,7 @@ class LayerReader:
         self._pool = pool
         self._cond = threading.Condition()
         self._loaded = 0  # layers 0 .. _loaded-1 are in place
-        self._horizon = max(depth, 1) - 1  # the loader may load layers <= this
+        self._horizon = max(self._depth, 1) - 1  # the loader may load layers <= this
         self._error: BaseException | None = None
         self._closed = False
         self._side = SideStream()
@@ -125,7 +134,8 @@ class LayerReader:
         """Block until ``layer`` is loaded; its (K, V) across the leased blocks.
 
         Raises ``LayerTransferError`` if loading failed (the lease is then
-        released) and ``KVPoolError`` after ``close``.
+        released) and ``KVPoolError`` after ``close``, whether or not the
+        loader had reached ``layer`` by then (views returned before stay valid).
         """
         layer = check_layer(layer, self.layout)
         with self._cond:
@@ -135,7 +145,7 @@ class LayerReader:
             self._cond.wait_for(
                 lambda: layer < self._loaded or self._error is not None or self._closed
             )
-            if layer < self._loaded:
+            if layer < self._loaded and not self._closed:
                 return self._views[layer]
             error = self._error
         if error is not None:

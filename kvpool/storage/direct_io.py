@@ -23,8 +23,10 @@ def try_direct(
     move: Callable[[int, np.ndarray, int], None], fd: int, data: np.ndarray, offset: int
 ) -> bool:
     """Move the bytes through the O_DIRECT descriptor; False (nothing moved) if the
-    kernel refuses the buffer's alignment with EINVAL. Asking the kernel costs less
-    than computing the buffer's address from Python (~2 us per call)."""
+    kernel refuses the buffer's alignment with EINVAL. Asking the kernel costs
+    nothing on an aligned buffer (the common case: arena slots), where checking
+    the address first would cost ~0.6 us a call (ctypes, as ``DirectWriter.submit``
+    does because it needs the address anyway)."""
     try:
         move(fd, data, offset)
     except OSError as exc:
