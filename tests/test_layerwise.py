@@ -204,8 +204,9 @@ def test_reader_loads_ahead_unless_throttled(pool: Pool) -> None:
         time.sleep(0.05)
         assert not reader.layer_ready(2)  # depth 1: no further than one ahead
     with pool.layer_reader(keys, LAYOUT, depth=0) as reader:
+        reader.wait_layer(0)
         time.sleep(0.05)
-        assert reader.layer_ready(0) and not reader.layer_ready(1)  # only what was asked
+        assert not reader.layer_ready(1)  # depth 0: only what was asked for
     with pool.layer_reader(keys, LAYOUT) as reader:  # default: every layer, nobody asking
         deadline = time.monotonic() + 10
         while not reader.layer_ready(LAYOUT.num_layers - 1):

@@ -13,8 +13,8 @@ blocks until ``l`` is loaded. By default (``depth=None``) nothing holds the
 loader back: every layer has its own destination, so loading ahead costs no
 memory, and a loader that must wait for the consumer at every layer pays a
 thread hand-off per layer and loses whatever slack one layer had over the
-next (on 2 vCPUs, with compute as long as the load: overlap 1.16 at
-``depth=1`` against 1.09 unbounded, medians of 41 rounds, issue 17).
+next (on 2 vCPUs, with compute as long as the load: overlap 1.14 at
+``depth=1`` against 1.09 unbounded, best of 41 rounds, issue 17).
 ``depth=d`` throttles it to ``d`` layers past the last one asked for (layer 0
 starts at once either way), for a caller that wants the bandwidth meanwhile.
 Each layer is one ``get_into(key, ..., offset=, length=)`` per block for K
