@@ -150,13 +150,19 @@ class Row:
     baseline: str
 
 
+def gbps_figure(gbps: float) -> float:
+    """GB/s to four significant digits, not three decimals: a slow row (0.02 GB/s
+    under load) keeps its precision, so value / baseline reproduces the ratio."""
+    return float(f"{gbps:.4g}")
+
+
 def make_row(op: str, tier: str, ours: Timing, base: Timing, baseline: str) -> Row:
     return Row(
         op=op,
         tier=tier,
         size=ours.size,
-        gbps=round(ours.gbps, 3),
-        baseline_gbps=round(base.gbps, 3),
+        gbps=gbps_figure(ours.gbps),
+        baseline_gbps=gbps_figure(base.gbps),
         ratio=round(ours.gbps / base.gbps, 3),
         p50_us=round(ours.percentile_us(50), 1),
         p99_us=round(ours.percentile_us(99), 1),

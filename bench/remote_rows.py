@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kvpool.bench.common import Timing
+from kvpool.bench.common import Timing, gbps_figure
 from kvpool.bench.remote_transport import RawClient
 from kvpool.config import format_size
 
@@ -113,9 +113,9 @@ def remote_row(op: str, transport: str, size: int, ours: Timing, base: Timing,
         op=op,
         transport=transport,
         size=size,
-        gbps=round(ours.gbps, 3),
+        gbps=gbps_figure(ours.gbps),
         baseline=baseline,
-        baseline_gbps=round(base.gbps, 3),
+        baseline_gbps=gbps_figure(base.gbps),
         ratio=round(ours.gbps / base.gbps, 3),
         p50_us=round(ours.percentile_us(50), 1),
         p99_us=round(ours.percentile_us(99), 1),

@@ -128,6 +128,17 @@ def test_ratio_is_higher_is_better(quick_run: tuple[list[dict], dict, str]) -> N
         assert r["ratio"] == pytest.approx(expect, rel=0.02, abs=0.002)
 
 
+def test_slow_rows_keep_the_precision_their_ratio_needs() -> None:
+    """A row at 0.02 GB/s (a loaded CI machine) once printed value 0.021 for a ratio
+    0.196 of baseline 0.105: three decimals are not enough; four digits are."""
+    from kvpool.bench.common import Timing, make_row
+
+    ours, base = Timing(65536, [3.1e-3]), Timing(65536, [0.61e-3])
+    row = make_row("put", "tcp", ours, base, "raw socket")
+    assert row.gbps == pytest.approx(ours.gbps, rel=1e-3)
+    assert row.ratio == pytest.approx(row.gbps / row.baseline_gbps, rel=0.002, abs=0.001)
+
+
 def test_machine_facts_are_written_and_printed(quick_run: tuple[list[dict], dict, str]) -> None:
     _, facts, stdout = quick_run
     assert set(facts) >= FACTS
