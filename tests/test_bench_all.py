@@ -129,8 +129,9 @@ def test_ratio_is_higher_is_better(quick_run: tuple[list[dict], dict, str]) -> N
 
 
 def test_slow_rows_keep_the_precision_their_ratio_needs() -> None:
-    """A row at 0.02 GB/s (a loaded CI machine) once printed value 0.021 for a ratio
-    0.196 of baseline 0.105: three decimals are not enough; four digits are."""
+    """A row near 0.02 GB/s (a loaded CI machine) once printed a value and baseline
+    whose quotient read 0.190 against its ratio 0.196: three decimals keep two
+    digits of such a figure; four significant digits keep its precision."""
     from kvpool.bench.common import Timing, make_row
 
     ours, base = Timing(65536, [3.1e-3]), Timing(65536, [0.61e-3])
