@@ -2,8 +2,9 @@
 
 The kernel: exact bytes for every length and misalignment around its 64-byte
 lines, nothing written outside the destination, clear errors for bad buffers.
-Its routing: blocks from ``STREAM_MIN`` stream, smaller ones are numpy's copy,
-and ``$KVPOOL_STREAM_COPY=0`` turns it off. End to end: blocks that cross the
+Its routing: blocks from ``STREAM_FROM`` stream, smaller ones are numpy's copy;
+``$KVPOOL_STREAM_MIN`` moves that bound and ``$KVPOOL_STREAM_COPY=0`` turns
+streaming off. End to end: blocks that cross the
 bound, put by one process into a real node's shared arena (the copy, then the
 seal record), read back exactly by another process, over shm and TCP.
 """
@@ -77,7 +78,10 @@ def test_the_kernel_refuses_bad_buffers_and_copies_overlaps_as_memmove() -> None
 
 
 @needs_kernel
-def test_blocks_from_stream_min_stream_and_smaller_ones_are_numpys(monkeypatch) -> None:
+@pytest.mark.parametrize("stream_from", [stream_copy.STREAM_MIN, 1 << 20])
+def test_blocks_from_stream_from_stream_and_smaller_ones_are_numpys(
+    monkeypatch, stream_from: int
+) -> None:
     calls: list[int] = []
 
     def spy(dst: np.ndarray, src: np.ndarray) -> None:
@@ -86,7 +90,8 @@ def test_blocks_from_stream_min_stream_and_smaller_ones_are_numpys(monkeypatch) 
         KERNEL(dst, src)
 
     monkeypatch.setattr(stream_copy, "_kernel", spy)
-    for n in (stream_copy.STREAM_MIN - 1, stream_copy.STREAM_MIN, 3 << 20):
+    monkeypatch.setattr(stream_copy, "STREAM_FROM", stream_from)
+    for n in (stream_from - 1, stream_from, 3 << 20):
         src = _random(n, seed=n)
         dst = np.zeros(n, np.uint8)
         stream_copy.copy_into(dst, src)
@@ -94,7 +99,52 @@ def test_blocks_from_stream_min_stream_and_smaller_ones_are_numpys(monkeypatch) 
         big = np.zeros(n + 100, np.uint8)  # copy_region into the start of a larger region
         copy_region(big, src)
         assert np.array_equal(big[:n], src) and not big[n:].any()
-    assert calls == [stream_copy.STREAM_MIN] * 2 + [3 << 20] * 2
+    assert calls == [stream_from] * 2 + [3 << 20] * 2
+
+
+SHOW_STATUS = textwrap.dedent(
+    """
+    import numpy as np
+    from kvpool.bindings import stream_copy
+    src = np.arange(1 << 20, dtype=np.uint32).astype(np.uint8)
+    dst = np.zeros_like(src)
+    stream_copy.copy_into(dst, src)
+    assert (dst == src).all()
+    print(stream_copy.STREAM_FROM, stream_copy.STATUS)
+    """
+)
+
+
+def _run_with(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", SHOW_STATUS],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@needs_kernel
+def test_the_environment_moves_where_streaming_starts() -> None:
+    out = _run_with({"KVPOOL_STREAM_MIN": str(1 << 20)})
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split(" ", 1)[0] == str(1 << 20)
+    assert out.stdout.strip().endswith("from 1048576 B ($KVPOOL_STREAM_MIN)")
+    default = _run_with({"KVPOOL_STREAM_MIN": str(stream_copy.STREAM_MIN)})
+    assert default.returncode == 0, default.stderr
+    assert default.stdout.split(" ", 1)[0] == str(stream_copy.STREAM_MIN)
+    assert default.stdout.strip().endswith(f"from {stream_copy.STREAM_MIN} B")
+
+
+@pytest.mark.parametrize("bad", ["65535", "0", "-1", "1MiB", ""])
+def test_a_bad_stream_min_is_refused_at_import_with_the_rule(bad: str) -> None:
+    out = _run_with({"KVPOOL_STREAM_MIN": bad})
+    assert out.returncode != 0
+    assert (
+        f"$KVPOOL_STREAM_MIN must be a whole number of bytes >= {stream_copy.STREAM_MIN} "
+        f"(the smallest copy that may stream), not {bad!r}"
+    ) in out.stderr
 
 
 def test_the_switch_turns_streaming_off_and_copies_stay_exact() -> None:
