@@ -1,9 +1,11 @@
 """``kvpool bench copy``: the copy every large block takes, against numpy's copy.
 
-kvpool copies blocks of ``STREAM_MIN`` bytes and more with streaming stores
-(kvpool.bindings.stream_copy); numpy (glibc) copies them through the caches.
-This suite times both on the same buffers, op by op in interleaved rounds
-(``paired``), in two settings:
+kvpool copies blocks of 4 MiB and more with streaming stores, and from 64 KiB
+whichever of streaming and numpy's copy the process's first copies of the size
+timed faster (kvpool.bindings.stream_copy, copy_choice); numpy (glibc) copies
+through the caches. This suite times both on the same buffers, op by op in
+interleaved rounds (``paired``), in two settings, to see where streaming pays on
+a machine (and to choose ``$KVPOOL_STREAM_MIN``, which fixes the bound):
 
 - ``cold``: a working set far bigger than the caches, as a pool moving many
   blocks sees it (the pool's put and get rows run so);
@@ -66,7 +68,7 @@ def run_copy(sizes: list[int], rounds: int) -> list[CopyRow]:
 
 
 def _time_both(
-    kernel: Callable[[object, object], None], size: int, count: int, rounds: int
+    kernel: Callable[[np.ndarray, np.ndarray], None], size: int, count: int, rounds: int
 ) -> tuple[float, float]:
     """Median seconds per copy of ``count`` distinct blocks: (numpy's, the kernel's);
     raises if a streamed copy left its destination unequal to its source."""

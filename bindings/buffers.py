@@ -104,8 +104,8 @@ def region_is_device(region: Region) -> bool:
 def copy_region(dst: Region, src: Region) -> None:
     """Copy all of ``src`` into the start of ``dst`` (sizes checked by callers).
 
-    Host to host is one copy: numpy's, or streaming stores from ``STREAM_FROM``
-    bytes (kvpool.bindings.stream_copy); both release the GIL on large copies;
+    Host to host is one copy: numpy's, or streaming stores where they are faster
+    here (kvpool.bindings.stream_copy); both release the GIL on large copies;
     anything touching a device goes through torch's synchronous ``copy_``,
     which uses DMA when the host side is page-locked.
     """

@@ -8,23 +8,22 @@ destination line into the cache before writing it (read-for-ownership) and
 evicts the caller's own working set on the way; glibc switches to streaming
 stores only above ``x86_non_temporal_threshold``, 240 MiB on these VMs.
 
-``copy_into(dst, src)`` streams copies of ``STREAM_FROM`` bytes and more through
-the compiled ``kvpool.bindings._stream_copy`` (AVX2 or SSE2, GIL released,
-fenced before it returns), and leaves smaller ones to numpy. Measured on a 2
-vCPU AMD EPYC (``kvpool bench copy``, ``kvpool bench all``): bench/RESULTS.md,
-"Session 10".
-
-Where streaming starts is the machine's: on one 2 vCPU AMD EPYC class of VM a
-cold 64 KiB block streams 1.2-1.4x faster than numpy copies it, on another (twice
-the memory bandwidth) 0.72x as fast, and the two only draw level from 1 MiB
-(bench/RESULTS.md, "Session 18"). ``$KVPOOL_STREAM_MIN=BYTES`` (at least
-``STREAM_MIN``) makes copies stream only from that size: run ``kvpool bench copy``
-on the machine and set it to the smallest size whose ``cold`` row, and every
-larger one, reads 1.0 or more.
+``copy_into(dst, src)`` copies either through the compiled
+``kvpool.bindings._stream_copy`` (AVX2 or SSE2 streaming stores, GIL released,
+fenced before it returns) or with numpy's copy, by the size of the block:
+below ``STREAM_MIN`` numpy's, from ``LEARN_BELOW`` streaming, and in between
+whichever the process's first copies of that size class timed faster
+(kvpool.bindings.copy_choice: on one 2 vCPU AMD EPYC class of VM streaming wins
+from 64 KiB, on another, with twice the memory bandwidth, only from 1 MiB;
+bench/RESULTS.md, "Session 10", "Session 18" and "Session 19").
+``$KVPOOL_STREAM_MIN=BYTES`` (a power of two, at least ``STREAM_MIN``) fixes the
+bound instead: copies stream from that size, smaller ones are numpy's, nothing
+is timed.
 
 Where the extension was not built (no C compiler at install time: it is an
-optional extension) or ``$KVPOOL_STREAM_COPY=0``, every copy is numpy's:
-``STATUS`` says which, and why.
+optional extension) or ``$KVPOOL_STREAM_COPY=0``, every copy is numpy's.
+``status()`` says which copy runs, from what size, what each learning class
+settled on, and why.
 
 Invariant: ``copy_into`` leaves ``dst`` byte-equal to ``src`` whichever path it
 takes, and its stores are ordered before the caller's next store (the SFENCE in
@@ -36,44 +35,45 @@ from __future__ import annotations
 
 import importlib
 import os
-from collections.abc import Callable
 
 import numpy as np
 
-#: copies smaller than this never stream; by default, larger ones do. A pool's
-#: destinations are cold (a put writes a range of a GiB-sized arena; a get fills the
-#: caller's share of its KV cache), where, on the VMs of sessions 10-17, streaming
-#: wins from 4 KiB (``kvpool bench copy``: 1.2-1.4x at 4-128 KiB). It loses where the
-#: destination is still in this core's caches: 0.75-0.8x at 64 KiB copied again and
-#: again into the same four buffers. Below 64 KiB the
-#: gain (0.1-0.5 us a copy) is about what the call costs over numpy's.
-STREAM_MIN = 64 << 10
+from kvpool.bindings.copy_choice import (
+    LEARN_BELOW,
+    NUMPY,
+    STREAM,
+    STREAM_MIN,
+    TRIALS,
+    CopyChoice,
+    Kernel,
+    initial_ways,
+)
+from kvpool.config import format_size
 
 
-def _stream_from() -> int:
-    """``$KVPOOL_STREAM_MIN`` (bytes, >= ``STREAM_MIN``), else ``STREAM_MIN``."""
+def _stream_from() -> int | None:
+    """``$KVPOOL_STREAM_MIN`` (bytes: a power of two >= ``STREAM_MIN``), or None."""
     text = os.environ.get("KVPOOL_STREAM_MIN")
     if text is None:
-        return STREAM_MIN
+        return None
     try:
         value = int(text)
     except ValueError:
         value = -1
-    if value < STREAM_MIN:
+    if value < STREAM_MIN or value & (value - 1):
         raise ValueError(
-            f"$KVPOOL_STREAM_MIN must be a whole number of bytes >= {STREAM_MIN} "
-            f"(the smallest copy that may stream), not {text!r}"
+            f"$KVPOOL_STREAM_MIN must be a power of two >= {STREAM_MIN} (bytes: the "
+            f"smallest copy that streams), not {text!r}"
         )
     return value
 
 
-#: copies of at least this many bytes stream: ``STREAM_MIN`` unless
-#: ``$KVPOOL_STREAM_MIN`` says otherwise.
+#: ``$KVPOOL_STREAM_MIN``: copies of at least this many bytes stream, smaller ones
+#: are numpy's, nothing is learned; None (unset): the bound is learned per size class.
 STREAM_FROM = _stream_from()
-_SOURCE = " ($KVPOOL_STREAM_MIN)" if STREAM_FROM != STREAM_MIN else ""
 
 
-def _load() -> tuple[Callable[[object, object], None] | None, str]:
+def _load() -> tuple[Kernel | None, str]:
     """The streaming kernel and a line saying which copy runs, and why."""
     if os.environ.get("KVPOOL_STREAM_COPY", "1") == "0":
         return None, "numpy copy ($KVPOOL_STREAM_COPY=0)"
@@ -81,26 +81,48 @@ def _load() -> tuple[Callable[[object, object], None] | None, str]:
         _stream_copy = importlib.import_module("kvpool.bindings._stream_copy")
     except ImportError as exc:  # built without a compiler: the optional extension is absent
         return None, f"numpy copy (kvpool.bindings._stream_copy not built: {exc})"
-    kernel = _stream_copy.KERNEL
-    return _stream_copy.copy, f"streaming stores ({kernel}) from {STREAM_FROM} B{_SOURCE}"
+    name = f"streaming stores ({_stream_copy.KERNEL})"
+    if STREAM_FROM is not None:
+        return _stream_copy.copy, f"{name} from {format_size(STREAM_FROM)} ($KVPOOL_STREAM_MIN)"
+    return _stream_copy.copy, (
+        f"{name} from {format_size(LEARN_BELOW)}; from {format_size(STREAM_MIN)}, per size "
+        f"class, whichever of it and numpy's copy its first {2 * TRIALS} copies timed faster"
+    )
 
 
 _kernel, STATUS = _load()
+_choice = CopyChoice(_kernel, initial_ways(_kernel is not None, STREAM_FROM))
+_ways = _choice.ways  # read on every copy: one list item
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     """Copy ``src`` into ``dst``: flat, C-contiguous uint8 arrays of the same length
     (``dst`` writable), as the hot paths hold them (``buffers.plain_host``)."""
-    kernel = _kernel
-    if kernel is not None and src.nbytes >= STREAM_FROM:
+    way = _ways[src.nbytes.bit_length()]  # copy_choice.class_of, inlined
+    if way == STREAM:
         # the kernel refuses (ValueError) unequal lengths and strided views, as numpy
         # refuses a shape it cannot broadcast: callers never pass either
-        kernel(dst, src)
-    else:
+        _kernel(dst, src)  # type: ignore[misc]  # STREAM only where the kernel exists
+    elif way == NUMPY:
         dst[...] = src  # np.copyto without its dispatcher frame
+    else:
+        _choice.trial_copy(dst, src)
 
 
-def kernel_or_none() -> Callable[[object, object], None] | None:
+def copies_plainly(nbytes: int) -> bool:
+    """Whether a copy of ``nbytes`` is numpy's for the rest of this process (below
+    the streaming bound, or its size class settled on numpy's copy); False while
+    the class is still learning."""
+    return _ways[nbytes.bit_length()] == NUMPY
+
+
+def status() -> str:
+    """Which copy runs, from what size, and what each learning class settled on."""
+    learned = _choice.describe()
+    return f"{STATUS} ({learned})" if learned else STATUS
+
+
+def kernel_or_none() -> Kernel | None:
     """The streaming kernel itself, any size (``kvpool bench copy``); None where large
     copies do not stream (``STATUS`` says why)."""
     return _kernel

@@ -78,7 +78,7 @@ def test_same_host_bytes_are_counted_by_the_client() -> None:
             "bytes_written": 4096,
             "peers": 1,
             "page_lock": {"n": "not yet: no GPU buffer copied"},  # host buffers only
-            "copy": stream_copy.STATUS,
+            "copy": stream_copy.status(),
         }
         assert exposed.served() == {"tcp": (0, 0)}
     finally:

@@ -44,7 +44,7 @@ def gated_copy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Any], thre
     for module in (pool_module, reservations_module, blocks_module):  # reads, writes, moves
         monkeypatch.setattr(module, "copy_region", copy)
     # small puts copy by slice assignment, not through the seam: send them through it
-    monkeypatch.setattr(reservations_module, "SMALL_COPY", 0)
+    monkeypatch.setattr(reservations_module, "LOCKED_COPY_MAX", 0)
     yield gate
 
 
@@ -73,7 +73,7 @@ def test_failed_copy_frees_its_allocation(pool: Pool, monkeypatch: pytest.Monkey
         raise RuntimeError("device lost")
 
     monkeypatch.setattr(reservations_module, "copy_region", broken)  # the put path
-    monkeypatch.setattr(reservations_module, "SMALL_COPY", 0)  # small puts through it too
+    monkeypatch.setattr(reservations_module, "LOCKED_COPY_MAX", 0)  # small puts through it too
     with pytest.raises(RuntimeError, match="device lost"):
         pool.put(key, payload(0))
     monkeypatch.undo()

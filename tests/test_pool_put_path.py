@@ -2,7 +2,9 @@
 
 A put's copy runs outside the lock with its key marked as being written:
 a reserve or put of that key meanwhile is refused, ``close`` waits for the
-copy, and a put whose pool closed under it raises and commits nothing.
+copy, and a put whose pool closed under it raises and commits nothing. A
+small host put whose copy is numpy's copies inside its one lock section
+instead (``LOCKED_COPY_MAX``): the same bytes, the same counters.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool.embedded.reservations as reservations_module
 from kvpool import Pool
+from kvpool.bindings import stream_copy
 from kvpool.errors import BufferSpecError, PoolClosedError
 
 
@@ -33,7 +36,7 @@ class _Gate:
             real(dst, src)
 
         monkeypatch.setattr(reservations_module, "copy_region", copy)
-        monkeypatch.setattr(reservations_module, "SMALL_COPY", 0)  # small puts through it too
+        monkeypatch.setattr(reservations_module, "LOCKED_COPY_MAX", 0)  # small puts through it too
 
 
 def test_a_key_being_put_cannot_be_reserved_or_put(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,19 +105,66 @@ def test_plain_and_adapted_buffers_store_the_same_bytes() -> None:
         assert np.array_equal(out[:16], data[8:24]) and not out[16:].any()
 
 
-def test_puts_either_side_of_the_small_copy_bound_store_exact_bytes() -> None:
-    """Up to ``SMALL_COPY`` bytes a put copies by memoryview slice assignment, above
-    it with the streaming copy: both store every byte where it belongs, side by side."""
-    small = reservations_module.SMALL_COPY
-    sizes = [1, 4095, small, small + 1, small + 4096]
+@pytest.mark.parametrize("plain", [True, False])
+def test_puts_either_side_of_the_locked_copy_bound_store_exact_bytes(
+    monkeypatch: pytest.MonkeyPatch, plain: bool
+) -> None:
+    """A host put whose copy is numpy's (``copies_plainly``: below 64 KiB always, above
+    where this machine's copies of the size class settled on it; ``plain`` says which)
+    copies by memoryview inside its one lock section up to ``LOCKED_COPY_MAX`` bytes;
+    any other goes through ``copy_region`` between two sections. Both store every
+    byte where it belongs, side by side, and the counters agree."""
+    monkeypatch.setattr(
+        reservations_module, "copies_plainly", lambda n: plain or n < stream_copy.STREAM_MIN
+    )
+    seen: list[int] = []
+    real = reservations_module.copy_region
+
+    def spy(dst: Any, src: Any) -> None:
+        seen.append(src.nbytes)
+        real(dst, src)
+
+    monkeypatch.setattr(reservations_module, "copy_region", spy)
+    bound = reservations_module.LOCKED_COPY_MAX
+    small = stream_copy.STREAM_MIN
+    sizes = [1, 4095, small - 1, small, small + 3, bound, bound + 1, bound + 4096]
     keys = make_keys(len(sizes))
     rng = np.random.default_rng(11)
     datas = [rng.integers(0, 256, n, dtype=np.uint8) for n in sizes]
-    with Pool.embedded(dram_bytes=8 * small) as pool:
+    with Pool.embedded(dram_bytes=8 * bound) as pool:
         for key, data in zip(keys, datas, strict=True):
             assert pool.put(key, data)
         for key, data in zip(keys, datas, strict=True):
             assert pool.get(key) == data.tobytes()
+        stats = pool.stats()
+    assert seen == [n for n in sizes if n > bound or (n >= small and not plain)]
+    assert stats["puts"] == len(sizes) and stats["bytes_written"] == sum(sizes)
+    assert stats["tiers"]["dram"]["used_bytes"] == sum(-(-n // 4096) * 4096 for n in sizes)
+
+
+def test_a_locked_copy_that_fails_frees_its_space_and_commits_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """White-box: a memoryview copy cannot fail on the arrays the fast path admits,
+    but if one raised (here the tier's view does), the key stays absent and its
+    extent goes back to the allocator."""
+    key = make_keys(1)[0]
+    monkeypatch.setattr(reservations_module, "copies_plainly", lambda n: True)
+
+    class Broken:
+        def __setitem__(self, where: slice, src: Any) -> None:
+            raise OSError("bus error")
+
+    with Pool.embedded(dram_bytes=4 * BLOCK) as pool:
+        dram = pool._tiers.dram
+        view = dram.host_bytes
+        monkeypatch.setattr(dram, "host_bytes", Broken())
+        with pytest.raises(OSError, match="bus error"):
+            pool.put(key, payload(1))
+        monkeypatch.setattr(dram, "host_bytes", view)
+        assert pool.exists([key]) == [False]
+        assert pool.stats()["tiers"]["dram"]["used_bytes"] == 0
+        assert pool.put(key, payload(1)) and pool.get(key) == payload(1).tobytes()
 
 
 def test_uint8_arrays_off_the_fast_path_still_store_and_read_exact() -> None:

@@ -2,9 +2,10 @@
 
 The kernel: exact bytes for every length and misalignment around its 64-byte
 lines, nothing written outside the destination, clear errors for bad buffers.
-Its routing: blocks from ``STREAM_FROM`` stream, smaller ones are numpy's copy;
-``$KVPOOL_STREAM_MIN`` moves that bound and ``$KVPOOL_STREAM_COPY=0`` turns
-streaming off. End to end: blocks that cross the
+Its routing: below 64 KiB numpy's copy, from ``LEARN_BELOW`` streaming, in
+between what each size class's first copies timed faster (the learning itself:
+tests/test_copy_choice.py); ``$KVPOOL_STREAM_MIN`` fixes the bound instead and
+``$KVPOOL_STREAM_COPY=0`` turns streaming off. End to end: blocks that cross the
 bound, put by one process into a real node's shared arena (the copy, then the
 seal record), read back exactly by another process, over shm and TCP.
 """
@@ -24,6 +25,7 @@ from poolhelpers import make_keys, payload
 
 import kvpool
 from kvpool.bindings import copy_region, stream_copy
+from kvpool.bindings.copy_choice import initial_ways
 
 KERNEL = stream_copy.kernel_or_none()
 if KERNEL is None and os.environ.get("KVPOOL_REQUIRE_STREAM_COPY") == "1":
@@ -79,9 +81,10 @@ def test_the_kernel_refuses_bad_buffers_and_copies_overlaps_as_memmove() -> None
 
 @needs_kernel
 @pytest.mark.parametrize("stream_from", [stream_copy.STREAM_MIN, 1 << 20])
-def test_blocks_from_stream_from_stream_and_smaller_ones_are_numpys(
-    monkeypatch, stream_from: int
+def test_with_a_fixed_bound_blocks_from_it_stream_and_smaller_ones_are_numpys(
+    monkeypatch: pytest.MonkeyPatch, stream_from: int
 ) -> None:
+    """``$KVPOOL_STREAM_MIN``'s routing (the table it builds, put in place here)."""
     calls: list[int] = []
 
     def spy(dst: np.ndarray, src: np.ndarray) -> None:
@@ -90,16 +93,56 @@ def test_blocks_from_stream_from_stream_and_smaller_ones_are_numpys(
         KERNEL(dst, src)
 
     monkeypatch.setattr(stream_copy, "_kernel", spy)
-    monkeypatch.setattr(stream_copy, "STREAM_FROM", stream_from)
+    monkeypatch.setattr(stream_copy, "_ways", initial_ways(True, stream_from))
     for n in (stream_from - 1, stream_from, 3 << 20):
         src = _random(n, seed=n)
         dst = np.zeros(n, np.uint8)
         stream_copy.copy_into(dst, src)
         assert np.array_equal(dst, src)
+        assert stream_copy.copies_plainly(n) == (n < stream_from)
         big = np.zeros(n + 100, np.uint8)  # copy_region into the start of a larger region
         copy_region(big, src)
         assert np.array_equal(big[:n], src) and not big[n:].any()
     assert calls == [stream_from] * 2 + [3 << 20] * 2
+
+
+@needs_kernel
+def test_by_default_the_middle_sizes_learn_and_every_copy_is_exact() -> None:
+    """In a fresh process: below 64 KiB numpy's copy, from ``LEARN_BELOW`` streaming,
+    in between each size class times its first copies both ways and settles; every
+    copy on the way, timed or not, is exact, and the status line says what settled."""
+    script = textwrap.dedent(
+        """
+        import numpy as np
+        from kvpool.bindings import stream_copy as sc
+        from kvpool.bindings.copy_choice import TRIALS
+        assert sc.STREAM_FROM is None
+        assert sc.copies_plainly(sc.STREAM_MIN - 1)
+        assert not sc.copies_plainly(sc.STREAM_MIN) and not sc.copies_plainly(sc.LEARN_BELOW)
+        rng = np.random.default_rng(5)
+        for i in range(2 * TRIALS):
+            n = sc.STREAM_MIN + 64 * i + i % 7  # one class, odd lengths
+            src = rng.integers(0, 256, n, dtype=np.uint8)
+            dst = np.zeros(n, np.uint8)
+            sc.copy_into(dst, src)
+            assert (dst == src).all(), i
+        print(sc.copies_plainly(sc.STREAM_MIN))
+        print(sc.status())
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KVPOOL_STREAM_MIN"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    plain, status = out.stdout.strip().split("\n")
+    settled = "numpy copy" if plain == "True" else "streaming"
+    assert f"(64KiB: {settled} (streaming " in status
+    assert "; 128KiB: learning;" in status and status.endswith("2MiB: learning)")
+    assert status.startswith("streaming stores (")
+    assert (
+        ") from 4MiB; from 64KiB, per size class, whichever of it and numpy's copy its " in status
+    )
 
 
 SHOW_STATUS = textwrap.dedent(
@@ -110,7 +153,7 @@ SHOW_STATUS = textwrap.dedent(
     dst = np.zeros_like(src)
     stream_copy.copy_into(dst, src)
     assert (dst == src).all()
-    print(stream_copy.STREAM_FROM, stream_copy.STATUS)
+    print(stream_copy.STREAM_FROM, stream_copy.status())
     """
 )
 
@@ -126,24 +169,24 @@ def _run_with(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 
 @needs_kernel
-def test_the_environment_moves_where_streaming_starts() -> None:
+def test_the_environment_fixes_where_streaming_starts() -> None:
     out = _run_with({"KVPOOL_STREAM_MIN": str(1 << 20)})
     assert out.returncode == 0, out.stderr
     assert out.stdout.split(" ", 1)[0] == str(1 << 20)
-    assert out.stdout.strip().endswith("from 1048576 B ($KVPOOL_STREAM_MIN)")
+    assert out.stdout.strip().endswith("from 1MiB ($KVPOOL_STREAM_MIN)")  # nothing learned
     default = _run_with({"KVPOOL_STREAM_MIN": str(stream_copy.STREAM_MIN)})
     assert default.returncode == 0, default.stderr
     assert default.stdout.split(" ", 1)[0] == str(stream_copy.STREAM_MIN)
-    assert default.stdout.strip().endswith(f"from {stream_copy.STREAM_MIN} B")
+    assert default.stdout.strip().endswith("from 64KiB ($KVPOOL_STREAM_MIN)")
 
 
-@pytest.mark.parametrize("bad", ["65535", "0", "-1", "1MiB", ""])
+@pytest.mark.parametrize("bad", ["65535", "100000", "0", "-1", "1MiB", ""])
 def test_a_bad_stream_min_is_refused_at_import_with_the_rule(bad: str) -> None:
     out = _run_with({"KVPOOL_STREAM_MIN": bad})
     assert out.returncode != 0
     assert (
-        f"$KVPOOL_STREAM_MIN must be a whole number of bytes >= {stream_copy.STREAM_MIN} "
-        f"(the smallest copy that may stream), not {bad!r}"
+        f"$KVPOOL_STREAM_MIN must be a power of two >= {stream_copy.STREAM_MIN} (bytes: the "
+        f"smallest copy that streams), not {bad!r}"
     ) in out.stderr
 
 
@@ -156,7 +199,7 @@ def test_the_switch_turns_streaming_off_and_copies_stay_exact() -> None:
         dst = np.zeros_like(src)
         stream_copy.copy_into(dst, src)
         assert (dst == src).all() and stream_copy.kernel_or_none() is None
-        print(stream_copy.STATUS)
+        print(stream_copy.status())
         """
     )
     env = {**os.environ, "KVPOOL_STREAM_COPY": "0"}
@@ -198,7 +241,7 @@ def test_large_same_host_puts_are_read_back_exactly_by_another_process() -> None
             assert all(pool.put_batch(keys[2:], blocks[2:]))
             stats = pool.stats()
             assert stats["transport"] == "shm"
-            assert stats["transports"]["shm"]["copy"] == stream_copy.STATUS
+            assert stats["transports"]["shm"]["copy"] == stream_copy.status()
             pool.flush()
             for key, block in zip(keys, blocks, strict=True):  # this process, shm
                 out = np.zeros(block.nbytes, np.uint8)
@@ -222,7 +265,7 @@ def test_large_embedded_puts_and_reads_are_exact() -> None:
     blocks = [payload(i + 7, size) for i, size in enumerate(SIZES)]
     keys = make_keys(len(SIZES), seed=43)
     with kvpool.Pool.embedded(dram_bytes=32 << 20) as pool:
-        assert pool.stats()["tiers"]["dram"]["copy"] == stream_copy.STATUS
+        assert pool.stats()["tiers"]["dram"]["copy"] == stream_copy.status()
         for key, block in zip(keys, blocks, strict=True):
             assert pool.put(key, block)
         for key, block in zip(keys, blocks, strict=True):

@@ -183,7 +183,7 @@ class PeerTransports:
                 if t.page_lock_status is not None:
                     acc.setdefault("page_lock", {})[t.info.node_id] = t.page_lock_status
                 if t.name == "shm":  # the copy its large blocks take
-                    acc["copy"] = stream_copy.STATUS
+                    acc["copy"] = stream_copy.status()
                 elif t.name == "tcp":  # how its receives wait
                     acc["spin"] = {"status": tcp_recv.STATUS, **tcp_recv.counters()}
             return out

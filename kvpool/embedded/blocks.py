@@ -151,10 +151,13 @@ class BlockTable:
     def insert(
         self, key: bytes, tier: MemoryTier, offset: int, size: int, parent: bytes | None
     ) -> None:
-        """Make a just-copied block visible."""
+        """Make a just-copied block visible and count the put (every put ends here)."""
         self.entries[key] = Entry(tier, offset, size, parent)
         tier.policy.on_insert(key, parent)
-        self.stats.count_put(tier.name, size)
+        stats = self.stats
+        stats.puts += 1
+        stats.bytes_written += size
+        stats.tier_puts[tier.name] += 1
 
     def remove(self, key: bytes) -> bool:
         """Forget ``key``'s block (freed now, or on its last unpin); False if absent."""

@@ -39,7 +39,7 @@ from kvpool.args import (
     data_region,
     out_region,
 )
-from kvpool.bindings.buffers import Region, copy_region, plain_host, region_is_device
+from kvpool.bindings.buffers import Region, copy_region, region_is_device
 from kvpool.config import PoolConfig
 from kvpool.embedded.blocks import BlockTable, Entry, open_tiers
 from kvpool.embedded.handles import EmbeddedBlockWriter, EmbeddedLease
@@ -192,7 +192,14 @@ class Pool(LayerwiseMethods):
             check_key(key)
         if type(offset) is not int or offset or length is not None:  # skip for whole blocks
             check_read_range(offset, length)
-        if plain_host(out, writable=True) and out.size:  # already a host region
+        if (  # bindings.buffers.plain_host(out, writable=True), inlined: a host region
+            type(out) is _NDARRAY
+            and out.dtype is _U8
+            and out.ndim == 1
+            and out.flags.c_contiguous
+            and out.flags.writeable
+            and out.size
+        ):
             return self._get_into_region(key, out, offset, length)
         return self._get_into_region(key, out_region(out), offset, length)
 
@@ -302,8 +309,11 @@ class Pool(LayerwiseMethods):
         mutex = self._lock
         mutex.acquire()  # not ``with``: see Reservations.put
         try:
-            entry = self._entry_or_miss(key)
+            if blocks.closed:  # _entry_or_miss, inlined
+                blocks.check_open()  # raises
+            entry = blocks.entries.get(key)
             if entry is None:
+                self._stats.misses += 1
                 return None
             if start or length is not None or type(dst) is not _NDARRAY:
                 want = block_range(start, length, entry.size)
@@ -316,7 +326,10 @@ class Pool(LayerwiseMethods):
             blocks.active += 1
             tier, offset, record = entry.tier, entry.offset, entry.record
             tier.policy.on_access(key)
-            self._stats.count_hit(tier.name, want)
+            stats = self._stats
+            stats.hits += 1
+            stats.bytes_read += want
+            stats.tier_hits[tier.name] += 1
         finally:
             mutex.release()
         try:
@@ -331,7 +344,9 @@ class Pool(LayerwiseMethods):
             mutex.acquire()
             try:
                 blocks.unpin(entry)
-                blocks.copy_ended()
+                blocks.active -= 1  # blocks.copy_ended(), inlined
+                if blocks.waiting:
+                    blocks.lock.notify_all()
             finally:
                 mutex.release()
 

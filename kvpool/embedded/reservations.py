@@ -19,17 +19,22 @@ from __future__ import annotations
 import numpy as np
 
 from kvpool.bindings.buffers import Region, copy_region, region_is_device, region_nbytes
-from kvpool.bindings.stream_copy import STREAM_MIN
-from kvpool.embedded.blocks import BlockTable, Entry
+from kvpool.bindings.stream_copy import copies_plainly
+from kvpool.embedded.blocks import BlockTable
 from kvpool.embedded.handles import EmbeddedBlockWriter
 from kvpool.errors import KVPoolError, PoolClosedError
 from kvpool.storage.memory_tier import MemoryTier
 
-#: Host puts up to this size copy by memoryview slice assignment: ~0.4 us less per put
-#: than a numpy copy (no array built for the destination slice, no ufunc machinery;
-#: embedded 4 KiB put 2.36 -> 1.91-1.94 us, issue 17 session 9). Larger ones take
-#: ``copy_region``: streaming stores, GIL released (kvpool.bindings.stream_copy).
-SMALL_COPY = STREAM_MIN - 1
+#: Host puts up to this size whose copy is numpy's (``copies_plainly``: every size
+#: below 64 KiB; above, where this machine's copies of the size class timed numpy's
+#: faster than streaming) copy by memoryview slice assignment inside the one lock
+#: section that places and commits them. That copy holds the GIL, so no other thread
+#: of the process could run during it anyway: holding the pool's lock as well costs no
+#: concurrency, and saves the second lock section, the in-flight bookkeeping and the
+#: ndarray slice (embedded 64 KiB put 4.9 -> 4.4 us, issue 17 session 19). The bound keeps
+#: such a GIL hold under ~15 us. Larger puts, and those that stream (GIL released),
+#: copy outside the lock: ``copy_region`` between two sections.
+LOCKED_COPY_MAX = 256 << 10
 _NDARRAY = np.ndarray  # a global, not a module attribute load, on the hot path
 
 
@@ -45,29 +50,29 @@ class Reservations:
         """Reserve, copy, commit; False if ``key`` is stored, being written, or not
         admitted by the tier's policy.
 
-        The whole-block fast path: no writer handle, two lock sections (reserve,
-        then commit) around one copy. The key sits in ``_writing`` (as None)
-        while its bytes are copied, so a concurrent put or reserve of it is
-        refused exactly as for a reserved writer; the copy counts in
-        ``active`` so ``close`` waits for it.
+        The whole-block fast path, no writer handle: a small host block whose copy
+        is numpy's is placed, copied and committed in one lock section
+        (``LOCKED_COPY_MAX``); any other takes two sections (reserve, then commit)
+        around its copy, the key sitting in ``_writing`` (as None) meanwhile, so a
+        concurrent put or reserve of it is refused exactly as for a reserved
+        writer, and the copy counting in ``active`` so ``close`` waits for it.
         """
         host = type(src) is _NDARRAY
         size = src.nbytes if host else region_nbytes(src)
         blocks = self._blocks
-        writing = self._writing
         mutex = blocks.mutex
         # acquire/release rather than ``with``: ~0.2 us less per lock section
         # (``with`` builds bound __enter__/__exit__ methods on every entry).
-        # The common case runs inline (no _place / make_room / insert /
-        # copy_ended frames: ~0.1 us each at 64 KiB, where the copy is ~7 us);
-        # the rules are exactly theirs.
+        # The common case runs inline (no _place / make_room / copy_ended
+        # frames: ~0.1 us each, where a 64 KiB copy is ~3 us); the rules are
+        # exactly theirs.
         tier: MemoryTier | None
         mutex.acquire()
         try:
             if host:  # _place for a host block: DRAM
                 if blocks.closed:
                     blocks.check_open()  # raises
-                if key in blocks.entries or key in writing:
+                if key in blocks.entries or key in self._writing:
                     return False
                 tier = blocks.tiers.dram
                 if not tier.policy.admit(key):
@@ -80,34 +85,34 @@ class Reservations:
             offset = tier.allocator.allocate(size) if size else None  # room without eviction
             if offset is None:
                 offset = blocks.make_room(tier, size)
-            writing[key] = None
+            if host and size <= LOCKED_COPY_MAX and copies_plainly(size):
+                try:
+                    tier.host_bytes[offset : offset + size] = src  # type: ignore[index]
+                except BaseException:
+                    tier.free(offset)
+                    raise
+                blocks.insert(key, tier, offset, size, parent)
+                return True
+            self._writing[key] = None
             blocks.active += 1
         finally:
             mutex.release()
         copied = closed = False
         try:
-            if host and size <= SMALL_COPY and tier.host_bytes is not None:
-                tier.host_bytes[offset : offset + size] = src
-            else:
-                copy_region(tier.buffer[offset : offset + size], src)  # tier.region, inlined
+            copy_region(tier.buffer[offset : offset + size], src)  # tier.region, inlined
             copied = True
         finally:
             mutex.acquire()
             try:
-                del writing[key]
+                del self._writing[key]
                 blocks.active -= 1  # blocks.copy_ended(), inlined
                 if blocks.waiting:
                     blocks.lock.notify_all()
                 closed = blocks.closed
                 if not copied or closed:
                     tier.free(offset)
-                else:  # blocks.insert(), inlined
-                    blocks.entries[key] = Entry(tier, offset, size, parent)
-                    tier.policy.on_insert(key, parent)
-                    stats = blocks.stats
-                    stats.puts += 1
-                    stats.bytes_written += size
-                    stats.tier_puts[tier.name] += 1
+                else:
+                    blocks.insert(key, tier, offset, size, parent)
             finally:
                 mutex.release()
         if closed:

@@ -38,16 +38,6 @@ class PoolStats:
     tier_evictions: dict[str, int] = field(default_factory=_per_tier)
     tier_demotions: dict[str, int] = field(default_factory=_per_tier)
 
-    def count_put(self, tier: str, size: int) -> None:
-        self.puts += 1
-        self.bytes_written += size
-        self.tier_puts[tier] += 1
-
-    def count_hit(self, tier: str, size: int) -> None:
-        self.hits += 1
-        self.bytes_read += size
-        self.tier_hits[tier] += 1
-
     def count_eviction(self, tier: str) -> None:
         self.tier_evictions[tier] += 1
 
@@ -87,7 +77,7 @@ class PoolStats:
         }
         if isinstance(tier, DramTier):
             snap["page_lock"] = tier.page_lock  # "registered", or why the arena is pageable
-            snap["copy"] = stream_copy.STATUS  # streaming stores for large blocks, or why not
+            snap["copy"] = stream_copy.status()  # streaming stores for large blocks, or why not
         elif isinstance(tier, SsdTier):
             snap["write_wait"] = tier.write_wait()  # small writes waited for awake, or asleep
         return snap
