@@ -12,7 +12,8 @@ between the copies, so the copies themselves are timed.
 Sizes fall in power-of-two classes (all sizes with the same ``int.bit_length()``).
 A class below ``STREAM_MIN`` always takes numpy's copy; one from ``LEARN_BELOW`` up
 always streams (1.1x or better on both VM classes); in between, the class's first
-``2 * TRIALS`` copies alternate between the two ways, each timed, and then the class
+``2 * TRIALS`` copies go in pairs, one each way in an order a coin decides, each
+timed, and then the class
 settles for the rest of the process: on numpy's copy if streaming's median time per
 byte was more than ``1 / MARGIN`` of numpy's (streaming clearly slower), else on
 streaming (it also leaves the caller's caches alone, which its own time does not show).
@@ -27,6 +28,7 @@ Invariants:
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -76,6 +78,12 @@ def initial_ways(has_kernel: bool, stream_from: int | None) -> list[int]:
     return ways
 
 
+def _seeded_coin() -> Callable[[], bool]:
+    """A fair coin, the same sequence in every process (runs reproduce)."""
+    draw = random.Random(17).random
+    return lambda: draw() < 0.5
+
+
 class CopyChoice:
     """The way each size class copies, and the timed trials of the classes still learning.
 
@@ -92,6 +100,7 @@ class CopyChoice:
         *,
         trials: int = TRIALS,
         clock: Callable[[], int] = time.perf_counter_ns,
+        coin: Callable[[], bool] | None = None,
     ) -> None:
         if kernel is None and (LEARN in ways or STREAM in ways):
             raise ValueError("without a streaming kernel no size class can learn or stream")
@@ -99,6 +108,7 @@ class CopyChoice:
         self._kernel = kernel
         self._trials = trials
         self._clock = clock
+        self._coin = coin or _seeded_coin()
         self._lock = threading.Lock()
         # per learning class: ns per byte of its timed copies, (streamed, numpy's)
         self._samples: dict[int, tuple[list[float], list[float]]] = {
@@ -113,7 +123,11 @@ class CopyChoice:
         nbytes = src.nbytes
         k = class_of(nbytes)
         streamed, plain = self._samples[k]
-        stream_turn = len(streamed) <= len(plain)
+        # trials go in pairs, one copy each way, the first of each pair by a coin
+        # toss: a disturbance that recurs every other copy (a background refill
+        # every second put) falls on either way alike, never on one of them only
+        n_stream, n_plain = len(streamed), len(plain)
+        stream_turn = self._coin() if n_stream == n_plain else n_stream < n_plain
         clock = self._clock
         start = clock()
         if stream_turn:

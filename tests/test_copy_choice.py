@@ -48,8 +48,9 @@ class _Clock:
 
 
 def _rig(
-    stream_ns: float, numpy_ns: float, trials: int = 4
+    stream_ns: float, numpy_ns: float, trials: int = 4, coin_first: bool = True
 ) -> tuple[CopyChoice, _Clock, list[int]]:
+    """A learner on a fake clock; each pair's first copy streams (``coin_first``) or not."""
     clock = _Clock(stream_ns, numpy_ns)
     streamed: list[int] = []
 
@@ -58,7 +59,9 @@ def _rig(
         clock.way = "stream"
         dst[...] = src
 
-    choice = CopyChoice(kernel, initial_ways(True, None), trials=trials, clock=clock)
+    choice = CopyChoice(
+        kernel, initial_ways(True, None), trials=trials, clock=clock, coin=lambda: coin_first
+    )
     real_trial = choice.trial_copy
 
     def trial(dst: np.ndarray, src: np.ndarray) -> None:  # tell the clock the size
@@ -126,6 +129,37 @@ def test_a_settled_class_never_changes_and_other_classes_learn_on_their_own() ->
     assert choice.ways[K64] == NUMPY and choice.ways[K64 + 1] == STREAM
     choice._settle(K64)  # a second settle (two threads finishing together) is a no-op
     assert choice.ways[K64] == NUMPY
+
+
+def test_the_coin_picks_which_way_goes_first_in_each_pair() -> None:
+    choice, _, streamed = _rig(stream_ns=0.1, numpy_ns=0.1, coin_first=False)
+    _copy_n(choice.trial_copy, 3, STREAM_MIN)  # numpy, stream, numpy
+    assert len(streamed) == 1
+
+
+def test_a_disturbance_every_other_copy_falls_on_both_ways() -> None:
+    """Every second copy stalls (as a background refill every second put would):
+    with strict alternation all stalls would land on streaming and settle the class
+    on numpy's copy; the seeded coin spreads them, and the faster way wins."""
+    clock = _Clock(stream_ns=0.08, numpy_ns=0.10)
+    copies = 0
+
+    def kernel(dst: np.ndarray, src: np.ndarray) -> None:
+        clock.way = "stream"
+        dst[...] = src
+
+    choice = CopyChoice(kernel, initial_ways(True, None), trials=16, clock=clock)
+
+    def copy(dst: np.ndarray, src: np.ndarray) -> None:
+        nonlocal copies
+        base = {"stream": 0.08, "numpy": 0.10}
+        clock.costs = {k: v * (3 if copies % 2 == 0 else 1) for k, v in base.items()}
+        clock.way, clock.nbytes = "numpy", src.nbytes
+        choice.trial_copy(dst, src)
+        copies += 1
+
+    _copy_n(copy, 32, STREAM_MIN)
+    assert choice.ways[K64] == STREAM
 
 
 def test_outliers_move_neither_median() -> None:
