@@ -3,6 +3,7 @@
 from kvpool.bindings.buffers import (
     as_region,
     copy_region,
+    copy_region_out,
     host_view,
     is_device,
     region_is_device,
@@ -12,6 +13,7 @@ from kvpool.bindings.buffers import (
 __all__ = [
     "as_region",
     "copy_region",
+    "copy_region_out",
     "host_view",
     "is_device",
     "region_is_device",

@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from kvpool.bindings.stream_copy import copy_into
+from kvpool.bindings.stream_copy import copy_into, copy_out
 from kvpool.errors import BufferSpecError
 
 # np.ndarray as a module global: ``np.ndarray`` is an unspecialised module
@@ -102,7 +102,8 @@ def region_is_device(region: Region) -> bool:
 
 
 def copy_region(dst: Region, src: Region) -> None:
-    """Copy all of ``src`` into the start of ``dst`` (sizes checked by callers).
+    """Copy all of ``src`` into the start of ``dst`` (sizes checked by callers); for
+    copies into pool memory (puts, moves between tiers; reads: ``copy_region_out``).
 
     Host to host is one copy: numpy's, or streaming stores where they are faster
     here (kvpool.bindings.stream_copy); both release the GIL on large copies;
@@ -126,6 +127,16 @@ def copy_region(dst: Region, src: Region) -> None:
     dst_t[:n].copy_(src_t)
     if dst_t.is_cuda or src_t.is_cuda:
         torch.cuda.current_stream(dst_t.device if dst_t.is_cuda else src_t.device).synchronize()
+
+
+def copy_region_out(dst: Region, src: Region) -> None:
+    """``copy_region`` for a read: ``src`` is pool memory, ``dst`` the caller's
+    buffer (host to host: ``stream_copy.copy_out``, whose choice is learned apart)."""
+    if type(dst) is _NDARRAY and type(src) is _NDARRAY:
+        n = src.nbytes
+        copy_out(dst if dst.nbytes == n else dst[:n], src)
+        return
+    copy_region(dst, src)  # a device or an ndarray subclass: no streaming copy
 
 
 def _torch_host_view(tensor: Any, *, writable: bool, what: str) -> np.ndarray:

@@ -8,12 +8,13 @@ destination line into the cache before writing it (read-for-ownership) and
 evicts the caller's own working set on the way; glibc switches to streaming
 stores only above ``x86_non_temporal_threshold``, 240 MiB on these VMs.
 
-``copy_into(dst, src)`` copies either through the compiled
+``copy_into(dst, src)`` (a put's copy into pool memory) and ``copy_out`` (a
+read's, out of it) copy either through the compiled
 ``kvpool.bindings._stream_copy`` (AVX2 or SSE2 streaming stores, GIL released,
 fenced before it returns) or with numpy's copy, by the size of the block:
 below ``STREAM_MIN`` numpy's, from ``LEARN_BELOW`` streaming, and in between
-whichever the process's first copies of that size class timed faster
-(kvpool.bindings.copy_choice: on one 2 vCPU AMD EPYC class of VM streaming wins
+whichever the process's first copies of that size class, in that direction,
+timed faster (kvpool.bindings.copy_choice: on one 2 vCPU AMD EPYC class of VM streaming wins
 from 64 KiB, on another, with twice the memory bandwidth, only from 1 MiB;
 bench/RESULTS.md, "Session 10", "Session 18" and "Session 19").
 ``$KVPOOL_STREAM_MIN=BYTES`` (a power of two, at least ``STREAM_MIN``) fixes the
@@ -91,14 +92,20 @@ def _load() -> tuple[Kernel | None, str]:
 
 
 _kernel, STATUS = _load()
-_choice = CopyChoice(_kernel, initial_ways(_kernel is not None, STREAM_FROM))
-_ways = _choice.ways  # read on every copy: one list item
+# Two tables: a copy into pool memory (a put: caller's buffer -> arena) and one out
+# of it (a read: arena -> caller's buffer) learn apart. Here streaming wins the first
+# and loses the second at 1 MiB (1.2x / 0.93x numpy's copy; bench/RESULTS.md,
+# "Session 19"): the cold destination of a put is shared memory no core reads soon.
+_into = CopyChoice(_kernel, initial_ways(_kernel is not None, STREAM_FROM))
+_out = CopyChoice(_kernel, initial_ways(_kernel is not None, STREAM_FROM))
+_into_ways, _out_ways = _into.ways, _out.ways  # read on every copy: one list item
 
 
 def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
-    """Copy ``src`` into ``dst``: flat, C-contiguous uint8 arrays of the same length
-    (``dst`` writable), as the hot paths hold them (``buffers.plain_host``)."""
-    way = _ways[src.nbytes.bit_length()]  # copy_choice.class_of, inlined
+    """Copy ``src`` into ``dst``, a range of pool memory (a put): flat, C-contiguous
+    uint8 arrays of the same length (``dst`` writable), as the hot paths hold them
+    (``buffers.plain_host``)."""
+    way = _into_ways[src.nbytes.bit_length()]  # copy_choice.class_of, inlined
     if way == STREAM:
         # the kernel refuses (ValueError) unequal lengths and strided views, as numpy
         # refuses a shape it cannot broadcast: callers never pass either
@@ -106,20 +113,34 @@ def copy_into(dst: np.ndarray, src: np.ndarray) -> None:
     elif way == NUMPY:
         dst[...] = src  # np.copyto without its dispatcher frame
     else:
-        _choice.trial_copy(dst, src)
+        _into.trial_copy(dst, src)
+
+
+def copy_out(dst: np.ndarray, src: np.ndarray) -> None:
+    """``copy_into`` for a read: ``src`` is pool memory, ``dst`` the caller's buffer."""
+    way = _out_ways[src.nbytes.bit_length()]
+    if way == STREAM:
+        _kernel(dst, src)  # type: ignore[misc]
+    elif way == NUMPY:
+        dst[...] = src
+    else:
+        _out.trial_copy(dst, src)
 
 
 def copies_plainly(nbytes: int) -> bool:
-    """Whether a copy of ``nbytes`` is numpy's for the rest of this process (below
-    the streaming bound, or its size class settled on numpy's copy); False while
-    the class is still learning."""
-    return _ways[nbytes.bit_length()] == NUMPY
+    """Whether a put's copy of ``nbytes`` (``copy_into``) is numpy's for the rest of
+    this process (below the streaming bound, or its size class settled on numpy's
+    copy); False while the class is still learning."""
+    return _into_ways[nbytes.bit_length()] == NUMPY
 
 
 def status() -> str:
-    """Which copy runs, from what size, and what each learning class settled on."""
-    learned = _choice.describe()
-    return f"{STATUS} ({learned})" if learned else STATUS
+    """Which copy runs, from what size, and what each learning class settled on,
+    for puts and for reads."""
+    into, out = _into.describe(), _out.describe()
+    if not into and not out:
+        return STATUS
+    return f"{STATUS} (puts: {into or 'none'}; reads: {out or 'none'})"
 
 
 def kernel_or_none() -> Kernel | None:

@@ -26,7 +26,7 @@ from kvpool import Pool, PoolFullError
 def gated_copy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Any], threading.Event]]:
     """Make copies whose source or destination is a chosen buffer wait on an event."""
     gates: list[tuple[int, threading.Event, threading.Event]] = []
-    real_copy = pool_module.copy_region
+    real_copy = reservations_module.copy_region
 
     def copy(dst: Any, src: Any) -> None:
         for address, entered, release in gates:
@@ -41,7 +41,8 @@ def gated_copy(monkeypatch: pytest.MonkeyPatch) -> Iterator[Callable[[Any], thre
         gate.entered = entered  # type: ignore[attr-defined]
         return release
 
-    for module in (pool_module, reservations_module, blocks_module):  # reads, writes, moves
+    monkeypatch.setattr(pool_module, "copy_region_out", copy)  # reads
+    for module in (reservations_module, blocks_module):  # writes, moves
         monkeypatch.setattr(module, "copy_region", copy)
     # small puts copy by slice assignment, not through the seam: send them through it
     monkeypatch.setattr(reservations_module, "LOCKED_COPY_MAX", 0)

@@ -24,7 +24,7 @@ from clusterhelpers import start_cluster, wait_until
 from poolhelpers import make_keys, payload
 
 import kvpool
-from kvpool.bindings import copy_region, stream_copy
+from kvpool.bindings import copy_region, copy_region_out, stream_copy
 from kvpool.bindings.copy_choice import initial_ways
 
 KERNEL = stream_copy.kernel_or_none()
@@ -96,24 +96,28 @@ def test_with_a_fixed_bound_blocks_from_it_stream_and_smaller_ones_are_numpys(
         KERNEL(dst, src)
 
     monkeypatch.setattr(stream_copy, "_kernel", spy)
-    monkeypatch.setattr(stream_copy, "_ways", initial_ways(True, stream_from))
+    monkeypatch.setattr(stream_copy, "_into_ways", initial_ways(True, stream_from))
+    monkeypatch.setattr(stream_copy, "_out_ways", initial_ways(True, stream_from))
     for n in (stream_from - 1, stream_from, 3 << 20):
         src = _random(n, seed=n)
-        dst = np.zeros(n, np.uint8)
-        stream_copy.copy_into(dst, src)
-        assert np.array_equal(dst, src)
+        for copy in (stream_copy.copy_into, stream_copy.copy_out):
+            dst = np.zeros(n, np.uint8)
+            copy(dst, src)
+            assert np.array_equal(dst, src)
         assert stream_copy.copies_plainly(n) == (n < stream_from)
-        big = np.zeros(n + 100, np.uint8)  # copy_region into the start of a larger region
-        copy_region(big, src)
-        assert np.array_equal(big[:n], src) and not big[n:].any()
-    assert calls == [stream_from] * 2 + [3 << 20] * 2
+        for region_copy in (copy_region, copy_region_out):  # into the start of a larger one
+            big = np.zeros(n + 100, np.uint8)
+            region_copy(big, src)
+            assert np.array_equal(big[:n], src) and not big[n:].any()
+    assert calls == [stream_from] * 4 + [3 << 20] * 4
 
 
 @needs_kernel
 def test_by_default_the_middle_sizes_learn_and_every_copy_is_exact() -> None:
     """In a fresh process: below 64 KiB numpy's copy, from ``LEARN_BELOW`` streaming,
-    in between each size class times its first copies both ways and settles; every
-    copy on the way, timed or not, is exact, and the status line says what settled."""
+    in between each size class times its first copies both ways and settles, puts'
+    copies and reads' apart; every copy on the way, timed or not, is exact, and the
+    status line says what settled."""
     script = textwrap.dedent(
         """
         import numpy as np
@@ -129,6 +133,10 @@ def test_by_default_the_middle_sizes_learn_and_every_copy_is_exact() -> None:
             dst = np.zeros(n, np.uint8)
             sc.copy_into(dst, src)
             assert (dst == src).all(), i
+            if i < TRIALS:  # reads learn on their own: half as many, still learning
+                back = np.zeros(n, np.uint8)
+                sc.copy_out(back, dst)
+                assert (back == src).all(), i
         print(sc.copies_plainly(sc.STREAM_MIN))
         print(sc.status())
         """
@@ -140,8 +148,10 @@ def test_by_default_the_middle_sizes_learn_and_every_copy_is_exact() -> None:
     assert out.returncode == 0, out.stderr
     plain, status = out.stdout.strip().split("\n")
     settled = "numpy copy" if plain == "True" else "streaming"
-    assert f"(64KiB: {settled} (streaming " in status
-    assert "; 128KiB: learning;" in status and status.endswith("2MiB: learning)")
+    puts, reads = status.split(" (puts: ")[1].split("; reads: ")
+    assert puts.startswith(f"64KiB: {settled} (streaming ")
+    assert "; 128KiB: learning;" in puts and puts.endswith("2MiB: learning")
+    assert reads.startswith("64KiB: learning; 128KiB: learning;") and reads.endswith(")")
     assert status.startswith("streaming stores (")
     assert (
         ") from 4MiB; from 64KiB, per size class, whichever of it and numpy's copy its " in status

@@ -40,11 +40,12 @@ import numpy as np
 from kvpool.bindings.buffers import (
     as_region,
     copy_region,
+    copy_region_out,
     plain_host,
     region_is_device,
     region_nbytes,
 )
-from kvpool.bindings.stream_copy import copy_into
+from kvpool.bindings.stream_copy import copy_into, copy_out
 from kvpool.errors import PoolClosedError, TransportUnavailableError
 from kvpool.storage.page_lock import PageLock, page_lock
 from kvpool.transport.base import RegionInfo, Transport, check_range, host_identity
@@ -119,7 +120,7 @@ class ShmTransport(Transport):
             seq = idents.check_then(key, block_offset, start, length)
             if seq < 0:
                 return False
-            copy_into(out, self._span(block_offset + start, length))
+            copy_out(out, self._span(block_offset + start, length))
             self.bytes_read += length
             return idents.still(block_offset, seq)
         seq = idents.check_then(key, block_offset, start, region_nbytes(as_region(out)))
@@ -155,13 +156,13 @@ class ShmTransport(Transport):
 
     def read_into(self, offset: int, out: Any) -> None:
         if plain_host(out, writable=True):  # fast path: one copy, nothing else
-            copy_into(out, self._span(offset, out.nbytes))
+            copy_out(out, self._span(offset, out.nbytes))
             self.bytes_read += out.nbytes
             return
         dst = as_region(out, writable=True, what="output buffer")
         if region_is_device(dst) and self._page_lock is None:
             self._lock_pages()
-        copy_region(dst, self._span(offset, region_nbytes(dst)))
+        copy_region_out(dst, self._span(offset, region_nbytes(dst)))
         self.bytes_read += region_nbytes(dst)
 
     def write(self, offset: int, data: Any) -> None:

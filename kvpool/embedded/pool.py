@@ -39,7 +39,7 @@ from kvpool.args import (
     data_region,
     out_region,
 )
-from kvpool.bindings.buffers import Region, copy_region, region_is_device
+from kvpool.bindings.buffers import Region, copy_region_out, region_is_device
 from kvpool.config import PoolConfig
 from kvpool.embedded.blocks import BlockTable, Entry, open_tiers
 from kvpool.embedded.handles import EmbeddedBlockWriter, EmbeddedLease
@@ -338,7 +338,7 @@ class Pool(LayerwiseMethods):
                 valid = self._read_from_ssd(key, entry, tier, record, dst, start, want)
                 return want if valid else None
             offset += start
-            copy_region(dst, tier.buffer[offset : offset + want])  # tier.region, inlined
+            copy_region_out(dst, tier.buffer[offset : offset + want])  # tier.region, inlined
             return want
         finally:
             mutex.acquire()
@@ -376,7 +376,7 @@ class Pool(LayerwiseMethods):
             staging = dst
         valid = ssd.read_into(record, staging)
         if valid and dst is not None and staging is not dst:
-            copy_region(dst, staging[start : start + length])
+            copy_region_out(dst, staging[start : start + length])
         with self._lock:
             self._blocks.settle_ssd_read(key, entry, ssd, slot_offset, valid)
         return valid
