@@ -11,12 +11,13 @@ between the copies, so the copies themselves are timed.
 
 Sizes fall in power-of-two classes (all sizes with the same ``int.bit_length()``).
 A class below ``STREAM_MIN`` always takes numpy's copy; one from ``LEARN_BELOW`` up
-always streams (1.1x or better on both VM classes); in between, the class's first
-``2 * TRIALS`` copies go in pairs, one each way in an order a coin decides, each
-timed, and then the class
-settles for the rest of the process: on numpy's copy if streaming's median time per
-byte was more than ``1 / MARGIN`` of numpy's (streaming clearly slower), else on
-streaming (it also leaves the caller's caches alone, which its own time does not show).
+always streams (level with numpy's copy or faster on both VM classes); in between,
+the class's first ``2 * TRIALS`` copies go in pairs, one each way in an order a coin
+decides, each timed, and then the class settles for the rest of the process: on
+numpy's copy if streaming's median time per byte was more than ``MARGIN`` times
+numpy's (streaming clearly slower), else on streaming (it also leaves the caller's
+caches alone, which its own time does not show). ``kvpool.bindings.stream_copy``
+keeps one ``CopyChoice`` for puts' copies and one for reads'.
 
 Invariants:
 - every copy, timed or not, leaves ``dst`` byte-equal to ``src``, and both ways are
@@ -43,8 +44,10 @@ NUMPY, STREAM, LEARN = 0, 1, 2
 #: copies smaller than this never stream: below 64 KiB the gain (0.1-0.5 us a copy on
 #: the VMs where streaming wins) is about what the call costs over numpy's copy.
 STREAM_MIN = 64 << 10
-#: copies of at least this many bytes always stream where the kernel exists: from
-#: 1 MiB streaming ran 1.1x numpy's copy or better on every VM measured.
+#: copies of at least this many bytes always stream where the kernel exists: there
+#: streaming ran level with numpy's copy or faster on every VM measured (0.98-1.05x on
+#: the faster-memory one, 1.3-1.7x on the other; ``kvpool bench copy``), and a copy
+#: that large through the caches would evict the caller's working set.
 LEARN_BELOW = 4 << 20
 #: timed copies each way before a class settles (medians of 16: a stray page fault
 #: or preemption moves neither).

@@ -93,9 +93,9 @@ def _load() -> tuple[Kernel | None, str]:
 
 _kernel, STATUS = _load()
 # Two tables: a copy into pool memory (a put: caller's buffer -> arena) and one out
-# of it (a read: arena -> caller's buffer) learn apart. Here streaming wins the first
-# and loses the second at 1 MiB (1.2x / 0.93x numpy's copy; bench/RESULTS.md,
-# "Session 19"): the cold destination of a put is shared memory no core reads soon.
+# of it (a read: arena -> caller's buffer) learn apart: the winner can differ (one
+# same-host client here: streaming 1.2x numpy's copy for its 1 MiB puts, 0.87x for
+# its reads; bench/RESULTS.md, "Session 19").
 _into = CopyChoice(_kernel, initial_ways(_kernel is not None, STREAM_FROM))
 _out = CopyChoice(_kernel, initial_ways(_kernel is not None, STREAM_FROM))
 _into_ways, _out_ways = _into.ways, _out.ways  # read on every copy: one list item
