@@ -17,7 +17,10 @@ decides, each timed, and then the class settles for the rest of the process: on
 numpy's copy if streaming's median time per byte was more than ``MARGIN`` times
 numpy's (streaming clearly slower), else on streaming (it also leaves the caller's
 caches alone, which its own time does not show). ``kvpool.bindings.stream_copy``
-keeps one ``CopyChoice`` for puts' copies and one for reads'.
+keeps one ``CopyChoice`` for puts' copies and one for reads'. A class is never
+re-opened: a process whose first copies ran beside unrepresentative load keeps
+their verdict (``$KVPOOL_STREAM_MIN`` overrides it); re-timing later would put a
+clock read on every copy.
 
 Invariants:
 - every copy, timed or not, leaves ``dst`` byte-equal to ``src``, and both ways are
