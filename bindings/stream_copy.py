@@ -26,8 +26,8 @@ optional extension) or ``$KVPOOL_STREAM_COPY=0``, every copy is numpy's.
 ``status()`` says which copy runs, from what size, what each learning class
 settled on, and why.
 
-Invariant: ``copy_into`` leaves ``dst`` byte-equal to ``src`` whichever path it
-takes, and its stores are ordered before the caller's next store (the SFENCE in
+Invariant: ``copy_into`` and ``copy_out`` leave ``dst`` byte-equal to ``src``
+whichever path they take, and their stores are ordered before the caller's next store (the SFENCE in
 the kernel, and numpy's ordinary stores), so a seal record written after it
 never announces bytes that are not there yet.
 """
