@@ -27,9 +27,9 @@ optional extension) or ``$KVPOOL_STREAM_COPY=0``, every copy is numpy's.
 settled on, and why.
 
 Invariant: ``copy_into`` and ``copy_out`` leave ``dst`` byte-equal to ``src``
-whichever path they take, and their stores are ordered before the caller's next store (the SFENCE in
-the kernel, and numpy's ordinary stores), so a seal record written after it
-never announces bytes that are not there yet.
+whichever path they take, and their stores are ordered before the caller's next
+store (the SFENCE in the kernel, and numpy's ordinary stores), so a seal record
+written after a copy never announces bytes that are not there yet.
 """
 
 from __future__ import annotations
