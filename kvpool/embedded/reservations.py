@@ -31,7 +31,7 @@ from kvpool.storage.memory_tier import MemoryTier
 #: section that places and commits them. That copy holds the GIL, so no other thread
 #: of the process could run during it anyway: holding the pool's lock as well costs no
 #: concurrency, and saves the second lock section, the in-flight bookkeeping and the
-#: ndarray slice (embedded 64 KiB put 4.9 -> 4.4 us, issue 17 session 19). The bound keeps
+#: ndarray slice (embedded 64 KiB put 4.94 -> 4.20 us, issue 17 session 19). The bound keeps
 #: such a GIL hold under ~15 us. Larger puts, and those that stream (GIL released),
 #: copy outside the lock: ``copy_region`` between two sections.
 LOCKED_COPY_MAX = 256 << 10
