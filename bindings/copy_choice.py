@@ -49,9 +49,13 @@ NUMPY, STREAM, LEARN = 0, 1, 2
 STREAM_MIN = 64 << 10
 #: copies of at least this many bytes always stream where the kernel exists: there
 #: streaming ran level with numpy's copy or faster on every VM measured (0.98-1.05x on
-#: the faster-memory one, 1.3-1.7x on the other; ``kvpool bench copy``), and a copy
-#: that large through the caches would evict the caller's working set.
-LEARN_BELOW = 4 << 20
+#: the faster-memory one, 1.3-1.7x on the other; ``kvpool bench copy``; same-host puts
+#: of 16 MiB 1.03-1.04x a numpy copy streamed, 0.83-0.84x not), and a copy that large
+#: through the caches would evict the caller's working set. Up to 16 MiB the classes
+#: learn: into and out of a node's shared arena (4 KiB pages) numpy's copy won at 4 and
+#: 8 MiB (same-host put 4 MiB 0.92-0.93x a numpy copy against 0.85-0.92x streamed,
+#: get_into 8 MiB 0.95-0.96x against 0.87-0.91x; issue 17, session 20).
+LEARN_BELOW = 32 << 20
 #: timed copies each way before a class settles (medians of 16: a stray page fault
 #: or preemption moves neither).
 TRIALS = 16

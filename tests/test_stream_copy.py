@@ -150,11 +150,11 @@ def test_by_default_the_middle_sizes_learn_and_every_copy_is_exact() -> None:
     settled = "numpy copy" if plain == "True" else "streaming"
     puts, reads = status.split(" (puts: ")[1].split("; reads: ")
     assert puts.startswith(f"64KiB: {settled} (streaming ")
-    assert "; 128KiB: learning;" in puts and puts.endswith("2MiB: learning")
+    assert "; 128KiB: learning;" in puts and puts.endswith("16MiB: learning")
     assert reads.startswith("64KiB: learning; 128KiB: learning;") and reads.endswith(")")
     assert status.startswith("streaming stores (")
     assert (
-        ") from 4MiB; from 64KiB, per size class, whichever of it and numpy's copy its " in status
+        ") from 32MiB; from 64KiB, per size class, whichever of it and numpy's copy its " in status
     )
 
 
