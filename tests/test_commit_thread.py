@@ -283,6 +283,7 @@ def test_a_put_whose_write_outlasted_its_grant_window_commits_before_it_returns(
     is not acknowledged ahead of its commit: the master might expire the grant
     first. It commits synchronously, so it is visible to others on return."""
     import kvpool.cluster.client.puts as puts_module
+    import kvpool.cluster.client.sealed_put as sealed_module
 
     keys = make_keys(6, seed=74)
     with connect(cluster) as writer, connect(cluster) as reader:
@@ -291,12 +292,13 @@ def test_a_put_whose_write_outlasted_its_grant_window_commits_before_it_returns(
         writer.flush()
         assert wait_until(lambda: len(writer._putter.grants) > 0, timeout=5)
 
-        class Later:  # puts.py's clock only: the write "took" 5 s
+        class Later:  # the put paths' clock only: the write "took" 5 s
             @staticmethod
             def monotonic() -> float:
                 return time.monotonic() + 5.0
 
-        monkeypatch.setattr(puts_module, "time", Later)
+        monkeypatch.setattr(puts_module, "time", Later)  # the general path
+        monkeypatch.setattr(sealed_module, "time", Later)  # same host: the straight path
         sent = writer._putter.commits.sent
         assert writer.put(keys[4], payload(4))
         assert writer._putter.late_commits == 1

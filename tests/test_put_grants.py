@@ -80,6 +80,40 @@ def test_a_grant_too_old_to_take_is_handed_back_with_its_claim() -> None:
     assert stock.stale() == [] and len(stock) == 0
 
 
+def test_take_claimed_takes_only_the_oldest_grant_holding_its_claim() -> None:
+    """The sealed put's straight path: ``take_claimed`` takes the oldest grant only
+    when it is fresh and claimed (with the claim's clock, 1 if unknown, and whether a
+    refill is due), else takes nothing; ``put_back`` makes it the oldest again with
+    its claim, so the general path's ``take`` gets the same grant next."""
+    stock = GrantStock(budget_bytes=4 * BLOCK)
+    stock.add(BLOCK, [grant(1), grant(2), grant(3), grant(4)])
+    assert stock.take_claimed(BLOCK) is None  # nothing claimed yet
+    claiming = stock.to_claim()
+    assert stock.claimed(claiming[:1], [True], at_ns=0) == []  # grant 1: clock unknown
+    assert stock.claimed(claiming[1:2], [False]) == []  # grant 2: its claim failed
+    assert stock.claimed(claiming[2:], [True, True], at_ns=9) == []
+    taken = stock.take_claimed(BLOCK)
+    assert taken is not None and taken[0].alloc_id == 1 and taken[1:] == (1, False)
+    assert stock.take_claimed(BLOCK) is None and len(stock) == 3  # 2 is not claimed: left
+    stock.put_back(taken[0], BLOCK, taken[1])
+    assert stock.used == 0 and len(stock) == 4
+    again = stock.take(BLOCK)
+    assert again is taken[0] and stock.was_claimed(1) == 1  # the same grant, its claim kept
+    assert stock.take(BLOCK).alloc_id == 2 and stock.was_claimed(2) == 0  # type: ignore[union-attr]
+    taken = stock.take_claimed(BLOCK)  # 1 left after it: at half of 4, a refill is due
+    assert taken is not None and taken[0].alloc_id == 3 and taken[1:] == (9, True)
+    assert stock.take_claimed(2 * BLOCK) is None  # another size
+
+
+def test_take_claimed_leaves_a_grant_too_old_to_use_with_its_claim() -> None:
+    stock = GrantStock()
+    stock.add(BLOCK, [grant(1, expires_in=-1), grant(2)])
+    assert stock.claimed(stock.to_claim(), [True, True], at_ns=5) == []
+    assert stock.take_claimed(BLOCK) is None and len(stock) == 2
+    assert stock.stale() == [1]  # the janitor releases its claim and revokes it
+    assert [g.alloc_id for g, _ in stock.claims_of([1])] == [1]
+
+
 def test_grant_budget_from_argument_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPOOL_PUT_GRANT_BYTES", "1048576")
     assert grant_budget() == 1 << 20 and grant_budget(0) == 0
@@ -222,6 +256,17 @@ def test_a_changed_node_region_drops_its_grants(pool: RemotePool) -> None:
     assert set(mine) <= set(dropped)
     pool._putter.supply.revoke(dropped)  # what the janitor does with them
     pool._session.learn({node_id: region})
+
+
+def test_an_unchanged_region_keeps_its_object(pool: RemotePool) -> None:
+    """Every master reply names the regions again; an equal one keeps the object the
+    session holds (the hot paths compare identities), and drops no grant."""
+    put_all(pool, make_keys(2, seed=17))
+    session, stock = pool._session, pool._putter.grants
+    node_id, region = next(iter(session.regions.items()))
+    before = len(stock)
+    session.learn({node_id: type(region).from_dict(region.to_dict())})
+    assert session.regions[node_id] is region and len(stock) == before
 
 
 def test_bad_grant_requests_are_refused_and_change_nothing(

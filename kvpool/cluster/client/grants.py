@@ -95,16 +95,50 @@ class GrantStock:
                 self._dead.append(grant.alloc_id)
         return None
 
+    def take_claimed(self, size: int) -> tuple[Grant, int, bool] | None:
+        """``take`` and ``was_claimed`` in one, for the sealed put's straight path
+        (kvpool.cluster.client.sealed_put): the oldest grant of ``size`` bytes if it
+        is fresh and holds its node's claim, else None with nothing taken (the
+        general path's ``take`` then deals with it). With the claim's clock (as
+        ``was_claimed``) and whether ``wants_refill`` would ask for more now."""
+        now = time.monotonic()
+        with self._lock:
+            stock = self._stock.get(size)
+            if not stock:
+                return None
+            grant = stock[0]
+            claim = self._claimed.pop(grant.alloc_id, None)
+            if claim is None:
+                return None
+            if grant.expires <= now:
+                self._claimed[grant.alloc_id] = claim
+                return None
+            stock.popleft()
+            self.used += 1
+            return grant, max(1, claim[2]), self._refill_size(size) > 0
+
+    def put_back(self, grant: Grant, size: int, claimed_at: int) -> None:
+        """Undo ``take_claimed``: ``grant`` is the oldest again, with its claim (the
+        put took the general path, which takes it next)."""
+        with self._lock:
+            self._stock.setdefault(size, deque()).appendleft(grant)
+            self._claimed[grant.alloc_id] = (grant, size, claimed_at)
+            self.used -= 1
+
     def wants_refill(self, size: int) -> int:
         """How many grants to ask for now: when the stock is down to half of what
         the last refill reached (the master may lend fewer than the target), and
         no refill is on its way; else 0."""
-        want = self.target(size)
         with self._lock:
-            if size in self._refills:
-                return 0
-            have = len(self._stock.get(size, ()))
-            level = min(want, self._reached.get(size, want))
+            return self._refill_size(size)
+
+    def _refill_size(self, size: int) -> int:
+        """(Under the lock.) ``wants_refill``'s answer."""
+        if size in self._refills:
+            return 0
+        want = self.target(size)
+        have = len(self._stock.get(size, ()))
+        level = min(want, self._reached.get(size, want))
         return want - have if have <= level // 2 else 0
 
     def refilling(self, size: int, fut: Future[Any], absorb: Callable[[Future[Any]], None]) -> None:

@@ -52,7 +52,7 @@ from kvpool.cluster.client.put_writes import (
     wait_for_seals,
     write_all,
 )
-from kvpool.cluster.client.sealed_put import put_sealed
+from kvpool.cluster.client.sealed_put import SealedPutter
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.wire import (
     COMMIT,
@@ -88,6 +88,16 @@ class RemotePutter:
         self._mine: dict[bytes, None] = {}  # insertion-ordered, bounded by MINE_MAX
         self.late_commits = 0  # pipelined puts committed synchronously: grant window passed
         session.on_region_change(self.supply.forget_node)
+        # single same-host puts, before anything here (kvpool.cluster.client.sealed_put)
+        self.sealed = SealedPutter(
+            session,
+            self.supply,
+            self.commits,
+            self._mine,
+            self._remember,
+            self._commit_late,
+            enabled=pipelined and self.node_commits and self.supply.enabled,
+        )
 
     def put(
         self,
@@ -112,9 +122,9 @@ class RemotePutter:
     ) -> tuple[list[bool], list[int], str] | None:
         """``put_once`` of one new key, pipelined, without its batch bookkeeping; None
         (nothing done) unless a grant is in stock. Written here: a TCP write, or a same-host
-        one whose grant holds its claim and whose node publishes seal records (its commit
-        then left to the node where it commits: kvpool.cluster.node_commits); anything
-        else (a same-host write that must claim its range, UCX) goes to ``put_once``."""
+        one whose grant holds its claim and whose node publishes seal records (the one
+        ``SealedPutter`` declined: its copy failed, or its node does not commit seals);
+        anything else (a same-host write that must claim its range, UCX) goes to ``put_once``."""
         if key in self._mine or not self.supply.enabled:
             return None
         size = region_nbytes(region)
@@ -128,19 +138,6 @@ class RemotePutter:
             seals = session.seals(node_id)
         if seals is None and type(data) is not TcpTransport:
             return self.put_once([key], [region], [parent], 1, pipelined=True, taken=taken)
-        if (
-            seals is not None
-            and self.node_commits
-            and seals.node_commits
-            and put_sealed(grant, claimed_at, key, region, parent, size, data, seals, self.commits)
-        ):
-            session.counts["seals_shm"] += 1
-            self._remember([key])
-            self.supply.top_up(size)
-            if time.monotonic() > grant.expires:  # as ``_acknowledge``: visible on return
-                self.late_commits += 1
-                self.commits.flush()
-            return [True], [], ""
         stamp = WriteStamp(grant.epoch, grant.alloc_id, grant.offset, size, key, parent)
         items = [(stamp, grant.offset, region)]
         by_node: set[int] | None = set() if seals is not None and self.node_commits else None
@@ -286,8 +283,7 @@ class RemotePutter:
         if pipelined:
             self._remember([keys[i] for i, ok in enumerate(stored) if ok])
         if late and watch:
-            self.late_commits += 1
-            self.commits.flush()
+            self._commit_late()
         return stored, sorted({i for i in retry if not stored[i]})  # a replica may have made it
 
     def _put_again(
@@ -388,6 +384,12 @@ class RemotePutter:
         return retry
 
     # -- pipelined commits -----------------------------------------------------------
+
+    def _commit_late(self) -> None:
+        """A pipelined put acknowledged past its grant's use window: the master may
+        expire the grant before the commit lands, so wait for it before returning."""
+        self.late_commits += 1
+        self.commits.flush()
 
     def _remember(self, keys: list[bytes]) -> None:
         mine = self._mine

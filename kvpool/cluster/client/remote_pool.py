@@ -131,9 +131,11 @@ class RemotePool(LayerwiseMethods):
         (nodes died, or master failovers cut them): then nothing is visible for it."""
         check_key(key)
         check_parent(parent)
-        # the common buffer as it is (data_region's checks, for a flat uint8 array)
-        region = data if plain_host(data) and data.nbytes else data_region(data)
-        return self._put_regions([key], [region], [parent], replicas)[0]
+        if not (plain_host(data) and data.nbytes):  # else data_region's checks hold already
+            return self._put_regions([key], [data_region(data)], [parent], replicas)[0]
+        if replicas == 1 and self._putter.sealed.put(key, data, parent):
+            return True  # same host, the straight path (kvpool.cluster.client.sealed_put)
+        return self._put_regions([key], [data], [parent], replicas)[0]
 
     def put_batch(
         self,
@@ -242,8 +244,7 @@ class RemotePool(LayerwiseMethods):
     ) -> int | None:
         """Copy the block (or bytes [offset, offset+length)) into ``out``; None on a miss."""
         check_key(key)
-        # the common buffer as it is
-        dst = out if plain_host(out, writable=True) else out_region(out)
+        dst = out if plain_host(out, writable=True) else out_region(out)  # common: as it is
         if type(offset) is not int or offset or length is not None:  # defaults need no check
             check_read_range(offset, length)
         self.flush()

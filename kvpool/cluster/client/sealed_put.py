@@ -7,52 +7,98 @@ seal record that asks the node to commit the block, read the clock. Inside
 the claim's deadline (kvpool.transport.shm_seal) the put is acknowledged,
 and watched until its node answers (kvpool.cluster.client.node_watch).
 
-This is that path alone, in a straight line. The general path
-(``fenced.write_blocks_begin`` and ``RemotePutter._acknowledge``, built for
-batches) did the same steps with list bookkeeping around them that cost
-~16 us of a 1 MiB put's ~82 (0.69 -> 0.85 of a numpy copy, issue 17,
-session 8). Anything else -- a failed copy, a range without a record, a
-clock past the deadline -- returns False with nothing acknowledged, and the
-caller takes the general path with the same grant: it copies the same bytes
-again and seals over TCP (a record written here is then early news).
+``SealedPutter.put`` is that path alone, in a straight line, called by
+``RemotePool.put`` before anything else. What it skips was measured (issue 17,
+bench/RESULTS.md): the batch bookkeeping of ``fenced.write_blocks_begin`` and
+``RemotePutter._acknowledge`` cost a 1 MiB put ~16 us (session 8); the
+single-key dispatch of ``RemotePool._put_regions`` and ``RemotePutter.put``,
+and a grant taken and its claim looked up in two lock sections, ~1.7 us of a
+64 KiB put and ~1 us of a 1 MiB one (session 20). What is left (~6 us over
+the copy at 64 KiB, ~10 us at 1 MiB) is this function's own Python, slower
+after a large copy has pushed the interpreter's state out of the CPU caches.
+
+Anything else answers False with nothing done: no grant in stock whose claim
+was taken ahead, a node not on this host or not committing seals, own
+duplicates, puts not pipelined. So does a failed copy, a range without a
+record or a clock past the deadline: the grant goes back, oldest first with
+its claim, and the general path (``RemotePutter.put``) takes it next -- it
+copies the same bytes again and seals over TCP (a record written here is
+then early news).
 """
 
 from __future__ import annotations
 
-from kvpool.bindings.buffers import Region
+import time
+from collections.abc import Callable
+
+import numpy as np
+
 from kvpool.cluster.client.commits import Acked, CommitPipe
-from kvpool.cluster.client.grants import Grant
-from kvpool.cluster.client.session import TRANSFER_ERRORS
-from kvpool.transport.base import Transport
+from kvpool.cluster.client.grant_supply import GrantSupply
+from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.transport.fencing import WriteStamp
-from kvpool.transport.shm_seal import SealRecords, now_ns
+from kvpool.transport.shm_seal import now_ns
 
 
-def put_sealed(
-    grant: Grant,
-    claimed_at: int,
-    key: bytes,
-    region: Region,
-    parent: bytes | None,
-    size: int,
-    data: Transport,
-    seals: SealRecords,
-    commits: CommitPipe,
-) -> bool:
-    """Copy ``region`` into ``grant``'s range (its claim taken ahead at
-    ``claimed_at``, clock ns) and seal it asking the node to commit it; True
-    if acknowledged (``commits`` watches it), False if the caller must take the
-    general path (see the module docstring)."""
-    stamp = WriteStamp(grant.epoch, grant.alloc_id, grant.offset, size, key, parent)
-    try:
-        data.write(grant.offset, region)
-    except TRANSFER_ERRORS:
-        return False
-    if not seals.write(stamp, node_commits=True):
-        return False
-    if not seals.deadline.writer_in_time(claimed_at, now_ns()):  # read after the record
-        return False
-    commits.watch(
-        Acked(key, parent, grant.alloc_id, grant.node_id, grant.offset, size, True), seals
-    )
-    return True
+class SealedPutter:
+    """The straight path of one client's single same-host puts (see the module
+    docstring); ``enabled`` False (puts not pipelined, or the node's commits
+    turned off) sends every put the general way."""
+
+    def __init__(
+        self,
+        session: ClientSession,
+        supply: GrantSupply,
+        commits: CommitPipe,
+        mine: dict[bytes, None],
+        remember: Callable[[list[bytes]], None],
+        commit_late: Callable[[], None],
+        *,
+        enabled: bool,
+    ) -> None:
+        self._session, self._supply, self._commits = session, supply, commits
+        self._stock = supply.stock
+        self._mine, self._remember = mine, remember  # keys this client put (RemotePutter's)
+        self._commit_late = commit_late
+        self.enabled = enabled
+
+    def put(self, key: bytes, region: np.ndarray, parent: bytes | None) -> bool:
+        """Store ``region`` (a plain host array, ``buffers.plain_host``) under the new
+        ``key``: True once acknowledged; False if nothing was done (the caller
+        takes the general path). Raises ``PutCommitError`` first for earlier puts
+        known lost, as every put does."""
+        session, commits = self._session, self._commits
+        if not self.enabled or session.closed or key in self._mine:
+            return False
+        commits.check()
+        size = region.nbytes
+        taken = self._stock.take_claimed(size)
+        if taken is None:
+            return False
+        grant, claimed_at, low = taken
+        sealable = session.sealable(grant.node_id, grant.region)
+        if sealable is None:
+            self._stock.put_back(grant, size, claimed_at)
+            return False
+        data, seals = sealable
+        stamp = WriteStamp(grant.epoch, grant.alloc_id, grant.offset, size, key, parent)
+        try:
+            data.write(grant.offset, region)
+            sealed = seals.write(stamp, node_commits=True)
+        except TRANSFER_ERRORS:
+            sealed = False
+        # the clock is read after the record: in time, the node's abort comes later
+        if not sealed or not seals.deadline.writer_in_time(claimed_at, now_ns()):
+            self._stock.put_back(grant, size, claimed_at)
+            return False
+        acked = Acked(key, parent, grant.alloc_id, grant.node_id, grant.offset, size, True)
+        commits.watch(acked, seals)
+        self._remember([key])
+        counts = session.counts
+        counts["seals_shm"] += 1
+        counts["puts"] += 1
+        if low:
+            self._supply.top_up(size)
+        if time.monotonic() > grant.expires:  # as ``RemotePutter._acknowledge``
+            self._commit_late()
+        return True

@@ -31,7 +31,7 @@ from kvpool.errors import PoolClosedError, StaleReadError, StaleWriteError
 from kvpool.transport.base import RegionInfo, Transport, host_identity
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.peers import PeerTransports
-from kvpool.transport.shm import shm_path
+from kvpool.transport.shm import ShmTransport, shm_path
 from kvpool.transport.shm_seal import SealRecords, seal_name
 from kvpool.transport.tcp import TcpTransport
 from kvpool.transport.ucx import UcxTransport
@@ -89,8 +89,10 @@ class ClientSession:
         regions = self.regions
         for node_id, region in nodes.items():
             old = regions.get(node_id)
+            if old is not None and old == region:
+                continue  # the same object stays: the hot paths compare identities
             regions[node_id] = region  # a restarted node's new region replaces its transport
-            if old is not None and old != region:
+            if old is not None:
                 for listener in self._listeners:
                     listener(node_id)
 
@@ -159,6 +161,21 @@ class ClientSession:
             known[1].close()
         self._seals[node_id] = (region, records)
         return records
+
+    def sealable(
+        self, node_id: str, granted: RegionInfo
+    ) -> tuple[ShmTransport, SealRecords] | None:
+        """``node_id``'s shared-memory transport and seal records, while its region is
+        still ``granted`` (a grant's) and the node commits the blocks sealed there
+        (kvpool.cluster.node_commits); else None."""
+        region = self.regions.get(node_id)
+        if region is None or (region is not granted and region != granted):
+            return None  # the node restarted since the grant: it is no use
+        data = self.transport(node_id)
+        if type(data) is not ShmTransport:
+            return None
+        seals = self.seals(node_id)
+        return None if seals is None or not seals.node_commits else (data, seals)
 
     def write_block(self, node_id: str, stamp: WriteStamp, src: Region) -> None:
         """One whole block; ``StaleWriteError`` when the node refuses its stamp."""
