@@ -36,9 +36,9 @@ from typing import Any
 DEFAULT_GRANT_BYTES = 64 << 20  # per client and block size
 #: grants per block size where the budget allows: a refill (asked for at half) lasts
 #: 32 puts. Each refill costs the putting client an ALLOCATE sent and a claim exchange
-#: (same host); 32 grants at 1 MiB instead of 64 left p90 at 87-92 us against 70-81 us
-#: and 3-4% of tight-loop same-host puts without a claimed grant against 1-2% (issue 17,
-#: session 20; 16 -> 32 in session 6).
+#: (same host); 32 grants at 1 MiB instead of 64 left a tight loop's p90 at 91-105 us
+#: against 67-74 us, and 3% of its same-host puts without a claimed grant against
+#: 0.3-1% (bench/RESULTS.md, issue 17 session 20; 16 -> 32 in session 6).
 MAX_STOCK = 64
 MAX_USE_S = 1.0  # below the master's default re-join grace (2 s)
 
