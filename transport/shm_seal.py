@@ -214,12 +214,9 @@ class SealRecords(SideFile):
         """Record ``stamp``'s block as whole (its bytes are in place); False if
         its offset has no record. ``node_commits``: ask the node to commit it
         (only if the header says it does), and ring the doorbell."""
-        offset, words, mm = stamp.offset, self._words, self._mmap
-        slot = offset // ALIGN  # ``_word``, inlined: one call less on every same-host put
-        if offset < 0 or offset % ALIGN or slot >= self._records:
-            return False
-        word = (HEADER_BYTES + slot * RECORD.size) // 8
-        if words is None or mm is None or len(stamp.key) != 16:
+        word = self._word(stamp.offset)
+        words, mm = self._words, self._mmap
+        if word is None or words is None or mm is None or len(stamp.key) != 16:
             return False
         parent = stamp.parent or bytes(16)
         _FIELDS.pack_into(
