@@ -22,7 +22,10 @@ throughput, baseline / value for latency; for layer-wise rows ``value`` is the
 overlap ratio (1.0 = transfers fully hidden) and ``ratio`` its inverse.
 The machine's facts (CPU model, cores, cpuidle driver, kernel, load average
 before and after, the share of CPU time the hypervisor stole during each suite:
-``kvpool.bench.machine``) are printed with the table; ``--json F`` writes the rows
+``kvpool.bench.machine``; the way each copy size class settled on,
+kvpool.bindings.copy_choice) are printed with the table. Each suite runs in a
+fresh process (as ``kvpool bench SUITE`` would): the copy ways a process learns
+are its own, and one suite's must not measure the next. ``--json F`` writes the rows
 (a list) to F and the facts to F's name with ``.machine.json`` in place of
 its extension.
 """
@@ -30,15 +33,18 @@ its extension.
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
 from kvpool.args import positive_int, sizes_arg
 from kvpool.bench.common import write_json
 from kvpool.bench.machine import STEAL_NOTE_PCT, CpuTimes, load_average, machine_facts, steal_since
+from kvpool.bindings import stream_copy
 from kvpool.config import format_size
 
 if TYPE_CHECKING:
@@ -212,6 +218,21 @@ def _mooncake_importable() -> bool:
 SUITES = ("local", "prefix", "remote", "layerwise")
 
 
+def suite_rows(suite: str, plan: Plan, ssd_dir: str | None) -> tuple[list[BenchRow], str]:
+    """One suite's rows, and the way each copy size class settled on while it ran."""
+    if suite == "local":
+        rows = local_rows(plan, ssd_dir)
+    elif suite == "prefix":
+        rows = prefix_rows(plan)
+    elif suite == "remote":
+        rows = remote_rows(plan)
+    elif suite == "layerwise":
+        rows = layerwise_rows(plan)
+    else:
+        raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
+    return rows, stream_copy.status()
+
+
 def run_all(
     plan: Plan, suites: Sequence[str] = SUITES, ssd_dir: str | None = None
 ) -> tuple[list[BenchRow], dict[str, Any]]:
@@ -222,18 +243,17 @@ def run_all(
     facts["steal_pct"] = {}
     start, started = time.monotonic(), CpuTimes.now()
     rows: list[BenchRow] = []
+    facts["copy"] = {}
+    # Each suite in a fresh process, as ``kvpool bench SUITE`` runs it: what one suite
+    # leaves in a process (copy ways learned on its memory, threads, a big catalog)
+    # must not measure the next (issue 17, session 20: the 4 MiB class settled on
+    # streaming by the embedded pool's copies made the same-host 4 MiB reads 0.79).
+    spawn = multiprocessing.get_context("spawn")
     for suite in suites:
         before = CpuTimes.now()
-        if suite == "local":
-            rows += local_rows(plan, ssd_dir)
-        elif suite == "prefix":
-            rows += prefix_rows(plan)
-        elif suite == "remote":
-            rows += remote_rows(plan)
-        elif suite == "layerwise":
-            rows += layerwise_rows(plan)
-        else:
-            raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
+        with ProcessPoolExecutor(1, mp_context=spawn) as fresh:
+            got, facts["copy"][suite] = fresh.submit(suite_rows, suite, plan, ssd_dir).result()
+        rows += got
         facts["steal_pct"][suite] = steal_since(before)
     facts["steal_pct"]["all"] = steal_since(started)
     facts["load_after"] = load_average()
@@ -289,6 +309,9 @@ def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool
         f"{facts['cpuidle_driver']}, kernel {facts['kernel']}, Python {facts['python']}; "
         f"load {facts['load_before']} -> {facts['load_after']}; {facts['seconds']} s"
     )
+    for suite, status in facts.get("copy", {}).items():  # each suite ran in its own process
+        learned = status.find("(puts: ")  # kvpool.bindings.stream_copy.status(): what settled
+        print(f"copy ({suite}): {status[learned + 1 : -1] if learned >= 0 else status}")
     steal = {k: v for k, v in facts.get("steal_pct", {}).items() if v is not None}
     if steal:
         print("CPU steal: " + ", ".join(f"{k} {v}%" for k, v in steal.items()))

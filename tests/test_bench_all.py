@@ -150,6 +150,9 @@ def test_machine_facts_are_written_and_printed(quick_run: tuple[list[dict], dict
     assert all(v is None or 0 <= v <= 100 for v in steal.values())
     if steal["all"] is not None:
         assert f"all {steal['all']}%" in stdout
+    # each suite ran in a fresh process: the way each copy size class settled on in it
+    assert set(facts["copy"]) == set(steal) - {"all"}
+    assert all(facts["copy"][s] and f"copy ({s}): " in stdout for s in steal if s != "all")
 
 
 def test_cpu_steal_is_read_from_the_kernels_accounting(
