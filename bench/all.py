@@ -219,7 +219,8 @@ SUITES = ("local", "prefix", "remote", "layerwise")
 
 
 def suite_rows(suite: str, plan: Plan, ssd_dir: str | None) -> tuple[list[BenchRow], str]:
-    """One suite's rows, and the way each copy size class settled on while it ran."""
+    """One suite's rows, and the way each copy size class settled on while it ran
+    (``STATUS`` where none learns)."""
     if suite == "local":
         rows = local_rows(plan, ssd_dir)
     elif suite == "prefix":
@@ -230,7 +231,7 @@ def suite_rows(suite: str, plan: Plan, ssd_dir: str | None) -> tuple[list[BenchR
         rows = layerwise_rows(plan)
     else:
         raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
-    return rows, stream_copy.status()
+    return rows, stream_copy.learned() or stream_copy.STATUS
 
 
 def run_all(
@@ -309,9 +310,8 @@ def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool
         f"{facts['cpuidle_driver']}, kernel {facts['kernel']}, Python {facts['python']}; "
         f"load {facts['load_before']} -> {facts['load_after']}; {facts['seconds']} s"
     )
-    for suite, status in facts.get("copy", {}).items():  # each suite ran in its own process
-        learned = status.find("(puts: ")  # kvpool.bindings.stream_copy.status(): what settled
-        print(f"copy ({suite}): {status[learned + 1 : -1] if learned >= 0 else status}")
+    for suite, ways in facts.get("copy", {}).items():  # each suite ran in its own process
+        print(f"copy ({suite}): {ways}")
     steal = {k: v for k, v in facts.get("steal_pct", {}).items() if v is not None}
     if steal:
         print("CPU steal: " + ", ".join(f"{k} {v}%" for k, v in steal.items()))

@@ -134,13 +134,18 @@ def copies_plainly(nbytes: int) -> bool:
     return _into_ways[nbytes.bit_length()] == NUMPY
 
 
+def learned() -> str:
+    """What each learning class settled on, for puts and for reads (empty where no
+    class learns)."""
+    into, out = _into.describe(), _out.describe()
+    return f"puts: {into or 'none'}; reads: {out or 'none'}" if into or out else ""
+
+
 def status() -> str:
     """Which copy runs, from what size, and what each learning class settled on,
     for puts and for reads."""
-    into, out = _into.describe(), _out.describe()
-    if not into and not out:
-        return STATUS
-    return f"{STATUS} (puts: {into or 'none'}; reads: {out or 'none'})"
+    settled = learned()
+    return f"{STATUS} ({settled})" if settled else STATUS
 
 
 def kernel_or_none() -> Kernel | None:
