@@ -20,6 +20,7 @@ import kvpool.storage.direct_aio as aio_module
 import kvpool.storage.ssd_tier as ssd_tier_module
 from kvpool.errors import StorageError
 from kvpool.eviction import make_policy
+from kvpool.storage.aio_abi import IoEvent
 from kvpool.storage.direct_aio import AioLost, DirectWriter
 from kvpool.storage.ssd_tier import SsdTier
 
@@ -405,7 +406,7 @@ def test_a_completion_that_is_not_ours_is_a_lost_write(
 
     class Foreign:
         def __getitem__(self, index: int) -> Any:
-            event = aio_module._Event()
+            event = IoEvent()
             event.obj, event.res = 1, posted[index].res
             return event
 

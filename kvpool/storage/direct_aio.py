@@ -46,17 +46,21 @@ import ctypes
 import errno
 import os
 import platform
-import sys
 import time
 
 import numpy as np
 
 from kvpool.config import env_int
 from kvpool.errors import StorageError
+from kvpool.storage.aio_abi import (
+    IOCB_CMD_PWRITE,
+    Iocb,
+    IoEvent,
+    address_of,
+    libc_syscall,
+    open_context,
+)
 
-# (io_setup, io_destroy, io_submit, io_getevents)
-_SYSCALLS = {"x86_64": (206, 207, 209, 208), "aarch64": (0, 1, 2, 4)}
-_IOCB_CMD_PWRITE = 1
 _AIO_RING_MAGIC = 0xA10A10A1  # struct aio_ring of fs/aio.c: id, nr, head, tail, magic,
 # compat, incompat features, header length (u32 fields), then the io_event array
 _RING_NR, _RING_HEAD, _RING_TAIL, _RING_MAGIC, _RING_INCOMPAT, _RING_HEADER_LEN = 1, 2, 3, 4, 6, 7
@@ -71,36 +75,6 @@ SPIN_US = env_int("KVPOOL_SSD_SPIN_US", DEFAULT_SPIN_US, 1_000_000)
 SPIN_MAX_BYTES = 256 << 10
 
 
-class _Iocb(ctypes.Structure):
-    """``struct iocb`` of <linux/aio_abi.h>, little-endian field order (64 bytes)."""
-
-    _fields_ = [
-        ("aio_data", ctypes.c_uint64),
-        ("aio_key", ctypes.c_uint32),
-        ("aio_rw_flags", ctypes.c_int32),
-        ("aio_lio_opcode", ctypes.c_uint16),
-        ("aio_reqprio", ctypes.c_int16),
-        ("aio_fildes", ctypes.c_uint32),
-        ("aio_buf", ctypes.c_uint64),
-        ("aio_nbytes", ctypes.c_uint64),
-        ("aio_offset", ctypes.c_int64),
-        ("aio_reserved2", ctypes.c_uint64),
-        ("aio_flags", ctypes.c_uint32),
-        ("aio_resfd", ctypes.c_uint32),
-    ]
-
-
-class _Event(ctypes.Structure):
-    """``struct io_event``: res is the byte count or a negative errno."""
-
-    _fields_ = [
-        ("data", ctypes.c_uint64),
-        ("obj", ctypes.c_uint64),
-        ("res", ctypes.c_int64),
-        ("res2", ctypes.c_int64),
-    ]
-
-
 class AioLost(StorageError):
     """The kernel would not report a submitted write's completion: it may still land."""
 
@@ -110,23 +84,24 @@ class DirectWriter:
     calls it under the pool's lock)."""
 
     def __init__(self, ctx: int, numbers: tuple[int, int, int, int]) -> None:
-        self._syscall = ctypes.CDLL(None, use_errno=True).syscall
-        self._syscall.restype = ctypes.c_long
+        syscall = libc_syscall()
+        assert syscall is not None  # open() found it
+        self._syscall = syscall
         self._ctx = ctypes.c_ulong(ctx)
         self._numbers = numbers
-        self._iocb = _Iocb()
-        self._iocb.aio_lio_opcode = _IOCB_CMD_PWRITE
-        self._iocbs = (ctypes.POINTER(_Iocb) * 1)(ctypes.pointer(self._iocb))
+        self._iocb = Iocb()
+        self._iocb.aio_lio_opcode = IOCB_CMD_PWRITE
+        self._iocbs = (ctypes.POINTER(Iocb) * 1)(ctypes.pointer(self._iocb))
         self._iocb_at = ctypes.addressof(self._iocb)  # what a completion's ``obj`` echoes
         self._submit, self._getevents = ctypes.c_long(numbers[2]), ctypes.c_long(numbers[3])
-        self._event = _Event()
+        self._event = IoEvent()
         self._event_ptr = ctypes.pointer(self._event)
         self._one = ctypes.c_long(1)
         self._inflight: np.ndarray | None = None  # keeps the buffer alive meanwhile
         self._pid = os.getpid()  # a context belongs to the process that made it
         self._ring = _ring_of(ctx) if SPIN_US else None
         self._posted = (  # the ring's io_event array, where completions are taken from
-            (_Event * self._ring[_RING_NR]).from_address(ctx + _RING_HEADER_BYTES)
+            (IoEvent * self._ring[_RING_NR]).from_address(ctx + _RING_HEADER_BYTES)
             if self._ring is not None and _USER_REAP
             else None
         )
@@ -142,18 +117,8 @@ class DirectWriter:
     @classmethod
     def open(cls) -> DirectWriter | None:
         """A fresh context, or None where native AIO is unavailable here."""
-        numbers = _SYSCALLS.get(platform.machine())
-        if numbers is None or sys.byteorder != "little" or not sys.platform.startswith("linux"):
-            return None
-        try:
-            syscall = ctypes.CDLL(None, use_errno=True).syscall
-        except (OSError, AttributeError):
-            return None
-        syscall.restype = ctypes.c_long
-        ctx = ctypes.c_ulong(0)
-        if syscall(ctypes.c_long(numbers[0]), ctypes.c_long(1), ctypes.byref(ctx)) != 0:
-            return None  # ENOSYS, EPERM (seccomp), EAGAIN (fs.aio-max-nr)
-        return cls(ctx.value, numbers)
+        context = open_context(1)
+        return None if context is None else cls(context.ctx, context.numbers)
 
     def submit(self, fd: int, data: np.ndarray, offset: int) -> bool:
         """Start writing all of ``data`` at ``offset``; False (nothing in flight)
@@ -161,7 +126,7 @@ class DirectWriter:
         this context cannot take it: the caller then writes synchronously."""
         if self._inflight is not None or os.getpid() != self._pid:
             return False  # after AioLost, or a context inherited across fork
-        address = _address_of(data)
+        address = address_of(data)
         if address is None:
             return False
         iocb = self._iocb
@@ -254,21 +219,6 @@ class DirectWriter:
         if self._ctx.value and os.getpid() == self._pid:
             self._syscall(ctypes.c_long(self._numbers[1]), self._ctx)
         self._ctx = ctypes.c_ulong(0)
-
-
-def _address_of(data: np.ndarray) -> int | None:
-    """Where ``data``'s bytes start; None unless they are one contiguous piece.
-
-    Through ctypes' view of a writable buffer (~0.6 us) rather than
-    ``__array_interface__`` (~1.9 us: it builds a dict), which remains for
-    read-only arrays.
-    """
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(data))  # type: ignore[arg-type]
-    except (TypeError, ValueError, BufferError):  # read-only, not contiguous, or empty
-        if not data.flags.c_contiguous or data.nbytes == 0:
-            return None
-        return int(data.__array_interface__["data"][0])
 
 
 def _ring_of(ctx: int) -> ctypes.Array[ctypes.c_uint32] | None:

@@ -34,7 +34,10 @@ write; the record still commits only after the write completed. That holds
 from ``_OVERLAP_BYTES`` up; below, where the writer can wait for small writes
 awake (``spins``), a write is queued or synchronous (hash, then write) as
 ``kvpool.storage.wait_choice`` says (awake unless a recent spin ran out).
-Where native AIO is unavailable every write is synchronous.
+Where native AIO is unavailable every write is synchronous. Reads of
+``PIECED_MIN`` and up go to the kernel in pieces submitted together and each
+piece is hashed as it lands (``kvpool.storage.piece_read``), so only the last
+piece's hash follows the device; smaller reads are one synchronous ``preadv``.
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from kvpool.eviction import EvictionPolicy
 from kvpool.storage.allocator import ExtentAllocator
 from kvpool.storage.direct_aio import SPIN_US, AioLost, DirectWriter
 from kvpool.storage.direct_io import finish_direct, pread_full, pwrite_full, try_direct
+from kvpool.storage.piece_read import PIECED_MIN, PieceReaders
 from kvpool.storage.wait_choice import WaitChoice
 
 _RECORD = struct.Struct("<QQQ")  # offset, size, checksum; optional 16-byte parent follows
@@ -106,6 +110,7 @@ class SsdTier:
         self._fd_direct: int | None = None
         self._aio: DirectWriter | None = None  # opened on the first O_DIRECT write
         self._aio_tried = False
+        self._readers = PieceReaders()  # AIO contexts of large reads, opened on use
         self.wait_choice = WaitChoice()  # how small writes are waited for
         self._lock_fd: int | None = self._prepare_directory()
         try:
@@ -164,15 +169,29 @@ class SsdTier:
             raise
 
     def read_into(self, record: SsdRecord, out: np.ndarray) -> bool:
-        """Read the block into ``out[:size]``; False if its checksum does not match."""
-        target = out[: record.size]
-        rounded = self.allocator.round_up(record.size)
-        if not (
-            self._fd_direct is not None
-            and out.nbytes >= rounded
-            and try_direct(pread_full, self._fd_direct, out[:rounded], record.offset)
-        ):
-            pread_full(self._buffered(), target, record.offset)
+        """Read the block into ``out[:size]``; False if its checksum does not match.
+
+        With O_DIRECT, from ``PIECED_MIN`` up, the read goes in pieces and each is
+        hashed as it lands (``kvpool.storage.piece_read``); any piece the kernel
+        refuses or cuts short sends the whole block down the plain path again."""
+        size = record.size
+        target = out[:size]
+        rounded = self.allocator.round_up(size)
+        fd = self._fd_direct
+        if fd is not None and out.nbytes >= rounded:
+            if rounded >= PIECED_MIN:
+                hasher = xxhash.xxh3_64()
+                data = out.data
+
+                def each(lo: int, hi: int) -> None:
+                    if lo < size:
+                        hasher.update(data[lo : min(hi, size)])
+
+                if self._readers.read(fd, out[:rounded], record.offset, each):
+                    return hasher.intdigest() == record.checksum
+            if try_direct(pread_full, fd, out[:rounded], record.offset):
+                return checksum_of(target) == record.checksum
+        pread_full(self._buffered(), target, record.offset)
         return checksum_of(target) == record.checksum
 
     def write_wait(self) -> dict[str, Any]:
@@ -198,6 +217,7 @@ class SsdTier:
         self.allocator.free(offset)
 
     def close(self) -> None:
+        self._readers.close()
         if self._aio is not None:
             self._aio.close()
             self._aio = None

@@ -1,0 +1,341 @@
+"""An O_DIRECT read in pieces through native AIO (kvpool.storage.piece_read), and the
+SSD tier's reads that hash each piece as it lands: exact bytes, pieces handed over in
+order and whole, every refusal or short piece a False (the tier then reads the block
+again the plain way), and nothing left in flight whatever interrupts the wait."""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+
+from kvpool.eviction import make_policy
+from kvpool.storage.aio_abi import IoEvent
+from kvpool.storage.piece_read import (
+    MAX_PIECES,
+    MAX_READERS,
+    PIECE_MIN,
+    PIECED_MIN,
+    PieceReader,
+    PieceReaders,
+    pieces_of,
+)
+from kvpool.storage.ssd_tier import SsdTier
+
+MiB = 1 << 20
+
+
+def _aligned(nbytes: int, seed: int) -> np.ndarray:
+    array = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    array[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    return array
+
+
+def _reader() -> PieceReader:
+    reader = PieceReader.open()
+    if reader is None:
+        pytest.skip("native AIO is not available here")
+    return reader
+
+
+def _file_with(path: str, data: np.ndarray) -> int:
+    """An O_DIRECT descriptor of a file holding ``data``."""
+    with open(path, "wb") as f:
+        f.write(data.tobytes())
+    try:
+        return os.open(path, os.O_RDONLY | os.O_DIRECT)
+    except OSError:
+        pytest.skip("no O_DIRECT on this filesystem")
+
+
+def test_pieces_cover_the_read_in_order_aligned_and_at_most_max_pieces() -> None:
+    assert (2 * MiB, MiB, 2) == (PIECED_MIN, PIECE_MIN, MAX_PIECES)
+    assert pieces_of(4096) == [(0, 4096)]
+    assert pieces_of(MiB) == [(0, MiB)]
+    assert pieces_of(2 * MiB) == [(0, MiB), (MiB, 2 * MiB)]
+    assert pieces_of(16 * MiB) == [(0, 8 * MiB), (8 * MiB, 16 * MiB)]
+    odd = 3 * MiB + 4096  # halves rounded up to a page: the last piece is shorter
+    assert pieces_of(odd) == [(0, 3 * MiB // 2 + 4096), (3 * MiB // 2 + 4096, odd)]
+
+
+def test_a_pieced_read_lands_exact_and_hands_each_piece_over_once_in_order(
+    tmp_path: Any,
+) -> None:
+    data = _aligned(6 * MiB, 1)
+    fd = _file_with(str(tmp_path / "data.bin"), data)
+    reader = _reader()
+    try:
+        out = _aligned(4 * MiB, 0)
+        seen: list[tuple[int, int]] = []
+        at = [MiB]
+
+        def each(lo: int, hi: int) -> None:  # a piece is whole when handed over
+            assert np.array_equal(out[lo:hi], data[at[0] + lo : at[0] + hi])
+            seen.append((lo, hi))
+
+        assert reader.read(fd, out, MiB, each)
+        assert seen == pieces_of(4 * MiB)
+        assert np.array_equal(out, data[MiB : 5 * MiB])
+        seen.clear()  # the context serves the next read too
+        at[0] = 2 * MiB
+        assert reader.read(fd, out, 2 * MiB, each) and seen == pieces_of(4 * MiB)
+    finally:
+        reader.close()
+        os.close(fd)
+
+
+def test_a_misaligned_buffer_is_refused_with_nothing_handed_over(tmp_path: Any) -> None:
+    data = _aligned(4 * MiB, 2)
+    fd = _file_with(str(tmp_path / "data.bin"), data)
+    reader = _reader()
+    try:
+        out = _aligned(4 * MiB + 4096, 0)[1 : 1 + 4 * MiB]
+        seen: list[tuple[int, int]] = []
+        assert not reader.read(fd, out, 0, lambda lo, hi: seen.append((lo, hi)))
+        assert seen == []
+        aligned = _aligned(4 * MiB, 0)  # nothing stayed in flight: the next read works
+        assert reader.read(fd, aligned, 0, lambda lo, hi: None)
+        assert np.array_equal(aligned, data)
+    finally:
+        reader.close()
+        os.close(fd)
+
+
+def test_a_short_piece_stops_the_hand_over_and_answers_false(tmp_path: Any) -> None:
+    data = _aligned(3 * MiB, 3)  # the second piece of a 4 MiB read runs past the end
+    fd = _file_with(str(tmp_path / "data.bin"), data)
+    reader = _reader()
+    try:
+        seen: list[tuple[int, int]] = []
+        out = _aligned(4 * MiB, 0)
+        assert not reader.read(fd, out, 0, lambda lo, hi: seen.append((lo, hi)))
+        assert seen in ([], [(0, 2 * MiB)])  # the whole first piece at most
+    finally:
+        reader.close()
+        os.close(fd)
+
+
+def test_an_exception_from_each_is_raised_once_every_piece_landed(tmp_path: Any) -> None:
+    data = _aligned(4 * MiB, 4)
+    fd = _file_with(str(tmp_path / "data.bin"), data)
+    reader = _reader()
+    try:
+        calls: list[int] = []
+
+        def each(lo: int, hi: int) -> None:
+            calls.append(lo)
+            raise ValueError("hash failed")
+
+        out = _aligned(4 * MiB, 0)
+        with pytest.raises(ValueError, match="hash failed"):
+            reader.read(fd, out, 0, each)
+        assert calls == [0]  # the hand-over stopped at the failure
+        assert np.array_equal(out, data)  # and returned only once both pieces landed
+        assert reader.read(fd, out, 0, lambda lo, hi: None)  # nothing left in flight
+    finally:
+        reader.close()
+        os.close(fd)
+
+
+class _InterruptedWait:
+    """The real syscall; the first io_getevents delivers its completions and then a
+    signal's exception lands before the caller saw the return value. Counts the
+    waits: one too many would block forever on a completion already taken."""
+
+    def __init__(self, reader: PieceReader) -> None:
+        self.real, self.getevents = reader._syscall, 0
+        self.number = reader._getevents.value
+
+    def __call__(self, number: Any, *args: Any) -> int:
+        if number.value != self.number:
+            return int(self.real(number, *args))
+        self.getevents += 1
+        ctx, _, most, events, timeout = args
+        got = int(self.real(number, ctx, most, most, events, timeout))  # all of them
+        if self.getevents == 1:
+            raise KeyboardInterrupt
+        return got
+
+
+def test_a_signal_after_completions_were_taken_loses_none_of_them(tmp_path: Any) -> None:
+    data = _aligned(4 * MiB, 5)
+    fd = _file_with(str(tmp_path / "data.bin"), data)
+    reader = _reader()
+    fake = _InterruptedWait(reader)
+    reader._syscall = fake  # type: ignore[assignment]
+    try:
+        seen: list[tuple[int, int]] = []
+        out = _aligned(4 * MiB, 0)
+        with pytest.raises(KeyboardInterrupt):
+            reader.read(fd, out, 0, lambda lo, hi: seen.append((lo, hi)))
+        assert fake.getevents == 1  # both completions counted from what the kernel wrote
+        assert np.array_equal(out, data)
+        assert seen == []  # nothing handed over once a signal's exception is pending
+    finally:
+        reader.close()
+        os.close(fd)
+
+
+def test_a_reader_refuses_after_close_and_in_a_forked_child(tmp_path: Any) -> None:
+    data = _aligned(2 * MiB, 6)
+    fd = _file_with(str(tmp_path / "data.bin"), data)
+    reader = _reader()
+    out = _aligned(2 * MiB, 0)
+    try:
+        pid = os.fork()
+        if pid == 0:  # the child must not use its parent's context
+            os._exit(0 if not reader.read(fd, out, 0, lambda lo, hi: None) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+        reader.close()
+        reader.close()  # idempotent
+        assert not reader.read(fd, out, 0, lambda lo, hi: None)
+    finally:
+        os.close(fd)
+
+
+def test_readers_lend_at_most_max_readers_and_reuse_returned_ones(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    opened: list[PieceReader] = []
+    real_open = PieceReader.open.__func__  # type: ignore[attr-defined]
+
+    def counting_open(cls: type[PieceReader]) -> PieceReader | None:
+        reader = real_open(cls)
+        if reader is not None:
+            opened.append(reader)
+        return reader
+
+    monkeypatch.setattr(PieceReader, "open", classmethod(counting_open))
+    readers = PieceReaders()
+    lent = [readers._borrow() for _ in range(MAX_READERS + 1)]
+    if lent[0] is None:
+        pytest.skip("native AIO is not available here")
+    assert all(r is not None for r in lent[:MAX_READERS]) and lent[-1] is None
+    for r in lent[:MAX_READERS]:
+        assert r is not None
+        readers._give_back(r)
+    assert readers._borrow() is lent[MAX_READERS - 1]  # reused, none opened
+    assert len(opened) == MAX_READERS
+    readers.close()
+    assert all(not r._ctx.value for r in opened[:-1])  # idle ones destroyed at close
+    readers._give_back(lent[MAX_READERS - 1])  # type: ignore[arg-type]
+    assert not opened[-1]._ctx.value  # the lent one, once returned after close
+
+
+def test_without_native_aio_readers_answer_false_and_open_no_more(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[int] = []
+
+    def no_aio(cls: type[PieceReader]) -> None:
+        calls.append(1)
+
+    monkeypatch.setattr(PieceReader, "open", classmethod(no_aio))
+    readers = PieceReaders()
+    out = _aligned(2 * MiB, 0)
+    assert not readers.read(-1, out, 0, lambda lo, hi: None)
+    assert not readers.read(-1, out, 0, lambda lo, hi: None)
+    assert calls == [1]  # asked the kernel once
+
+
+# -- the SSD tier's verified reads --------------------------------------------------
+
+
+def _tier_with(tmp_path: Any, sizes: list[int]) -> tuple[SsdTier, list[Any], list[np.ndarray]]:
+    tier = SsdTier(str(tmp_path / "tier"), 64 * MiB, make_policy("lru"))
+    records, blocks = [], []
+    for i, size in enumerate(sizes):
+        slot = _aligned(-(-size // 4096) * 4096, 30 + i)
+        records.append(tier.store(bytes([i]) * 16, slot, size, None))
+        blocks.append(slot[:size].copy())
+    return tier, records, blocks
+
+
+def test_large_tier_reads_go_in_pieces_and_read_back_exact(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    reads: list[int] = []
+    real_read = PieceReader.read
+
+    def counting(self: PieceReader, fd: int, out: np.ndarray, offset: int, each: Any) -> bool:
+        reads.append(out.nbytes)
+        return real_read(self, fd, out, offset, each)
+
+    monkeypatch.setattr(PieceReader, "read", counting)
+    sizes = [PIECED_MIN - 4096, PIECED_MIN, 5 * MiB + 7, 16 * MiB]
+    tier, records, blocks = _tier_with(tmp_path, sizes)
+    try:
+        for record, block in zip(records, blocks, strict=True):
+            out = _aligned(-(-block.nbytes // 4096) * 4096, 0)
+            assert tier.read_into(record, out)
+            assert np.array_equal(out[: block.nbytes], block)
+        if PieceReader.open() is None:
+            pytest.skip("native AIO is not available here: every read was synchronous")
+        assert reads == [PIECED_MIN, 5 * MiB + 4096, 16 * MiB]  # from PIECED_MIN up
+    finally:
+        tier.close()
+
+
+def test_a_corrupt_large_block_reads_as_a_miss_through_the_pieces(tmp_path: Any) -> None:
+    tier, records, _ = _tier_with(tmp_path, [8 * MiB])
+    try:
+        with open(tmp_path / "tier" / "data.bin", "r+b") as f:  # flip a byte, second half
+            f.seek(records[0].offset + 6 * MiB)
+            byte = f.read(1)
+            f.seek(records[0].offset + 6 * MiB)
+            f.write(bytes([byte[0] ^ 0xFF]))
+        os.sync()
+        out = _aligned(8 * MiB, 0)
+        assert not tier.read_into(records[0], out)
+    finally:
+        tier.close()
+
+
+def test_a_refused_pieced_read_is_read_again_the_plain_way(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    halves: list[int] = []
+
+    def refusing(self: PieceReaders, fd: int, out: np.ndarray, offset: int, each: Any) -> bool:
+        each(0, out.nbytes // 2)  # a piece handed over, then the read refused
+        halves.append(1)
+        return False
+
+    monkeypatch.setattr(PieceReaders, "read", refusing)
+    tier, records, blocks = _tier_with(tmp_path, [4 * MiB])
+    try:
+        out = _aligned(4 * MiB, 0)
+        assert tier.read_into(records[0], out) and np.array_equal(out, blocks[0])
+        assert halves == [1]
+    finally:
+        tier.close()
+
+
+def test_a_device_error_in_a_piece_is_raised_after_both_landed(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = _aligned(4 * MiB, 7)
+    fd = _file_with(str(tmp_path / "data.bin"), data)
+    reader = _reader()
+    real = reader._syscall
+    getevents = reader._getevents.value
+
+    def failing(number: Any, *args: Any) -> int:
+        got = int(real(number, *args))
+        if number.value == getevents and got > 0:
+            ctypes.cast(args[3], ctypes.POINTER(IoEvent))[0].res = -5  # EIO
+        return got
+
+    reader._syscall = failing  # type: ignore[assignment]
+    try:
+        with pytest.raises(OSError) as info:
+            reader.read(fd, _aligned(4 * MiB, 0), 0, lambda lo, hi: None)
+        assert info.value.errno == 5
+    finally:
+        reader.close()
+        os.close(fd)
