@@ -339,3 +339,43 @@ def test_a_device_error_in_a_piece_is_raised_after_both_landed(
     finally:
         reader.close()
         os.close(fd)
+
+
+# -- a pool's SSD hits: copied on to the caller's buffer piece by piece -------------
+
+
+@pytest.mark.parametrize(
+    ("offset", "length"),
+    [(0, None), (MiB, 2 * MiB), (3 * MiB, 1 << 16), (5, 4096), (0, 4 * MiB + 7)],
+)
+def test_a_pool_reads_large_ssd_blocks_exact_through_the_pieces(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, offset: int, length: int | None
+) -> None:
+    """Whole blocks and ranges in either half or across both: the range is copied on
+    to ``out`` as the halves land (the block promoted into DRAM meanwhile)."""
+    from kvpool import Namespace, Pool, block_keys
+
+    pieced: list[int] = []
+    real_read = PieceReader.read
+
+    def counting(self: PieceReader, fd: int, out: np.ndarray, at: int, each: Any) -> bool:
+        done = real_read(self, fd, out, at, each)
+        pieced.append(done)
+        return done
+
+    monkeypatch.setattr(PieceReader, "read", counting)
+    size = 4 * MiB + 7
+    blocks = [_aligned(size + 1, 40 + i)[:size] for i in range(4)]
+    keys = block_keys(np.arange(4), Namespace("pieces"), block_tokens=1)
+    with Pool.embedded(dram_bytes=9 * MiB, ssd_path=str(tmp_path), ssd_bytes=64 * MiB) as pool:
+        for key, block in zip(keys, blocks, strict=True):
+            assert pool.put(key, block)
+        assert pool.stats()["tiers"]["ssd"]["blocks"] >= 2  # the first ones went down
+        want = size - offset if length is None else length
+        out = np.full(want + 3, 0xAB, np.uint8)  # bigger than the range: the rest untouched
+        assert pool.get_into(keys[0], out, offset=offset, length=length) == want
+        assert np.array_equal(out[:want], blocks[0][offset : offset + want])
+        assert (out[want:] == 0xAB).all()
+        assert pool.stats()["promotions"] == 1
+    if PieceReader.open() is not None:
+        assert pieced == [True]

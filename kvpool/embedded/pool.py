@@ -362,6 +362,8 @@ class Pool(LayerwiseMethods):
     ) -> bool:
         """Read bytes of a pinned SSD block into ``dst`` through a DRAM slot, promoting
         the whole block there; False (and the block dropped) if its checksum fails.
+        A large block is copied on to ``dst`` piece by piece as it lands, while the
+        rest still reads (on False ``dst`` holds no meaningful bytes, as on any miss).
 
         With ``dst=None`` the block is only verified and promoted.
         """
@@ -374,9 +376,10 @@ class Pool(LayerwiseMethods):
             staging = np.empty(record.size, np.uint8)
         else:
             staging = dst
-        valid = ssd.read_into(record, staging)
-        if valid and dst is not None and staging is not dst:
-            copy_region_out(dst, staging[start : start + length])
+        if dst is None or staging is dst:
+            valid = ssd.read_into(record, staging)
+        else:
+            valid = ssd.read_copying(record, staging, dst, start, length)
         with self._lock:
             self._blocks.settle_ssd_read(key, entry, ssd, slot_offset, valid)
         return valid

@@ -34,10 +34,9 @@ write; the record still commits only after the write completed. That holds
 from ``_OVERLAP_BYTES`` up; below, where the writer can wait for small writes
 awake (``spins``), a write is queued or synchronous (hash, then write) as
 ``kvpool.storage.wait_choice`` says (awake unless a recent spin ran out).
-Where native AIO is unavailable every write is synchronous. Reads of
-``PIECED_MIN`` and up go to the kernel in pieces submitted together and each
-piece is hashed as it lands (``kvpool.storage.piece_read``), so only the last
-piece's hash follows the device; smaller reads are one synchronous ``preadv``.
+Where native AIO is unavailable every write is synchronous. Reads from
+``PIECED_MIN`` go in pieces, each hashed (and copied on) as it lands
+(``kvpool.storage.piece_read``); smaller ones are one synchronous ``preadv``.
 """
 
 from __future__ import annotations
@@ -46,13 +45,14 @@ import errno
 import fcntl
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import lmdb
 import numpy as np
 import xxhash
 
+from kvpool.bindings.buffers import Region, copy_region_out
 from kvpool.errors import BlockTooLargeError, StorageError
 from kvpool.eviction import EvictionPolicy
 from kvpool.storage.allocator import ExtentAllocator
@@ -168,12 +168,16 @@ class SsdTier:
             self.allocator.free(offset)
             raise
 
-    def read_into(self, record: SsdRecord, out: np.ndarray) -> bool:
+    def read_into(
+        self, record: SsdRecord, out: np.ndarray, landed: Callable[[int, int], None] | None = None
+    ) -> bool:
         """Read the block into ``out[:size]``; False if its checksum does not match.
 
         With O_DIRECT, from ``PIECED_MIN`` up, the read goes in pieces and each is
         hashed as it lands (``kvpool.storage.piece_read``); any piece the kernel
-        refuses or cuts short sends the whole block down the plain path again."""
+        refuses or cuts short sends the whole block down the plain path again.
+        ``landed(lo, hi)``: bytes [lo, hi) of ``out`` are in, on that path, in
+        order (unverified until this returns True; see ``read_copying``)."""
         size = record.size
         target = out[:size]
         rounded = self.allocator.round_up(size)
@@ -186,6 +190,8 @@ class SsdTier:
                 def each(lo: int, hi: int) -> None:
                     if lo < size:
                         hasher.update(data[lo : min(hi, size)])
+                        if landed is not None:
+                            landed(lo, min(hi, size))
 
                 if self._readers.read(fd, out[:rounded], record.offset, each):
                     return hasher.intdigest() == record.checksum
@@ -193,6 +199,27 @@ class SsdTier:
                 return checksum_of(target) == record.checksum
         pread_full(self._buffered(), target, record.offset)
         return checksum_of(target) == record.checksum
+
+    def read_copying(
+        self, record: SsdRecord, staging: np.ndarray, dst: Region, start: int, length: int
+    ) -> bool:
+        """``read_into(record, staging)``, and bytes [start, start+length) copied on
+        to ``dst``: piece by piece as they land (while the rest still reads), else
+        all at once after the read. On False ``dst`` holds no meaningful bytes."""
+        end = start + length
+        through = start  # dst holds the block's bytes [start, through)
+
+        def copy_on(lo: int, hi: int) -> None:
+            nonlocal through
+            if lo <= through < hi and through < end:
+                upto = min(hi, end)
+                copy_region_out(dst[through - start : upto - start], staging[through:upto])
+                through = upto
+
+        valid = self.read_into(record, staging, copy_on)
+        if valid and through < end:  # read the plain way, or in pieces and then again
+            copy_region_out(dst, staging[start:end])
+        return valid
 
     def write_wait(self) -> dict[str, Any]:
         """How O_DIRECT writes are waited for (for ``stats()``): through native AIO
