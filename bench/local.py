@@ -4,7 +4,10 @@ DRAM: ``Pool.put`` and ``Pool.get_into`` against ``np.copyto`` between the
 same kind of pre-faulted buffers. SSD: the SSD tier's own store (O_DIRECT
 write + checksum + index commit) and read (O_DIRECT read + checksum check),
 the exact code the pool runs when it demotes and promotes, against dd-style
-O_DIRECT ``pwrite``/``preadv`` of the same sizes on the same filesystem.
+O_DIRECT ``pwrite``/``preadv`` of the same sizes on the same filesystem. SSD hit
+(path ``ssd-hit``): what a pool's ``get_into`` of a block on SSD runs, the read
+into a DRAM-like slot and the copy on into the caller's buffer
+(``SsdTier.read_copying``), against the same raw read.
 """
 
 from __future__ import annotations
@@ -77,6 +80,7 @@ def _ssd_rows(size: int, rounds: int, ssd_dir: str | None) -> list[Row]:
     tier = SsdTier(os.path.join(root, "tier"), count * rounded, make_policy("lru"))
     raw = os.open(os.path.join(root, "raw.bin"), os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
     records: list[SsdRecord | None] = [None] * count
+    outs = [faulted(size, fill=0) for _ in range(count)]  # the callers' buffers of SSD hits
     try:
         os.posix_fallocate(raw, 0, count * rounded)
 
@@ -94,11 +98,16 @@ def _ssd_rows(size: int, rounds: int, ssd_dir: str | None) -> list[Row]:
             record = records[i]
             assert record is not None and tier.read_into(record, slots[i])
 
+        def hit(i: int) -> None:
+            record = records[i]
+            assert record is not None and tier.read_copying(record, slots[i], outs[i], 0, size)
+
         ops = {
             "put": store,
             "raw_write": lambda i: os.pwrite(raw, slots[i].data, i * rounded),
             "get": load,
             "raw_read": lambda i: os.preadv(raw, [slots[i].data], i * rounded),
+            "hit": hit,
         }
         t = interleaved(size, ops, count, rounds, {"put": drop_all})
     finally:
@@ -108,6 +117,7 @@ def _ssd_rows(size: int, rounds: int, ssd_dir: str | None) -> list[Row]:
     return [
         make_row("put", "ssd", t["put"], t["raw_write"], "O_DIRECT pwrite"),
         make_row("get_into", "ssd", t["get"], t["raw_read"], "O_DIRECT pread"),
+        make_row("get_into", "ssd-hit", t["hit"], t["raw_read"], "O_DIRECT pread"),
     ]
 
 

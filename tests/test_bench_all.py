@@ -62,7 +62,8 @@ def test_every_suite_reports_its_headline_rows(quick_run: tuple[list[dict], dict
     rows, _, _ = quick_run
     have = {(r["suite"], r["op"], r["path"]) for r in rows}
     for want in [
-        ("local", "put", "dram"), ("local", "get_into", "ssd"), ("prefix", "prefix_match", "dram"),
+        ("local", "put", "dram"), ("local", "get_into", "ssd"), ("local", "get_into", "ssd-hit"),
+        ("prefix", "prefix_match", "dram"),
         ("remote", "get_into", "tcp"), ("remote", "get_into_batch", "tcp"),
         ("remote", "put", "shm"), ("remote", "put_batch", "shm"),
         ("layerwise", "store", "dram"), ("layerwise", "load", "dram"),

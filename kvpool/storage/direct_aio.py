@@ -8,10 +8,10 @@ caller hashes on its own thread while the device works, and only the
 completion wait remains: the same wait a blocking ``pwrite`` has.
 
 Scope: O_DIRECT descriptors only (a buffered AIO write runs synchronously inside
-``io_submit``), little-endian Linux on x86_64 or aarch64 (the syscall numbers
-and the ``iocb`` layout below). Elsewhere, or where the kernel refuses an AIO
-context (seccomp, ``fs.aio-max-nr``), ``DirectWriter.open`` answers None and
-callers write synchronously.
+``io_submit``), little-endian Linux on x86_64 or aarch64 (the syscall numbers and
+the ``iocb`` layout of kvpool.storage.aio_abi). Elsewhere, or where the kernel
+refuses an AIO context (seccomp, ``fs.aio-max-nr``), ``DirectWriter.open``
+answers None and callers write synchronously.
 
 Waiting awake: where the write is small enough to finish within
 ``SPIN_US`` (``KVPOOL_SSD_SPIN_US``, default 200; 0 turns it off), ``wait``
