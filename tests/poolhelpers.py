@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import mmap
+
 import numpy as np
 
 from kvpool import Namespace, block_keys
@@ -29,3 +31,10 @@ def has_cuda() -> bool:
     import torch
 
     return bool(torch.cuda.is_available())
+
+
+def aligned(nbytes: int, seed: int) -> np.ndarray:
+    """Page-aligned anonymous memory (what O_DIRECT needs) with bytes unique to ``seed``."""
+    array = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
+    array[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
+    return array

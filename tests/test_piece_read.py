@@ -6,12 +6,12 @@ again the plain way), and nothing left in flight whatever interrupts the wait.""
 from __future__ import annotations
 
 import ctypes
-import mmap
 import os
 from typing import Any
 
 import numpy as np
 import pytest
+from poolhelpers import aligned
 
 from kvpool.eviction import make_policy
 from kvpool.storage.aio_abi import IoEvent
@@ -27,12 +27,6 @@ from kvpool.storage.piece_read import (
 from kvpool.storage.ssd_tier import SsdTier
 
 MiB = 1 << 20
-
-
-def _aligned(nbytes: int, seed: int) -> np.ndarray:
-    array = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-    array[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-    return array
 
 
 def _reader() -> PieceReader:
@@ -65,11 +59,11 @@ def test_pieces_cover_the_read_in_order_aligned_and_at_most_max_pieces() -> None
 def test_a_pieced_read_lands_exact_and_hands_each_piece_over_once_in_order(
     tmp_path: Any,
 ) -> None:
-    data = _aligned(6 * MiB, 1)
+    data = aligned(6 * MiB, 1)
     fd = _file_with(str(tmp_path / "data.bin"), data)
     reader = _reader()
     try:
-        out = _aligned(4 * MiB, 0)
+        out = aligned(4 * MiB, 0)
         seen: list[tuple[int, int]] = []
         at = [MiB]
 
@@ -89,29 +83,29 @@ def test_a_pieced_read_lands_exact_and_hands_each_piece_over_once_in_order(
 
 
 def test_a_misaligned_buffer_is_refused_with_nothing_handed_over(tmp_path: Any) -> None:
-    data = _aligned(4 * MiB, 2)
+    data = aligned(4 * MiB, 2)
     fd = _file_with(str(tmp_path / "data.bin"), data)
     reader = _reader()
     try:
-        out = _aligned(4 * MiB + 4096, 0)[1 : 1 + 4 * MiB]
+        out = aligned(4 * MiB + 4096, 0)[1 : 1 + 4 * MiB]
         seen: list[tuple[int, int]] = []
         assert not reader.read(fd, out, 0, lambda lo, hi: seen.append((lo, hi)))
         assert seen == []
-        aligned = _aligned(4 * MiB, 0)  # nothing stayed in flight: the next read works
-        assert reader.read(fd, aligned, 0, lambda lo, hi: None)
-        assert np.array_equal(aligned, data)
+        good = aligned(4 * MiB, 0)  # nothing stayed in flight: the next read works
+        assert reader.read(fd, good, 0, lambda lo, hi: None)
+        assert np.array_equal(good, data)
     finally:
         reader.close()
         os.close(fd)
 
 
 def test_a_short_piece_stops_the_hand_over_and_answers_false(tmp_path: Any) -> None:
-    data = _aligned(3 * MiB, 3)  # the second piece of a 4 MiB read runs past the end
+    data = aligned(3 * MiB, 3)  # the second piece of a 4 MiB read runs past the end
     fd = _file_with(str(tmp_path / "data.bin"), data)
     reader = _reader()
     try:
         seen: list[tuple[int, int]] = []
-        out = _aligned(4 * MiB, 0)
+        out = aligned(4 * MiB, 0)
         assert not reader.read(fd, out, 0, lambda lo, hi: seen.append((lo, hi)))
         assert seen in ([], [(0, 2 * MiB)])  # the whole first piece at most
     finally:
@@ -120,7 +114,7 @@ def test_a_short_piece_stops_the_hand_over_and_answers_false(tmp_path: Any) -> N
 
 
 def test_an_exception_from_each_is_raised_once_every_piece_landed(tmp_path: Any) -> None:
-    data = _aligned(4 * MiB, 4)
+    data = aligned(4 * MiB, 4)
     fd = _file_with(str(tmp_path / "data.bin"), data)
     reader = _reader()
     try:
@@ -130,7 +124,7 @@ def test_an_exception_from_each_is_raised_once_every_piece_landed(tmp_path: Any)
             calls.append(lo)
             raise ValueError("hash failed")
 
-        out = _aligned(4 * MiB, 0)
+        out = aligned(4 * MiB, 0)
         with pytest.raises(ValueError, match="hash failed"):
             reader.read(fd, out, 0, each)
         assert calls == [0]  # the hand-over stopped at the failure
@@ -162,14 +156,14 @@ class _InterruptedWait:
 
 
 def test_a_signal_after_completions_were_taken_loses_none_of_them(tmp_path: Any) -> None:
-    data = _aligned(4 * MiB, 5)
+    data = aligned(4 * MiB, 5)
     fd = _file_with(str(tmp_path / "data.bin"), data)
     reader = _reader()
     fake = _InterruptedWait(reader)
     reader._syscall = fake  # type: ignore[assignment]
     try:
         seen: list[tuple[int, int]] = []
-        out = _aligned(4 * MiB, 0)
+        out = aligned(4 * MiB, 0)
         with pytest.raises(KeyboardInterrupt):
             reader.read(fd, out, 0, lambda lo, hi: seen.append((lo, hi)))
         assert fake.getevents == 1  # both completions counted from what the kernel wrote
@@ -181,10 +175,10 @@ def test_a_signal_after_completions_were_taken_loses_none_of_them(tmp_path: Any)
 
 
 def test_a_reader_refuses_after_close_and_in_a_forked_child(tmp_path: Any) -> None:
-    data = _aligned(2 * MiB, 6)
+    data = aligned(2 * MiB, 6)
     fd = _file_with(str(tmp_path / "data.bin"), data)
     reader = _reader()
-    out = _aligned(2 * MiB, 0)
+    out = aligned(2 * MiB, 0)
     try:
         pid = os.fork()
         if pid == 0:  # the child must not use its parent's context
@@ -237,7 +231,7 @@ def test_without_native_aio_readers_answer_false_and_open_no_more(
 
     monkeypatch.setattr(PieceReader, "open", classmethod(no_aio))
     readers = PieceReaders()
-    out = _aligned(2 * MiB, 0)
+    out = aligned(2 * MiB, 0)
     assert not readers.read(-1, out, 0, lambda lo, hi: None)
     assert not readers.read(-1, out, 0, lambda lo, hi: None)
     assert calls == [1]  # asked the kernel once
@@ -250,7 +244,7 @@ def _tier_with(tmp_path: Any, sizes: list[int]) -> tuple[SsdTier, list[Any], lis
     tier = SsdTier(str(tmp_path / "tier"), 64 * MiB, make_policy("lru"))
     records, blocks = [], []
     for i, size in enumerate(sizes):
-        slot = _aligned(-(-size // 4096) * 4096, 30 + i)
+        slot = aligned(-(-size // 4096) * 4096, 30 + i)
         records.append(tier.store(bytes([i]) * 16, slot, size, None))
         blocks.append(slot[:size].copy())
     return tier, records, blocks
@@ -271,7 +265,7 @@ def test_large_tier_reads_go_in_pieces_and_read_back_exact(
     tier, records, blocks = _tier_with(tmp_path, sizes)
     try:
         for record, block in zip(records, blocks, strict=True):
-            out = _aligned(-(-block.nbytes // 4096) * 4096, 0)
+            out = aligned(-(-block.nbytes // 4096) * 4096, 0)
             assert tier.read_into(record, out)
             assert np.array_equal(out[: block.nbytes], block)
         if PieceReader.open() is None:
@@ -290,7 +284,7 @@ def test_a_corrupt_large_block_reads_as_a_miss_through_the_pieces(tmp_path: Any)
             f.seek(records[0].offset + 6 * MiB)
             f.write(bytes([byte[0] ^ 0xFF]))
         os.sync()
-        out = _aligned(8 * MiB, 0)
+        out = aligned(8 * MiB, 0)
         assert not tier.read_into(records[0], out)
     finally:
         tier.close()
@@ -309,7 +303,7 @@ def test_a_refused_pieced_read_is_read_again_the_plain_way(
     monkeypatch.setattr(PieceReaders, "read", refusing)
     tier, records, blocks = _tier_with(tmp_path, [4 * MiB])
     try:
-        out = _aligned(4 * MiB, 0)
+        out = aligned(4 * MiB, 0)
         assert tier.read_into(records[0], out) and np.array_equal(out, blocks[0])
         assert halves == [1]
     finally:
@@ -319,7 +313,7 @@ def test_a_refused_pieced_read_is_read_again_the_plain_way(
 def test_a_device_error_in_a_piece_is_raised_after_both_landed(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    data = _aligned(4 * MiB, 7)
+    data = aligned(4 * MiB, 7)
     fd = _file_with(str(tmp_path / "data.bin"), data)
     reader = _reader()
     real = reader._syscall
@@ -334,7 +328,7 @@ def test_a_device_error_in_a_piece_is_raised_after_both_landed(
     reader._syscall = failing  # type: ignore[assignment]
     try:
         with pytest.raises(OSError) as info:
-            reader.read(fd, _aligned(4 * MiB, 0), 0, lambda lo, hi: None)
+            reader.read(fd, aligned(4 * MiB, 0), 0, lambda lo, hi: None)
         assert info.value.errno == 5
     finally:
         reader.close()
@@ -365,7 +359,7 @@ def test_a_pool_reads_large_ssd_blocks_exact_through_the_pieces(
 
     monkeypatch.setattr(PieceReader, "read", counting)
     size = 4 * MiB + 7
-    blocks = [_aligned(size + 1, 40 + i)[:size] for i in range(4)]
+    blocks = [aligned(size + 1, 40 + i)[:size] for i in range(4)]
     keys = block_keys(np.arange(4), Namespace("pieces"), block_tokens=1)
     with Pool.embedded(dram_bytes=9 * MiB, ssd_path=str(tmp_path), ssd_bytes=64 * MiB) as pool:
         for key, block in zip(keys, blocks, strict=True):

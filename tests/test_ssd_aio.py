@@ -7,7 +7,6 @@ use a fake syscall / writer, since neither can be provoked on demand.
 
 from __future__ import annotations
 
-import mmap
 import os
 import subprocess
 import sys
@@ -15,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from poolhelpers import aligned
 
 import kvpool.storage.direct_aio as aio_module
 import kvpool.storage.ssd_tier as ssd_tier_module
@@ -25,13 +25,6 @@ from kvpool.storage.direct_aio import AioLost, DirectWriter
 from kvpool.storage.ssd_tier import SsdTier
 
 _PAGE = 4096
-
-
-def _aligned(nbytes: int, seed: int) -> np.ndarray:
-    """Page-aligned anonymous memory with bytes unique to ``seed``."""
-    array = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
-    array[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
-    return array
 
 
 def _writer() -> DirectWriter:
@@ -60,7 +53,7 @@ def _assert_reopened(path: str, capacity: int, wanted: dict[bytes, np.ndarray]) 
         records = dict(tier.load_records())
         assert set(records) == set(wanted)
         for key, data in wanted.items():
-            out = _aligned(-(-data.nbytes // _PAGE) * _PAGE, 0)
+            out = aligned(-(-data.nbytes // _PAGE) * _PAGE, 0)
             assert tier.read_into(records[key], out)
             assert np.array_equal(out[: data.nbytes], data)
     finally:
@@ -71,11 +64,11 @@ def test_a_submitted_write_lands_whole_and_wait_reports_its_bytes(tmp_path: Any)
     writer = _writer()
     plain, direct = _direct_file(str(tmp_path / "data.bin"), 4 << 20)
     try:
-        data = _aligned(1 << 20, 1)
+        data = aligned(1 << 20, 1)
         assert writer.submit(direct, data, 2 * _PAGE)
         assert writer.wait() == data.nbytes
         assert os.pread(plain, data.nbytes, 2 * _PAGE) == data.tobytes()
-        again = _aligned(3 * _PAGE, 2)  # the context takes the next write
+        again = aligned(3 * _PAGE, 2)  # the context takes the next write
         assert writer.submit(direct, again, 0)
         assert writer.wait() == again.nbytes
         assert os.pread(plain, again.nbytes, 0) == again.tobytes()
@@ -90,13 +83,13 @@ def test_a_misaligned_buffer_is_refused_and_nothing_stays_in_flight(tmp_path: An
     writer = _writer()
     plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
     try:
-        data = _aligned(2 * _PAGE, 3)[1 : 1 + _PAGE]  # not page-aligned: O_DIRECT refuses
+        data = aligned(2 * _PAGE, 3)[1 : 1 + _PAGE]  # not page-aligned: O_DIRECT refuses
         if writer.submit(direct, data, 0):  # the kernel reports it at submit or at completion
             with pytest.raises(OSError) as err:
                 writer.wait()
             assert err.value.errno == 22  # EINVAL
-        aligned = _aligned(_PAGE, 4)
-        assert writer.submit(direct, aligned, 0)  # not stuck on the refused one
+        good = aligned(_PAGE, 4)
+        assert writer.submit(direct, good, 0)  # not stuck on the refused one
         assert writer.wait() == _PAGE
     finally:
         writer.close()
@@ -149,11 +142,11 @@ def test_large_stores_through_aio_read_back_exact_and_survive_a_reopen(tmp_path:
     try:
         for i, size in enumerate(sizes):
             rounded = -(-size // _PAGE) * _PAGE
-            slot = _aligned(rounded, 10 + i)  # an arena-like slot owning its extent
+            slot = aligned(rounded, 10 + i)  # an arena-like slot owning its extent
             key = bytes([i]) * 16
             assert tier.store(key, slot, size, None) is not None
             wanted[key] = slot[:size].copy()
-        odd = _aligned(2 << 20, 20)[1 : 1 + (1 << 20)]  # misaligned: the buffered path
+        odd = aligned(2 << 20, 20)[1 : 1 + (1 << 20)]  # misaligned: the buffered path
         assert tier.store(b"u" * 16, odd, odd.nbytes, None) is not None
         wanted[b"u" * 16] = odd.copy()
     finally:
@@ -167,10 +160,10 @@ def test_without_native_aio_large_stores_are_written_synchronously(
     monkeypatch.setattr(aio_module.DirectWriter, "open", classmethod(lambda cls: None))
     tier = SsdTier(str(tmp_path / "tier"), 8 << 20, make_policy("lru"))
     try:
-        slot = _aligned(1 << 20, 5)
+        slot = aligned(1 << 20, 5)
         record = tier.store(b"k" * 16, slot, slot.nbytes, None)
         assert record is not None
-        out = _aligned(1 << 20, 0)
+        out = aligned(1 << 20, 0)
         assert tier.read_into(record, out) and np.array_equal(out, slot)
     finally:
         tier.close()
@@ -200,7 +193,7 @@ def test_a_lost_write_keeps_its_extent_used_and_commits_no_record(
     path = str(tmp_path / "tier")
     tier = SsdTier(path, 8 << 20, make_policy("lru"))
     try:
-        slot = _aligned(1 << 20, 6)
+        slot = aligned(1 << 20, 6)
         with pytest.raises(StorageError, match="io_getevents"):
             tier.store(b"k" * 16, slot, slot.nbytes, None)
         assert tier.allocator.used_bytes == 1 << 20  # not freed
@@ -228,12 +221,12 @@ def test_a_small_write_is_waited_for_awake_and_a_large_one_asleep(tmp_path: Any)
     writer = _spinning_writer()
     plain, direct = _direct_file(str(tmp_path / "data.bin"), 4 << 20)
     try:
-        small = _aligned(64 << 10, 30)
+        small = aligned(64 << 10, 30)
         assert writer.submit(direct, small, 0)
         assert writer.wait() == small.nbytes
         assert writer.spin_ready + writer.spin_timeouts == 1  # it spun, once
         assert os.pread(plain, small.nbytes, 0) == small.tobytes()
-        large = _aligned(aio_module.SPIN_MAX_BYTES + _PAGE, 31)
+        large = aligned(aio_module.SPIN_MAX_BYTES + _PAGE, 31)
         assert writer.submit(direct, large, 1 << 20)
         assert writer.wait() == large.nbytes
         assert writer.spin_ready + writer.spin_timeouts == 1  # slept at once
@@ -252,7 +245,7 @@ def test_a_spin_that_runs_out_of_budget_still_waits_for_the_write(
     plain, direct = _direct_file(str(tmp_path / "data.bin"), 4 << 20)
     try:
         for i in range(20):
-            data = _aligned(128 << 10, 40 + i)
+            data = aligned(128 << 10, 40 + i)
             assert writer.submit(direct, data, i * data.nbytes)
             assert writer.wait() == data.nbytes  # io_getevents took over after the spin
             assert os.pread(plain, data.nbytes, i * data.nbytes) == data.tobytes()
@@ -273,7 +266,7 @@ def test_a_signal_while_spinning_is_raised_only_after_the_write_completed(
         raise KeyboardInterrupt  # what a signal handler raises between two looks
 
     try:
-        data = _aligned(64 << 10, 50)
+        data = aligned(64 << 10, 50)
         assert writer.submit(direct, data, 0)
         writer._spin = interrupted  # type: ignore[method-assign]
         with pytest.raises(KeyboardInterrupt):
@@ -346,7 +339,7 @@ def test_completions_are_taken_from_the_ring_round_and_round(
     plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
     try:
         for i in range(slots + 9):
-            data = _aligned(_PAGE, 100 + i)
+            data = aligned(_PAGE, 100 + i)
             at = (i % 256) * _PAGE
             assert writer.submit(direct, data, at)
             assert writer.wait() == _PAGE
@@ -377,7 +370,7 @@ def test_a_signal_while_taking_a_completion_leaves_it_to_io_getevents(
     posted = writer._posted
     plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
     try:
-        data = _aligned(64 << 10, 110)
+        data = aligned(64 << 10, 110)
         assert writer.submit(direct, data, 0)
         writer._posted = _InterruptedArray()  # type: ignore[assignment]
         with pytest.raises(KeyboardInterrupt):
@@ -386,7 +379,7 @@ def test_a_signal_while_taking_a_completion_leaves_it_to_io_getevents(
         assert writer._inflight is None
         assert os.pread(plain, data.nbytes, 0) == data.tobytes()
         writer._posted = posted
-        again = _aligned(64 << 10, 111)
+        again = aligned(64 << 10, 111)
         assert writer.submit(direct, again, 0) and writer.wait() == again.nbytes  # usable
         assert os.pread(plain, again.nbytes, 0) == again.tobytes()
     finally:
@@ -412,7 +405,7 @@ def test_a_completion_that_is_not_ours_is_a_lost_write(
 
     plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
     try:
-        assert writer.submit(direct, _aligned(64 << 10, 120), 0)
+        assert writer.submit(direct, aligned(64 << 10, 120), 0)
         writer._posted = Foreign()  # type: ignore[assignment]
         with pytest.raises(AioLost, match="not ours"):
             writer.wait()
@@ -457,7 +450,7 @@ def test_small_tier_stores_overlap_the_write_when_it_is_waited_for_awake(tmp_pat
     _spinning_writer().close()
     path = str(tmp_path / "tier")
     tier = SsdTier(path, 8 << 20, make_policy("lru"))
-    slots = [_aligned(64 << 10, 60 + i) for i in range(8)]
+    slots = [aligned(64 << 10, 60 + i) for i in range(8)]
     try:
         assert tier.write_wait()["aio"] is None  # nothing written yet
         for i, slot in enumerate(slots):
@@ -478,12 +471,12 @@ def test_without_spinning_small_stores_are_written_synchronously(
     monkeypatch.setattr(aio_module, "SPIN_US", 0)  # read at the writer's creation
     tier = SsdTier(str(tmp_path / "tier"), 8 << 20, make_policy("lru"))
     try:
-        slot = _aligned(64 << 10, 70)
+        slot = aligned(64 << 10, 70)
         record = tier.store(b"s" * 16, slot, slot.nbytes, None)
         assert record is not None
         wait = tier.write_wait()
         assert wait["spin_us"] == 0 and wait["spin_ready"] + wait["spin_timeouts"] == 0
-        out = _aligned(64 << 10, 0)
+        out = aligned(64 << 10, 0)
         assert tier.read_into(record, out) and np.array_equal(out, slot)
     finally:
         tier.close()
@@ -495,13 +488,13 @@ def test_submit_takes_writable_and_read_only_buffers_and_refuses_scattered_ones(
     writer = _writer()
     plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
     try:
-        data = _aligned(2 * _PAGE, 130)
+        data = aligned(2 * _PAGE, 130)
         read_only = data.view()
         read_only.flags.writeable = False
         for at, buffer in ((0, data), (4 * _PAGE, read_only)):
             assert writer.submit(direct, buffer, at) and writer.wait() == buffer.nbytes
             assert os.pread(plain, buffer.nbytes, at) == data.tobytes()
-        assert not writer.submit(direct, _aligned(4 * _PAGE, 131)[::2], 0)  # not one piece
+        assert not writer.submit(direct, aligned(4 * _PAGE, 131)[::2], 0)  # not one piece
         assert writer._inflight is None
     finally:
         writer.close()
@@ -519,7 +512,7 @@ def test_a_tier_whose_spins_run_out_writes_synchronously_and_reads_back_exact(
     monkeypatch.setattr(aio_module, "SPIN_US", 1)
     path = str(tmp_path / "tier")
     tier = SsdTier(path, 8 << 20, make_policy("lru"))
-    slots = [_aligned(64 << 10, i) for i in range(32)]
+    slots = [aligned(64 << 10, i) for i in range(32)]
     try:
         for i, slot in enumerate(slots):
             assert tier.store(i.to_bytes(16, "big"), slot, slot.nbytes, None) is not None
