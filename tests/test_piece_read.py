@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import numpy as np
@@ -36,14 +38,25 @@ def _reader() -> PieceReader:
     return reader
 
 
-def _file_with(path: str, data: np.ndarray) -> int:
-    """An O_DIRECT descriptor of a file holding ``data``."""
+@contextmanager
+def _reading(tmp_path: Any, data: np.ndarray) -> Iterator[tuple[int, PieceReader]]:
+    """An O_DIRECT descriptor of a file holding ``data``, and a fresh reader; both
+    closed afterwards."""
+    path = str(tmp_path / "data.bin")
     with open(path, "wb") as f:
         f.write(data.tobytes())
+    reader = _reader()
     try:
-        return os.open(path, os.O_RDONLY | os.O_DIRECT)
-    except OSError:
-        pytest.skip("no O_DIRECT on this filesystem")
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+        except OSError:
+            pytest.skip("no O_DIRECT on this filesystem")
+        try:
+            yield fd, reader
+        finally:
+            os.close(fd)
+    finally:
+        reader.close()
 
 
 def test_pieces_cover_the_read_in_order_aligned_and_at_most_max_pieces() -> None:
@@ -60,9 +73,7 @@ def test_a_pieced_read_lands_exact_and_hands_each_piece_over_once_in_order(
     tmp_path: Any,
 ) -> None:
     data = aligned(6 * MiB, 1)
-    fd = _file_with(str(tmp_path / "data.bin"), data)
-    reader = _reader()
-    try:
+    with _reading(tmp_path, data) as (fd, reader):
         out = aligned(4 * MiB, 0)
         seen: list[tuple[int, int]] = []
         at = [MiB]
@@ -77,16 +88,11 @@ def test_a_pieced_read_lands_exact_and_hands_each_piece_over_once_in_order(
         seen.clear()  # the context serves the next read too
         at[0] = 2 * MiB
         assert reader.read(fd, out, 2 * MiB, each) and seen == pieces_of(4 * MiB)
-    finally:
-        reader.close()
-        os.close(fd)
 
 
 def test_a_misaligned_buffer_is_refused_with_nothing_handed_over(tmp_path: Any) -> None:
     data = aligned(4 * MiB, 2)
-    fd = _file_with(str(tmp_path / "data.bin"), data)
-    reader = _reader()
-    try:
+    with _reading(tmp_path, data) as (fd, reader):
         out = aligned(4 * MiB + 4096, 0)[1 : 1 + 4 * MiB]
         seen: list[tuple[int, int]] = []
         assert not reader.read(fd, out, 0, lambda lo, hi: seen.append((lo, hi)))
@@ -94,30 +100,20 @@ def test_a_misaligned_buffer_is_refused_with_nothing_handed_over(tmp_path: Any) 
         good = aligned(4 * MiB, 0)  # nothing stayed in flight: the next read works
         assert reader.read(fd, good, 0, lambda lo, hi: None)
         assert np.array_equal(good, data)
-    finally:
-        reader.close()
-        os.close(fd)
 
 
 def test_a_short_piece_stops_the_hand_over_and_answers_false(tmp_path: Any) -> None:
     data = aligned(3 * MiB, 3)  # the second piece of a 4 MiB read runs past the end
-    fd = _file_with(str(tmp_path / "data.bin"), data)
-    reader = _reader()
-    try:
+    with _reading(tmp_path, data) as (fd, reader):
         seen: list[tuple[int, int]] = []
         out = aligned(4 * MiB, 0)
         assert not reader.read(fd, out, 0, lambda lo, hi: seen.append((lo, hi)))
         assert seen in ([], [(0, 2 * MiB)])  # the whole first piece at most
-    finally:
-        reader.close()
-        os.close(fd)
 
 
 def test_an_exception_from_each_is_raised_once_every_piece_landed(tmp_path: Any) -> None:
     data = aligned(4 * MiB, 4)
-    fd = _file_with(str(tmp_path / "data.bin"), data)
-    reader = _reader()
-    try:
+    with _reading(tmp_path, data) as (fd, reader):
         calls: list[int] = []
 
         def each(lo: int, hi: int) -> None:
@@ -130,9 +126,6 @@ def test_an_exception_from_each_is_raised_once_every_piece_landed(tmp_path: Any)
         assert calls == [0]  # the hand-over stopped at the failure
         assert np.array_equal(out, data)  # and returned only once both pieces landed
         assert reader.read(fd, out, 0, lambda lo, hi: None)  # nothing left in flight
-    finally:
-        reader.close()
-        os.close(fd)
 
 
 class _InterruptedWait:
@@ -157,11 +150,9 @@ class _InterruptedWait:
 
 def test_a_signal_after_completions_were_taken_loses_none_of_them(tmp_path: Any) -> None:
     data = aligned(4 * MiB, 5)
-    fd = _file_with(str(tmp_path / "data.bin"), data)
-    reader = _reader()
-    fake = _InterruptedWait(reader)
-    reader._syscall = fake  # type: ignore[assignment]
-    try:
+    with _reading(tmp_path, data) as (fd, reader):
+        fake = _InterruptedWait(reader)
+        reader._syscall = fake  # type: ignore[assignment]
         seen: list[tuple[int, int]] = []
         out = aligned(4 * MiB, 0)
         with pytest.raises(KeyboardInterrupt):
@@ -169,17 +160,12 @@ def test_a_signal_after_completions_were_taken_loses_none_of_them(tmp_path: Any)
         assert fake.getevents == 1  # both completions counted from what the kernel wrote
         assert np.array_equal(out, data)
         assert seen == []  # nothing handed over once a signal's exception is pending
-    finally:
-        reader.close()
-        os.close(fd)
 
 
 def test_a_reader_refuses_after_close_and_in_a_forked_child(tmp_path: Any) -> None:
     data = aligned(2 * MiB, 6)
-    fd = _file_with(str(tmp_path / "data.bin"), data)
-    reader = _reader()
-    out = aligned(2 * MiB, 0)
-    try:
+    with _reading(tmp_path, data) as (fd, reader):
+        out = aligned(2 * MiB, 0)
         pid = os.fork()
         if pid == 0:  # the child must not use its parent's context
             os._exit(0 if not reader.read(fd, out, 0, lambda lo, hi: None) else 1)
@@ -188,8 +174,6 @@ def test_a_reader_refuses_after_close_and_in_a_forked_child(tmp_path: Any) -> No
         reader.close()
         reader.close()  # idempotent
         assert not reader.read(fd, out, 0, lambda lo, hi: None)
-    finally:
-        os.close(fd)
 
 
 def test_readers_lend_at_most_max_readers_and_reuse_returned_ones(
@@ -314,25 +298,20 @@ def test_a_device_error_in_a_piece_is_raised_after_both_landed(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     data = aligned(4 * MiB, 7)
-    fd = _file_with(str(tmp_path / "data.bin"), data)
-    reader = _reader()
-    real = reader._syscall
-    getevents = reader._getevents.value
+    with _reading(tmp_path, data) as (fd, reader):
+        real = reader._syscall
+        getevents = reader._getevents.value
 
-    def failing(number: Any, *args: Any) -> int:
-        got = int(real(number, *args))
-        if number.value == getevents and got > 0:
-            ctypes.cast(args[3], ctypes.POINTER(IoEvent))[0].res = -5  # EIO
-        return got
+        def failing(number: Any, *args: Any) -> int:
+            got = int(real(number, *args))
+            if number.value == getevents and got > 0:
+                ctypes.cast(args[3], ctypes.POINTER(IoEvent))[0].res = -5  # EIO
+            return got
 
-    reader._syscall = failing  # type: ignore[assignment]
-    try:
+        reader._syscall = failing  # type: ignore[assignment]
         with pytest.raises(OSError) as info:
             reader.read(fd, aligned(4 * MiB, 0), 0, lambda lo, hi: None)
         assert info.value.errno == 5
-    finally:
-        reader.close()
-        os.close(fd)
 
 
 # -- a pool's SSD hits: copied on to the caller's buffer piece by piece -------------
