@@ -174,8 +174,7 @@ class PieceReader:
         if got >= 0 or ctypes.get_errno() == errno.EINTR:
             return
         err = ctypes.get_errno()
-        self.close()
-        self.broken = True
+        self.close()  # marks it broken: never lent again
         raise StorageError(f"io_getevents failed: {os.strerror(err)}")
 
     def close(self) -> None:
