@@ -127,6 +127,19 @@ def copy_out(dst: np.ndarray, src: np.ndarray) -> None:
         _out.trial_copy(dst, src)
 
 
+def put_way(nbytes: int) -> int:
+    """How ``copy_into`` copies ``nbytes`` now: ``STREAM``, ``NUMPY`` or ``LEARN`` (its
+    size class is still timing both), for native code that copies by itself
+    (kvpool.transport.shm_copy: ``STREAM`` is this module's kernel, ``NUMPY`` a
+    memcpy)."""
+    return _into_ways[nbytes.bit_length()]
+
+
+def read_way(nbytes: int) -> int:
+    """``put_way`` for a read's copy (``copy_out``)."""
+    return _out_ways[nbytes.bit_length()]
+
+
 def copies_plainly(nbytes: int) -> bool:
     """Whether a put's copy of ``nbytes`` (``copy_into``) is numpy's for the rest of
     this process (below the streaming bound, or its size class settled on numpy's

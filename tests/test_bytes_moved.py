@@ -13,6 +13,7 @@ import numpy as np
 
 from kvpool.bindings import stream_copy
 from kvpool.cluster.metrics import Metrics
+from kvpool.transport import shm_copy
 from kvpool.transport.peers import PeerTransports, expose_region
 from kvpool.transport.tcp import TcpTransport
 
@@ -79,6 +80,7 @@ def test_same_host_bytes_are_counted_by_the_client() -> None:
             "peers": 1,
             "page_lock": {"n": "not yet: no GPU buffer copied"},  # host buffers only
             "copy": stream_copy.status(),
+            "checked_copy": shm_copy.STATUS,
         }
         assert exposed.served() == {"tcp": (0, 0)}
     finally:

@@ -26,6 +26,7 @@ from poolhelpers import make_keys, payload
 import kvpool
 from kvpool.bindings import copy_region, copy_region_out, stream_copy
 from kvpool.bindings.copy_choice import initial_ways
+from kvpool.transport import shm_copy
 
 KERNEL = stream_copy.kernel_or_none()
 if KERNEL is None and os.environ.get("KVPOOL_REQUIRE_STREAM_COPY") == "1":
@@ -255,6 +256,7 @@ def test_large_same_host_puts_are_read_back_exactly_by_another_process() -> None
             stats = pool.stats()
             assert stats["transport"] == "shm"
             assert stats["transports"]["shm"]["copy"] == stream_copy.status()
+            assert stats["transports"]["shm"]["checked_copy"] == shm_copy.STATUS
             pool.flush()
             for key, block in zip(keys, blocks, strict=True):  # this process, shm
                 out = np.zeros(block.nbytes, np.uint8)

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.bindings import stream_copy
-from kvpool.transport import tcp_recv
+from kvpool.transport import shm_copy, tcp_recv
 from kvpool.transport.base import RegionInfo, Transport, host_identity
 from kvpool.transport.fencing import WriteFence
 from kvpool.transport.select import select_transport
@@ -168,8 +168,9 @@ class PeerTransports:
 
     def stats(self) -> dict[str, dict[str, Any]]:
         """Bytes moved per transport name, live and retired transports together
-        (shm also: each node's arena mapping's CUDA page-lock status, and the host
-        copy large blocks take: kvpool.bindings.stream_copy; tcp also: how its
+        (shm also: each node's arena mapping's CUDA page-lock status, the host
+        copy large blocks take: kvpool.bindings.stream_copy, and whether a read's
+        checks and a put's seal go with the copy: kvpool.transport.shm_copy; tcp also: how its
         receives wait, kvpool.transport.tcp_recv)."""
         with self._lock:
             out: dict[str, dict[str, Any]] = {
@@ -182,8 +183,9 @@ class PeerTransports:
                 acc["peers"] = acc.get("peers", 0) + 1
                 if t.page_lock_status is not None:
                     acc.setdefault("page_lock", {})[t.info.node_id] = t.page_lock_status
-                if t.name == "shm":  # the copy its large blocks take
+                if t.name == "shm":  # the copy its large blocks take, and its checks
                     acc["copy"] = stream_copy.status()
+                    acc["checked_copy"] = shm_copy.STATUS
                 elif t.name == "tcp":  # how its receives wait
                     acc["spin"] = {"status": tcp_recv.STATUS, **tcp_recv.counters()}
             return out

@@ -45,11 +45,15 @@ from kvpool.bindings.buffers import (
     region_is_device,
     region_nbytes,
 )
-from kvpool.bindings.stream_copy import copy_into, copy_out
+from kvpool.bindings.copy_choice import LEARN
+from kvpool.bindings.stream_copy import copy_into, copy_out, put_way, read_way
 from kvpool.errors import PoolClosedError, TransportUnavailableError
 from kvpool.storage.page_lock import PageLock, page_lock
 from kvpool.transport.base import RegionInfo, Transport, check_range, host_identity
+from kvpool.transport.fencing import WriteStamp
+from kvpool.transport.shm_copy import read_checked, write_sealed
 from kvpool.transport.shm_ident import BlockIdents, ident_name
+from kvpool.transport.shm_seal import NODE_COMMITS, SEALED, SealRecords
 
 SHM_DIR = "/dev/shm"
 
@@ -115,19 +119,38 @@ class ShmTransport(Transport):
         if idents is None:
             self.read_into(block_offset + start, out)
             return True
-        if plain_host(out, writable=True):  # fast path, as in read_into
-            length = out.nbytes
-            seq = idents.check_then(key, block_offset, start, length)
+        try:
+            if plain_host(out, writable=True):  # fast path, as in read_into
+                length = out.nbytes
+                way, records, arena = read_way(length), idents.mapping, self._mmap
+                if (  # one native call (kvpool.transport.shm_copy) once the way is settled
+                    read_checked is not None
+                    and way != LEARN
+                    and records is not None
+                    and arena is not None
+                ):
+                    got = read_checked(out, arena, records, block_offset, start, key, way)
+                    if got == 1:
+                        self.bytes_read += length
+                        return True
+                    if got < 0:
+                        self._span(block_offset + start, length)  # raises the usual error
+                    return False
+                seq = idents.check_then(key, block_offset, start, length)
+                if seq < 0:
+                    return False
+                copy_out(out, self._span(block_offset + start, length))
+                self.bytes_read += length
+                return idents.still(block_offset, seq)
+            seq = idents.check_then(key, block_offset, start, region_nbytes(as_region(out)))
             if seq < 0:
                 return False
-            copy_out(out, self._span(block_offset + start, length))
-            self.bytes_read += length
+            self.read_into(block_offset + start, out)
             return idents.still(block_offset, seq)
-        seq = idents.check_then(key, block_offset, start, region_nbytes(as_region(out)))
-        if seq < 0:
-            return False
-        self.read_into(block_offset + start, out)
-        return idents.still(block_offset, seq)
+        except ValueError as exc:  # a mapping unmapped under us: closed meanwhile
+            if self._arena is None:  # ``close`` clears it first
+                raise PoolClosedError("shared-memory transport is closed") from exc
+            raise
 
     def read_blocks(self, plan: list[tuple[int, Any, bytes, int]]) -> list[bool]:
         """``read_block`` for each (offset, out, key, block offset), as TCP's
@@ -144,6 +167,37 @@ class ShmTransport(Transport):
         with self._lock:
             if self._page_lock is None and self._arena is not None and self._arena.size:
                 self._page_lock = page_lock(self._arena.ctypes.data, self._arena.size)
+
+    def write_sealed(
+        self,
+        data: np.ndarray,
+        offset: int,
+        seals: SealRecords,
+        epoch: int,
+        alloc_id: int,
+        key: bytes,
+        parent: bytes | None,
+    ) -> bool:
+        """A same-host put of a whole block: ``write(offset, data)`` (``data`` a plain
+        host array, ``buffers.plain_host``), then its record in ``seals`` asking the
+        node to commit it when the node does (``seals.node_commits``), as
+        ``seals.write`` does. False: ``offset`` has no record (the copy may not have
+        happened either). In one native call once the copy way of its size is
+        settled (kvpool.transport.shm_copy)."""
+        size = data.nbytes
+        way, records, arena = put_way(size), seals.mapping, self._mmap  # None once closed
+        if write_sealed is None or way == LEARN or records is None or arena is None:
+            self.write(offset, data)
+            stamp = WriteStamp(epoch, alloc_id, offset, size, key, parent)
+            return seals.write(stamp, node_commits=True)
+        mark = NODE_COMMITS if seals.node_commits else SEALED
+        got = write_sealed(arena, data, records, offset, epoch, alloc_id, key, parent, mark, way)
+        if got == 1:
+            self.bytes_written += size
+            return True
+        if got < 0:
+            self._span(offset, size)  # raises the usual error
+        return False
 
     def _span(self, offset: int, length: int) -> np.ndarray:
         arena = self._arena

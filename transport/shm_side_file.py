@@ -39,6 +39,12 @@ class SideFile:
         # back (cheaper than numpy scalars).
         self._words: memoryview | None = memoryview(self._mmap).cast("Q")
 
+    @property
+    def mapping(self) -> mmap.mmap | None:
+        """The file's mapping, for native code that reads or writes its records
+        (kvpool.transport.shm_copy); None once closed."""
+        return self._mmap
+
     def close(self) -> None:
         """Unmap (a view still exported keeps the mapping until it is released);
         the creator also unlinks the file."""

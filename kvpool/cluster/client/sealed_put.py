@@ -36,7 +36,6 @@ import numpy as np
 from kvpool.cluster.client.commits import Acked, CommitPipe
 from kvpool.cluster.client.grant_supply import GrantSupply
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
-from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.shm_seal import now_ns
 
 
@@ -81,10 +80,10 @@ class SealedPutter:
             self._stock.put_back(grant, size, claimed_at)
             return False
         data, seals = sealable
-        stamp = WriteStamp(grant.epoch, grant.alloc_id, grant.offset, size, key, parent)
-        try:
-            data.write(grant.offset, region)
-            sealed = seals.write(stamp, node_commits=True)
+        try:  # the copy, then the seal record (one native call: kvpool.transport.shm_copy)
+            sealed = data.write_sealed(
+                region, grant.offset, seals, grant.epoch, grant.alloc_id, key, parent
+            )
         except TRANSFER_ERRORS:
             sealed = False
         # the clock is read after the record: in time, the node's abort comes later

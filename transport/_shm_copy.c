@@ -1,0 +1,234 @@
+/* kvpool.transport._shm_copy: a same-host block copy and its record, in one call.
+ *
+ * A same-host client reads a block straight out of the node's shared arena
+ * between two reads of the block's identity record (kvpool.transport.shm_ident),
+ * and writes one into a claimed range followed by its seal record
+ * (kvpool.transport.shm_seal). In Python each of those is four or five calls
+ * around the copy (record checks, the arena slice, the copy's dispatch, the
+ * record's packing), ~2-3 us at 1 MiB once the copy has pushed the
+ * interpreter's state out of the CPU caches (issue 17, bench/RESULTS.md
+ * "Session 22"). Here each is one call.
+ *
+ * read_checked(dst, arena, idents, block_offset, start, key, way) -> int
+ *     Copy arena[block_offset + start : + len(dst)] into dst only while the
+ *     identity record of block_offset names ``key`` (16 bytes), has an even,
+ *     non-zero seq and covers [start, start + len(dst)); then read the seq
+ *     again. 1: the bytes are that block's, whole. 0: a miss (a negative or
+ *     unaligned block offset, a negative start, no such record, or it changed
+ *     during the copy: dst holds no meaningful bytes). -1: the record names
+ *     the block but the range lies outside the arena (nothing copied; the
+ *     caller raises).
+ *
+ * write_sealed(arena, src, seals, offset, epoch, alloc_id, key, parent, mark, way) -> int
+ *     Copy src into arena[offset : offset + len(src)], then write the seal
+ *     record of offset: its fields (epoch, allocation, size, has-parent, key,
+ *     parent or zeros), then ``mark`` (SEALED or NODE_COMMITS) in its sealed
+ *     word last, then for NODE_COMMITS the doorbell word. 1: done. 0: no
+ *     record for offset, or a key or parent not 16 bytes: nothing copied or
+ *     written. -1: the range lies outside the arena, a negative offset
+ *     included (nothing copied; the caller raises).
+ *
+ * ``way``: 1 copies with the streaming kernel (copy_kernels.h), 0 with memcpy
+ * (numpy's copy of contiguous bytes), as kvpool.bindings.stream_copy learned
+ * for the block's size. The copy runs with the GIL released; every buffer is
+ * held (exported) for the whole call, so a concurrent close of the mapping
+ * waits for it (the mapping is unmapped when the last export goes).
+ *
+ * Record layouts (native byte order), the same as the Python modules' structs
+ * (tests/test_shm_copy.py checks one side against the other):
+ * - identity: record block_offset / 4096 of 32 bytes: seq u64, size u64, key 16 B;
+ * - seal: a 128-byte header (the doorbell is its word 8), then record
+ *   offset / 4096 of 72 bytes: sealed u64, epoch u64, alloc id u64, size u64,
+ *   has parent u64, key 16 B, parent 16 B.
+ *
+ * Memory ordering: the seq is loaded with acquire before the record's fields
+ * and the copy, and an acquire fence orders the copy's loads before the second
+ * load of seq (a seqlock reader); the seal record's fields are stored before
+ * its sealed word, stored with release, after the copy (whose streaming stores
+ * the kernel fenced). On x86-64 these are compiler barriers; the same code is
+ * correct on weakly ordered CPUs, where the Python fallbacks are not (untested).
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+
+#include "copy_kernels.h"
+
+#define ALIGN 4096
+#define IDENT_RECORD 32
+#define SEAL_HEADER 128
+#define SEAL_RECORD 72
+#define DOORBELL_WORD 8
+#define NODE_COMMITS 2
+
+static kv_copy_fn kernel = kv_plain_copy;
+
+/* A 16-byte key from a bytes object; NULL (no error set) if it is not one. */
+static const char *key16(PyObject *obj) {
+    if (!PyBytes_Check(obj) || PyBytes_GET_SIZE(obj) != 16)
+        return NULL;
+    return PyBytes_AS_STRING(obj);
+}
+
+
+static PyObject *read_checked(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 7) {
+        PyErr_SetString(PyExc_TypeError,
+                        "read_checked(dst, arena, idents, block_offset, start, key, way)");
+        return NULL;
+    }
+    Py_ssize_t block_offset = PyLong_AsSsize_t(args[3]);
+    if (block_offset == -1 && PyErr_Occurred())
+        return NULL;
+    Py_ssize_t start = PyLong_AsSsize_t(args[4]);
+    if (start == -1 && PyErr_Occurred())
+        return NULL;
+    if (block_offset < 0 || start < 0) /* no block starts there: a miss, as in Python */
+        return PyLong_FromLong(0);
+    const char *key = key16(args[5]);
+    int way = PyObject_IsTrue(args[6]);
+    if (way < 0)
+        return NULL;
+    Py_buffer dst, arena, idents;
+    if (PyObject_GetBuffer(args[0], &dst, PyBUF_CONTIG) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &arena, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[2], &idents, PyBUF_SIMPLE) < 0) {
+        PyBuffer_Release(&arena);
+        PyBuffer_Release(&dst);
+        return NULL;
+    }
+    long result = 0;
+    size_t n = (size_t)dst.len;
+    size_t slot = (size_t)block_offset / ALIGN;
+    if (key == NULL || block_offset % ALIGN || (slot + 1) * IDENT_RECORD > (size_t)idents.len)
+        goto done;
+    const uint64_t *record = (const uint64_t *)((const char *)idents.buf + slot * IDENT_RECORD);
+    uint64_t seq = __atomic_load_n(&record[0], __ATOMIC_ACQUIRE);
+    if ((seq & 1) || seq == 0 || (uint64_t)start + n > record[1] || memcmp(record + 2, key, 16))
+        goto done;
+    size_t from = (size_t)block_offset + (size_t)start; /* the record's checks came first */
+    if (from > (size_t)arena.len || n > (size_t)arena.len - from) {
+        result = -1;
+        goto done;
+    }
+    char *d = dst.buf;
+    const char *s = (const char *)arena.buf + from;
+    Py_BEGIN_ALLOW_THREADS
+    kv_copy(kernel, way, d, s, n);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    result = __atomic_load_n(&record[0], __ATOMIC_ACQUIRE) == seq;
+    Py_END_ALLOW_THREADS
+done:
+    PyBuffer_Release(&idents);
+    PyBuffer_Release(&arena);
+    PyBuffer_Release(&dst);
+    return PyLong_FromLong(result);
+}
+
+static PyObject *write_sealed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 10) {
+        PyErr_SetString(
+            PyExc_TypeError,
+            "write_sealed(arena, src, seals, offset, epoch, alloc_id, key, parent, mark, way)");
+        return NULL;
+    }
+    Py_ssize_t offset = PyLong_AsSsize_t(args[3]);
+    if (offset == -1 && PyErr_Occurred())
+        return NULL;
+    if (offset < 0) /* outside the arena: the caller raises its usual error */
+        return PyLong_FromLong(-1);
+    uint64_t epoch = PyLong_AsUnsignedLongLong(args[4]);
+    if (epoch == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    uint64_t alloc_id = PyLong_AsUnsignedLongLong(args[5]);
+    if (alloc_id == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    const char *key = key16(args[6]);
+    const char *parent = args[7] == Py_None ? NULL : key16(args[7]);
+    int bad_parent = args[7] != Py_None && parent == NULL;
+    uint64_t mark = PyLong_AsUnsignedLongLong(args[8]);
+    if (mark == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    int way = PyObject_IsTrue(args[9]);
+    if (way < 0)
+        return NULL;
+    Py_buffer arena, src, seals;
+    if (PyObject_GetBuffer(args[0], &arena, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (PyObject_GetBuffer(args[1], &src, PyBUF_CONTIG_RO) < 0) {
+        PyBuffer_Release(&arena);
+        return NULL;
+    }
+    if (PyObject_GetBuffer(args[2], &seals, PyBUF_WRITABLE) < 0) {
+        PyBuffer_Release(&src);
+        PyBuffer_Release(&arena);
+        return NULL;
+    }
+    long result = 0;
+    size_t n = (size_t)src.len;
+    if ((size_t)offset > (size_t)arena.len || n > (size_t)arena.len - (size_t)offset) {
+        result = -1;
+        goto done;
+    }
+    size_t at = SEAL_HEADER + (size_t)offset / ALIGN * SEAL_RECORD;
+    if (key == NULL || bad_parent || offset % ALIGN || at + SEAL_RECORD > (size_t)seals.len)
+        goto done;
+    uint64_t *words = seals.buf;
+    uint64_t *record = (uint64_t *)((char *)seals.buf + at);
+    char *d = (char *)arena.buf + offset;
+    const char *s = src.buf;
+    Py_BEGIN_ALLOW_THREADS
+    kv_copy(kernel, way, d, s, n);
+    record[1] = epoch;
+    record[2] = alloc_id;
+    record[3] = (uint64_t)n;
+    record[4] = parent != NULL;
+    memcpy(record + 5, key, 16);
+    if (parent != NULL)
+        memcpy(record + 7, parent, 16);
+    else
+        memset(record + 7, 0, 16);
+    __atomic_store_n(&record[0], mark, __ATOMIC_RELEASE); /* last: the node reads it first */
+    if (mark == NODE_COMMITS)
+        __atomic_store_n(&words[DOORBELL_WORD], 1, __ATOMIC_RELEASE);
+    Py_END_ALLOW_THREADS
+    result = 1;
+done:
+    PyBuffer_Release(&seals);
+    PyBuffer_Release(&src);
+    PyBuffer_Release(&arena);
+    return PyLong_FromLong(result);
+}
+
+static PyMethodDef methods[] = {
+    {"read_checked", (PyCFunction)(void (*)(void))read_checked, METH_FASTCALL,
+     "read_checked(dst, arena, idents, block_offset, start, key, way, /) -> 1 read, 0 miss, "
+     "-1 outside the arena: a same-host read checked against its identity record."},
+    {"write_sealed", (PyCFunction)(void (*)(void))write_sealed, METH_FASTCALL,
+     "write_sealed(arena, src, seals, offset, epoch, alloc_id, key, parent, mark, way, /) -> "
+     "1 written and sealed, 0 no record, -1 outside the arena: a same-host put's copy and "
+     "its seal record."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module_def = {
+    PyModuleDef_HEAD_INIT, "_shm_copy",
+    "Same-host block copies bracketed by their identity or seal record.", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__shm_copy(void) {
+    const char *name;
+    kernel = kv_pick_kernel(&name);
+    PyObject *m = PyModule_Create(&module_def);
+    if (m != NULL && PyModule_AddStringConstant(m, "KERNEL", name) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -1,0 +1,53 @@
+"""Same-host copies with their block's record, in one native call each (issue 17).
+
+A same-host read copies a block out of the node's arena between two reads of
+its identity record (kvpool.transport.shm_ident); a same-host put copies it
+in and then writes its seal record (kvpool.transport.shm_seal). Done in
+Python, the calls around the copy (the record's checks, the arena slice, the
+copy's dispatch, the record's packing) cost ~2-3 us of a 1 MiB read or put
+once the copy has pushed the interpreter's state out of the CPU caches
+(bench/RESULTS.md, "Session 22"). The compiled ``kvpool.transport._shm_copy``
+does each in one call, with the copy way that ``kvpool.bindings.stream_copy``
+learned for the size (``read_way`` / ``put_way``); ``ShmTransport.read_block``
+and ``ShmTransport.write_sealed`` use it when the way is settled, and the
+Python path otherwise (a size class still learning, the extension absent).
+
+``read_checked(dst, arena, idents, block_offset, start, key, way)`` and
+``write_sealed(arena, src, seals, offset, epoch, alloc_id, key, parent, mark,
+way)`` are the compiled functions themselves (no Python frame between), None
+where the extension was not built (no C compiler at install time: it is an
+optional extension) or ``$KVPOOL_SHM_COPY=0`` turns them off. Their contract
+and the record layouts they share with the Python modules: transport/_shm_copy.c.
+``STATUS`` says which path runs, and why.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Callable
+from typing import Any
+
+
+def _native() -> tuple[Any, str]:
+    """The compiled module (None where it is off or was not built), and why not."""
+    if os.environ.get("KVPOOL_SHM_COPY", "1") == "0":
+        return None, "$KVPOOL_SHM_COPY=0"
+    try:  # by name: the compiled module, not a Python one
+        return importlib.import_module("kvpool.transport._shm_copy"), ""
+    except ImportError as exc:  # built without a compiler: the optional extension is absent
+        return None, f"kvpool.transport._shm_copy not built: {exc}"
+
+
+_module, _missing = _native()
+STATUS = (
+    "one native call per checked read and per sealed put"
+    if _module is not None
+    else f"checked in Python ({_missing})"
+)
+
+#: A checked same-host read (1 read, 0 miss, -1 outside the arena); None: not built.
+read_checked: Callable[..., int] | None = None if _module is None else _module.read_checked
+#: A same-host put's copy and seal record (1 sealed, 0 no record, -1 outside the
+#: arena); None: not built.
+write_sealed: Callable[..., int] | None = None if _module is None else _module.write_sealed
