@@ -67,8 +67,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from kvpool.cluster.client.node_watch import NodeWatch
 from kvpool.cluster.client.put_modes import commit_thread_default
@@ -80,10 +79,10 @@ log = logging.getLogger("kvpool.cluster.client")
 LINGER_S = 0.001  # the sender thread waits this long for more puts to share a frame
 
 
-@dataclass(frozen=True)
-class Acked:
+class Acked(NamedTuple):
     """A put acknowledged to its caller whose commit is on its way: where its
-    sealed bytes are (for a recovery) and what the commit binds."""
+    sealed bytes are (for a recovery) and what the commit binds. A named tuple,
+    not a frozen dataclass: every put builds one, in ~0.18 us against ~0.58."""
 
     key: bytes
     parent: bytes | None
@@ -157,7 +156,9 @@ class CommitPipe:
     def watch(self, item: Acked, records: SealRecords) -> None:
         """A put sealed with ``NODE_COMMITS`` in ``records``: its node commits it;
         ``flush`` waits for the node's answer there."""
-        self._to_settle(self.by_node.watch(item, records))
+        unsure = self.by_node.watch(item, records)
+        if unsure:
+            self._to_settle(unsure)
 
     def _to_settle(self, items: list[Acked]) -> None:
         """Puts their node did not make visible: ``settle`` takes them next."""

@@ -105,7 +105,9 @@ class GrantStock:
         general path's ``take`` then deals with it). With the claim's clock (as
         ``was_claimed``) and whether ``wants_refill`` would ask for more now."""
         now = time.monotonic()
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not ``with``: once per same-host put (~0.1 us less)
+        try:
             stock = self._stock.get(size)
             if not stock:
                 return None
@@ -119,6 +121,8 @@ class GrantStock:
             stock.popleft()
             self.used += 1
             return grant, max(1, claim[2]), self._refill_size(size) > 0
+        finally:
+            lock.release()
 
     def put_back(self, grant: Grant, size: int, claimed_at: int) -> None:
         """Undo ``take_claimed``: ``grant`` is the oldest again, with its claim (the

@@ -50,7 +50,9 @@ class NodeWatch:
 
     def watch(self, item: Acked, records: SealRecords) -> list[Acked]:
         """Watch ``item``, sealed in ``records``; returns puts to settle (a sweep's)."""
-        with self._lock:
+        lock = self._lock
+        lock.acquire()  # not ``with``: every same-host put comes here (~0.1 us less)
+        try:
             self.watched.append((item, records))
             self.count += 1
             if len(self.watched) < self._sweep_at:
@@ -58,6 +60,8 @@ class NodeWatch:
             unsure = self._sweep()
             self._sweep_at = len(self.watched) + SWEEP_EVERY
             return unsure
+        finally:
+            lock.release()
 
     def wait(self, give_up: float) -> list[Acked]:
         """Until every watched put is answered (at most ``ANSWER_S``, and not past the
