@@ -74,10 +74,14 @@ class LeasedReads:
 
     def read_into(self, key: bytes, dst: Region, start: int, length: int | None) -> int | None:
         """``get_into``: from a cached lease when there is one, else after a LEASE."""
-        with self._lock:  # fast path: a cached lease, no generator, no dict of one
+        lock = self._lock  # acquire/release, not ``with``: every read comes here twice
+        lock.acquire()  # fast path: a cached lease, no generator, no dict of one
+        try:
             hit = self.cache.lookup(key)
             if hit is not None:
                 hit[2].pins += 1
+        finally:
+            lock.release()
         if hit is None:
             with self.reading([key]) as found:
                 if key not in found:
@@ -88,8 +92,9 @@ class LeasedReads:
                 return hit[1]
             return self.read_range(key, hit, dst, start, length)
         finally:
-            with self._lock:
-                self.cache.unpin(hit[2])
+            lock.acquire()
+            hit[2].pins -= 1  # LeaseCache.unpin, inlined
+            lock.release()
 
     def _read_whole(self, key: bytes, hit: Found, dst: Region) -> bool:
         """The common read in one step: a whole cached block with one replica into a
