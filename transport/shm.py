@@ -19,7 +19,10 @@ block offset) and copies only while the record names that block, checking
 it again after the copy: a reader with an outdated lease (the range now
 holds another block, or is being rewritten) gets ``False`` (a miss), never
 another block's bytes. A node without identity records (an older release)
-is read unchecked (``checked`` is False).
+is read unchecked (``checked`` is False). A checked read of a plain host
+buffer, and a put's copy with its seal record (``write_sealed``), run as one
+native call each (kvpool.transport.shm_copy) once their size's copy way is
+settled; the Python path answers alike.
 
 Invariants: the mapping is exactly ``RegionInfo.size`` bytes (a file of
 another size is refused, so a stale or foreign file is never used); every
