@@ -5,7 +5,7 @@
  * and writes one into a claimed range followed by its seal record
  * (kvpool.transport.shm_seal). In Python each of those is four or five calls
  * around the copy (record checks, the arena slice, the copy's dispatch, the
- * record's packing), ~2-3 us at 1 MiB once the copy has pushed the
+ * record's packing), ~1.5-2.5 us at 1 MiB once the copy has pushed the
  * interpreter's state out of the CPU caches (issue 17, bench/RESULTS.md
  * "Session 22"). Here each is one call.
  *

@@ -4,7 +4,7 @@ A same-host read copies a block out of the node's arena between two reads of
 its identity record (kvpool.transport.shm_ident); a same-host put copies it
 in and then writes its seal record (kvpool.transport.shm_seal). Done in
 Python, the calls around the copy (the record's checks, the arena slice, the
-copy's dispatch, the record's packing) cost ~2-3 us of a 1 MiB read or put
+copy's dispatch, the record's packing) cost ~1.5-2.5 us of a 1 MiB read or put
 once the copy has pushed the interpreter's state out of the CPU caches
 (bench/RESULTS.md, "Session 22"). The compiled ``kvpool.transport._shm_copy``
 does each in one call, with the copy way that ``kvpool.bindings.stream_copy``
