@@ -56,7 +56,7 @@ from kvpool.transport.base import RegionInfo, Transport, check_range, host_ident
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.shm_copy import read_checked, write_sealed
 from kvpool.transport.shm_ident import BlockIdents, ident_name
-from kvpool.transport.shm_seal import NODE_COMMITS, SEALED, SealRecords
+from kvpool.transport.shm_seal import SealRecords
 
 SHM_DIR = "/dev/shm"
 
@@ -193,7 +193,7 @@ class ShmTransport(Transport):
             self.write(offset, data)
             stamp = WriteStamp(epoch, alloc_id, offset, size, key, parent)
             return seals.write(stamp, node_commits=True)
-        mark = NODE_COMMITS if seals.node_commits else SEALED
+        mark = seals.commit_mark
         got = write_sealed(arena, data, records, offset, epoch, alloc_id, key, parent, mark, way)
         if got == 1:
             self.bytes_written += size

@@ -145,6 +145,9 @@ class SealRecords(SideFile):
         self.deadline = Deadline(hold, margin)
         #: the node commits the blocks sealed with ``NODE_COMMITS`` (writers may ask)
         self.node_commits = bool(flags & FLAG_NODE_COMMITS)
+        #: the ``sealed`` word of a writer that asks the node to commit its block:
+        #: ``NODE_COMMITS`` where the node does (and the doorbell is rung), else ``SEALED``
+        self.commit_mark = NODE_COMMITS if self.node_commits else SEALED
         self._records = (size - HEADER_BYTES) // RECORD.size
         # Every record's ``sealed`` word, for the node's poll of many records at once.
         self._sealed: np.ndarray | None = np.ndarray(
@@ -229,11 +232,10 @@ class SealRecords(SideFile):
             stamp.key,
             parent,
         )
-        if node_commits and self.node_commits:
-            words[word] = NODE_COMMITS  # last: the node reads this word before the fields
+        mark = self.commit_mark if node_commits else SEALED
+        words[word] = mark  # last: the node reads this word before the fields
+        if mark == NODE_COMMITS:
             words[DOORBELL_WORD] = 1
-        else:
-            words[word] = SEALED
         return True
 
     def outcome(self, offset: int, alloc_id: int) -> int | None:
