@@ -69,6 +69,23 @@ static const char *key16(PyObject *obj) {
     return PyBytes_AS_STRING(obj);
 }
 
+/* Export args[i] into views[i] with flags[i], for i < n: 0; or -1 with the
+ * exporter's error set and every view taken so far released. */
+static int export_all(PyObject *const *args, const int *flags, Py_buffer *views, int n) {
+    for (int i = 0; i < n; i++) {
+        if (PyObject_GetBuffer(args[i], &views[i], flags[i]) < 0) {
+            while (i--)
+                PyBuffer_Release(&views[i]);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+static void release_all(Py_buffer *views, int n) {
+    while (n--)
+        PyBuffer_Release(&views[n]);
+}
 
 static PyObject *read_checked(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
@@ -89,18 +106,11 @@ static PyObject *read_checked(PyObject *module, PyObject *const *args, Py_ssize_
     int way = PyObject_IsTrue(args[6]);
     if (way < 0)
         return NULL;
-    Py_buffer dst, arena, idents;
-    if (PyObject_GetBuffer(args[0], &dst, PyBUF_CONTIG) < 0)
+    static const int flags[3] = {PyBUF_CONTIG, PyBUF_SIMPLE, PyBUF_SIMPLE};
+    Py_buffer views[3]; /* dst (writable), arena, idents */
+    if (export_all(args, flags, views, 3) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[1], &arena, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[2], &idents, PyBUF_SIMPLE) < 0) {
-        PyBuffer_Release(&arena);
-        PyBuffer_Release(&dst);
-        return NULL;
-    }
+    Py_buffer dst = views[0], arena = views[1], idents = views[2];
     long result = 0;
     size_t n = (size_t)dst.len;
     size_t slot = (size_t)block_offset / ALIGN;
@@ -123,9 +133,7 @@ static PyObject *read_checked(PyObject *module, PyObject *const *args, Py_ssize_
     result = __atomic_load_n(&record[0], __ATOMIC_ACQUIRE) == seq;
     Py_END_ALLOW_THREADS
 done:
-    PyBuffer_Release(&idents);
-    PyBuffer_Release(&arena);
-    PyBuffer_Release(&dst);
+    release_all(views, 3);
     return PyLong_FromLong(result);
 }
 
@@ -157,18 +165,11 @@ static PyObject *write_sealed(PyObject *module, PyObject *const *args, Py_ssize_
     int way = PyObject_IsTrue(args[9]);
     if (way < 0)
         return NULL;
-    Py_buffer arena, src, seals;
-    if (PyObject_GetBuffer(args[0], &arena, PyBUF_WRITABLE) < 0)
+    static const int flags[3] = {PyBUF_WRITABLE, PyBUF_CONTIG_RO, PyBUF_WRITABLE};
+    Py_buffer views[3]; /* arena, src, seals */
+    if (export_all(args, flags, views, 3) < 0)
         return NULL;
-    if (PyObject_GetBuffer(args[1], &src, PyBUF_CONTIG_RO) < 0) {
-        PyBuffer_Release(&arena);
-        return NULL;
-    }
-    if (PyObject_GetBuffer(args[2], &seals, PyBUF_WRITABLE) < 0) {
-        PyBuffer_Release(&src);
-        PyBuffer_Release(&arena);
-        return NULL;
-    }
+    Py_buffer arena = views[0], src = views[1], seals = views[2];
     long result = 0;
     size_t n = (size_t)src.len;
     if ((size_t)offset > (size_t)arena.len || n > (size_t)arena.len - (size_t)offset) {
@@ -199,9 +200,7 @@ static PyObject *write_sealed(PyObject *module, PyObject *const *args, Py_ssize_
     Py_END_ALLOW_THREADS
     result = 1;
 done:
-    PyBuffer_Release(&seals);
-    PyBuffer_Release(&src);
-    PyBuffer_Release(&arena);
+    release_all(views, 3);
     return PyLong_FromLong(result);
 }
 
