@@ -55,13 +55,4 @@ static struct PyModuleDef module_def = {
     methods, NULL, NULL, NULL, NULL,
 };
 
-PyMODINIT_FUNC PyInit__stream_copy(void) {
-    const char *name;
-    kernel = kv_pick_kernel(&name);
-    PyObject *m = PyModule_Create(&module_def);
-    if (m != NULL && PyModule_AddStringConstant(m, "KERNEL", name) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
-}
+PyMODINIT_FUNC PyInit__stream_copy(void) { return kv_create_module(&module_def, &kernel); }

@@ -3,7 +3,8 @@
  * kvpool.bindings._stream_copy (a put's or a read's copy of a large block) and
  * kvpool.transport._shm_copy (the same copy bracketed by a same-host block's
  * identity or seal record) copy with the same loops; each extension picks one
- * at import with ``kv_pick_kernel``.
+ * at import (``kv_pick_kernel``, called by ``kv_create_module``, which is
+ * compiled where Python.h was included first).
  *
  * Why streaming (issue 17): a put of a large block writes bytes another
  * process reads later (the node's shared arena), never this core. An ordinary
@@ -93,6 +94,21 @@ static kv_copy_fn kv_pick_kernel(const char **name) {
     return kv_plain_copy;
 #endif
 }
+
+#ifdef Py_PYTHON_H
+/* A copy extension's module, created from ``def``: the kernel this CPU runs goes
+ * to *kernel and its name is exported as KERNEL. */
+static PyObject *kv_create_module(PyModuleDef *def, kv_copy_fn *kernel) {
+    const char *name;
+    *kernel = kv_pick_kernel(&name);
+    PyObject *m = PyModule_Create(def);
+    if (m != NULL && PyModule_AddStringConstant(m, "KERNEL", name) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
+#endif
 
 /* Copy n bytes: with ``stream`` by the streaming kernel, else by memcpy (what
  * numpy's copy of contiguous bytes runs); overlapping buffers by memmove. */
