@@ -348,7 +348,9 @@ def test_tcp_puts_and_reads_are_exact_with_spinning_on_and_off(spin_us: str) -> 
             stats = ast.literal_eval(spin)  # the dict the client printed
             assert stats["status"].startswith("up to 100 us")
             assert stats["waits"] >= 2 * len(SIZES)  # an ack per put, a reply per read
-            assert stats["ready"] > 0
+            # every wait ends one way; which depends on timing (a reply may take longer
+            # than 100 us under load, so none need land in the spin: a CI run once saw
+            # ready == 0): what a spin finds is pinned down by the socket-pair tests above
             assert stats["waits"] == stats["ready"] + stats["timeouts"] + stats["crowded"]
         with kvpool.connect(cluster.url, transport="tcp") as pool:  # this process too
             for i, (key, size) in enumerate(zip(keys, SIZES, strict=True)):
