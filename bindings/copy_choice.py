@@ -13,11 +13,16 @@ Sizes fall in power-of-two classes (all sizes with the same ``int.bit_length()``
 A class below ``STREAM_MIN`` always takes numpy's copy; one from ``LEARN_BELOW`` up
 always streams (level with numpy's copy or faster on both VM classes); in between,
 the class's first ``2 * TRIALS`` copies go in pairs, one each way in an order a coin
-decides, each timed, and then the class settles for the rest of the process: on
-numpy's copy if streaming's median time per byte was more than ``MARGIN`` times
-numpy's (streaming clearly slower), else on streaming (it also leaves the caller's
-caches alone, which its own time does not show). ``kvpool.bindings.stream_copy``
-keeps one ``CopyChoice`` for puts' copies and one for reads'. A class is never
+decides, each timed, and then the class settles for the rest of the process on
+the learner's preferred way (``prefer``) unless the other way's median time per
+byte beat it by more than ``MARGIN`` (clearly faster). ``kvpool.bindings.stream_copy``
+keeps one ``CopyChoice`` for puts' copies, preferring streaming (the destination is
+the node's arena, which this core never reads back: streaming leaves the caller's
+caches alone, which its own time does not show), and one for reads', preferring
+numpy's copy (the destination is the caller's buffer, which it reads next; and
+out of a node's arena here numpy's copy read 1 MiB blocks at 0.90x a plain copy
+where streaming read them at 0.84x, while a read class's first copies timed the
+two level or streaming ahead; bench/RESULTS.md, "Session 23"). A class is never
 re-opened: a process whose first copies ran beside unrepresentative load keeps
 their verdict (``$KVPOOL_STREAM_MIN`` overrides it); re-timing later would put a
 clock read on every copy.
@@ -59,7 +64,7 @@ LEARN_BELOW = 32 << 20
 #: timed copies each way before a class settles (medians of 16: a stray page fault
 #: or preemption moves neither).
 TRIALS = 16
-#: streaming is kept unless numpy's copy beat it by more than this factor.
+#: a learner's preferred way is kept unless the other beat it by more than this factor.
 MARGIN = 1.05
 
 Kernel = Callable[[np.ndarray, np.ndarray], None]
@@ -108,13 +113,17 @@ class CopyChoice:
         kernel: Kernel | None,
         ways: list[int],
         *,
+        prefer: int = STREAM,
         trials: int = TRIALS,
         clock: Callable[[], int] = time.perf_counter_ns,
         coin: Callable[[], bool] | None = None,
     ) -> None:
         if kernel is None and (LEARN in ways or STREAM in ways):
             raise ValueError("without a streaming kernel no size class can learn or stream")
+        if prefer not in (STREAM, NUMPY):
+            raise ValueError(f"prefer must be STREAM or NUMPY, not {prefer!r}")
         self.ways = ways
+        self._prefer = prefer
         self._kernel = kernel
         self._trials = trials
         self._clock = clock
@@ -157,7 +166,10 @@ class CopyChoice:
             stream_ns, numpy_ns = median(streamed), median(plain)
             speed = numpy_ns / stream_ns if stream_ns > 0 else float("inf")
             self._speeds[k] = speed
-            self.ways[k] = NUMPY if speed * MARGIN < 1 else STREAM
+            if self._prefer == STREAM:
+                self.ways[k] = NUMPY if speed * MARGIN < 1 else STREAM
+            else:
+                self.ways[k] = STREAM if speed > MARGIN else NUMPY
 
     def describe(self) -> str:
         """The learning classes and what each settled on, e.g. ``64 KiB: numpy copy

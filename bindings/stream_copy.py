@@ -14,7 +14,8 @@ read's, out of it) copy either through the compiled
 fenced before it returns) or with numpy's copy, by the size of the block:
 below ``STREAM_MIN`` numpy's, from ``LEARN_BELOW`` streaming, and in between
 whichever the process's first copies of that size class, in that direction,
-timed faster (kvpool.bindings.copy_choice: on one 2 vCPU AMD EPYC class of VM streaming wins
+timed faster, a near tie going to streaming for puts and to numpy's copy for reads
+(kvpool.bindings.copy_choice: on one 2 vCPU AMD EPYC class of VM streaming wins
 from 64 KiB, on another, with twice the memory bandwidth, only from 1 MiB;
 bench/RESULTS.md, "Session 10", "Session 18" and "Session 19").
 ``$KVPOOL_STREAM_MIN=BYTES`` (a power of two, at least ``STREAM_MIN``) fixes the
@@ -87,7 +88,8 @@ def _load() -> tuple[Kernel | None, str]:
         return _stream_copy.copy, f"{name} from {format_size(STREAM_FROM)} ($KVPOOL_STREAM_MIN)"
     return _stream_copy.copy, (
         f"{name} from {format_size(LEARN_BELOW)}; from {format_size(STREAM_MIN)}, per size "
-        f"class, whichever of it and numpy's copy its first {2 * TRIALS} copies timed faster"
+        f"class, whichever of it and numpy's copy its first {2 * TRIALS} copies timed faster, "
+        "a near tie going to streaming for puts and to numpy's copy for reads"
     )
 
 
@@ -95,9 +97,10 @@ _kernel, STATUS = _load()
 # Two tables: a copy into pool memory (a put: caller's buffer -> arena) and one out
 # of it (a read: arena -> caller's buffer) learn apart: the winner can differ (one
 # same-host client here: streaming 1.2x numpy's copy for its 1 MiB puts, 0.87x for
-# its reads; bench/RESULTS.md, "Session 19").
-_into = CopyChoice(_kernel, initial_ways(_kernel is not None, STREAM_FROM))
-_out = CopyChoice(_kernel, initial_ways(_kernel is not None, STREAM_FROM))
+# its reads; bench/RESULTS.md, "Session 19"), and a near tie goes apart: to streaming
+# for puts, to numpy's copy for reads (copy_choice; "Session 23").
+_into = CopyChoice(_kernel, initial_ways(_kernel is not None, STREAM_FROM), prefer=STREAM)
+_out = CopyChoice(_kernel, initial_ways(_kernel is not None, STREAM_FROM), prefer=NUMPY)
 _into_ways, _out_ways = _into.ways, _out.ways  # read on every copy: one list item
 
 

@@ -1,9 +1,10 @@
 """Which copy each block size takes (kvpool.bindings.copy_choice, issue 17).
 
 The learner with an injected clock: trials alternate the two ways, a class
-settles after ``trials`` timings each way on the faster one (streaming kept
-within ``MARGIN``), settles once and never again, copies exactly on every
-trial, and without a kernel never streams. The table of ways: numpy's copy
+settles after ``trials`` timings each way on the faster one (its preferred way
+kept within ``MARGIN``: streaming for puts, numpy's copy for reads), settles
+once and never again, copies exactly on every trial, and without a kernel never
+streams. The table of ways: numpy's copy
 below 64 KiB, learning up to ``LEARN_BELOW``, streaming above, or a fixed bound.
 """
 
@@ -48,7 +49,11 @@ class _Clock:
 
 
 def _rig(
-    stream_ns: float, numpy_ns: float, trials: int = 4, coin_first: bool = True
+    stream_ns: float,
+    numpy_ns: float,
+    trials: int = 4,
+    coin_first: bool = True,
+    prefer: int = STREAM,
 ) -> tuple[CopyChoice, _Clock, list[int]]:
     """A learner on a fake clock; each pair's first copy streams (``coin_first``) or not."""
     clock = _Clock(stream_ns, numpy_ns)
@@ -60,7 +65,12 @@ def _rig(
         dst[...] = src
 
     choice = CopyChoice(
-        kernel, initial_ways(True, None), trials=trials, clock=clock, coin=lambda: coin_first
+        kernel,
+        initial_ways(True, None),
+        prefer=prefer,
+        trials=trials,
+        clock=clock,
+        coin=lambda: coin_first,
     )
     real_trial = choice.trial_copy
 
@@ -118,6 +128,29 @@ def test_streaming_is_kept_unless_numpy_is_clearly_faster(
     choice, _, _ = _rig(stream_ns, numpy_ns)
     _copy_n(choice.trial_copy, 8, 1 << 20)
     assert choice.ways[class_of(1 << 20)] == way
+
+
+@pytest.mark.parametrize(
+    ("stream_ns", "numpy_ns", "way"),
+    [
+        (0.14, 0.10, NUMPY),  # numpy faster
+        (0.10, 0.10, NUMPY),  # level
+        (0.10 / 1.04, 0.10, NUMPY),  # streaming faster, within the margin: numpy's kept
+        (0.10 / (MARGIN * 1.01), 0.10, STREAM),  # past the margin
+    ],
+)
+def test_a_learner_preferring_numpy_streams_only_where_streaming_is_clearly_faster(
+    stream_ns: float, numpy_ns: float, way: int
+) -> None:
+    """The reads' learner (kvpool.bindings.stream_copy): a near tie goes to numpy's copy."""
+    choice, _, _ = _rig(stream_ns, numpy_ns, prefer=NUMPY)
+    _copy_n(choice.trial_copy, 8, 1 << 20)
+    assert choice.ways[class_of(1 << 20)] == way
+
+
+def test_a_learner_prefers_one_of_the_two_ways() -> None:
+    with pytest.raises(ValueError, match="prefer must be STREAM or NUMPY"):
+        CopyChoice(lambda d, s: None, initial_ways(True, None), prefer=LEARN)
 
 
 def test_a_settled_class_never_changes_and_other_classes_learn_on_their_own() -> None:
