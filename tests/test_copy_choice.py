@@ -4,8 +4,8 @@ The learner with an injected clock: trials alternate the two ways, a class
 settles after ``trials`` timings each way on the faster one (its preferred way
 kept within ``MARGIN``: streaming for puts, numpy's copy for reads), settles
 once and never again, copies exactly on every trial, and without a kernel never
-streams. The table of ways: numpy's copy
-below 64 KiB, learning up to ``LEARN_BELOW``, streaming above, or a fixed bound.
+streams. The table of ways: numpy's copy below 64 KiB, learning up to
+``LEARN_BELOW``, streaming above, or a fixed bound.
 """
 
 from __future__ import annotations

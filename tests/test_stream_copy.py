@@ -159,6 +159,40 @@ def test_by_default_the_middle_sizes_learn_and_every_copy_is_exact() -> None:
     )
 
 
+@needs_kernel
+def test_a_level_tie_goes_to_streaming_for_puts_and_to_numpy_for_reads() -> None:
+    """In a fresh process whose clock times every copy alike (a level tie), the
+    puts' learner settles on streaming and the reads' on numpy's copy."""
+    script = textwrap.dedent(
+        """
+        import itertools, time
+        ticks = itertools.count(0, 1000)
+        time.perf_counter_ns = lambda: next(ticks)  # every timed copy: 1000 ns
+        import numpy as np
+        from kvpool.bindings import stream_copy as sc
+        from kvpool.bindings.copy_choice import TRIALS
+        src = np.arange(sc.STREAM_MIN, dtype=np.uint32).astype(np.uint8)
+        for _ in range(2 * TRIALS):
+            dst, back = np.zeros_like(src), np.zeros_like(src)
+            sc.copy_into(dst, src)
+            sc.copy_out(back, dst)
+            assert (back == src).all()
+        print(sc.copies_plainly(sc.STREAM_MIN))
+        print(sc.learned())
+        """
+    )
+    env = {k: v for k, v in os.environ.items() if k != "KVPOOL_STREAM_MIN"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    plain, learned = out.stdout.strip().split("\n")
+    assert plain == "False"  # puts of the class stream
+    puts, reads = learned.split("; reads: ")
+    assert puts.startswith("puts: 64KiB: streaming (streaming 1.00x)")
+    assert reads.startswith("64KiB: numpy copy (streaming 1.00x)")
+
+
 SHOW_STATUS = textwrap.dedent(
     """
     import numpy as np
