@@ -113,6 +113,17 @@ def test_with_a_fixed_bound_blocks_from_it_stream_and_smaller_ones_are_numpys(
     assert calls == [stream_from] * 4 + [3 << 20] * 4
 
 
+def _learning_process(script: str) -> list[str]:
+    """The lines ``script`` prints, run in a fresh process where size classes learn
+    (``$KVPOOL_STREAM_MIN`` unset)."""
+    env = {k: v for k, v in os.environ.items() if k != "KVPOOL_STREAM_MIN"}
+    out = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout.strip().split("\n")
+
+
 @needs_kernel
 def test_by_default_the_middle_sizes_learn_and_every_copy_is_exact() -> None:
     """In a fresh process: below 64 KiB numpy's copy, from ``LEARN_BELOW`` streaming,
@@ -142,12 +153,7 @@ def test_by_default_the_middle_sizes_learn_and_every_copy_is_exact() -> None:
         print(sc.status())
         """
     )
-    env = {k: v for k, v in os.environ.items() if k != "KVPOOL_STREAM_MIN"}
-    out = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    plain, status = out.stdout.strip().split("\n")
+    plain, status = _learning_process(script)
     settled = "numpy copy" if plain == "True" else "streaming"
     puts, reads = status.split(" (puts: ")[1].split("; reads: ")
     assert puts.startswith(f"64KiB: {settled} (streaming ")
@@ -181,12 +187,7 @@ def test_a_level_tie_goes_to_streaming_for_puts_and_to_numpy_for_reads() -> None
         print(sc.learned())
         """
     )
-    env = {k: v for k, v in os.environ.items() if k != "KVPOOL_STREAM_MIN"}
-    out = subprocess.run(
-        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=60
-    )
-    assert out.returncode == 0, out.stderr
-    plain, learned = out.stdout.strip().split("\n")
+    plain, learned = _learning_process(script)
     assert plain == "False"  # puts of the class stream
     puts, reads = learned.split("; reads: ")
     assert puts.startswith("puts: 64KiB: streaming (streaming 1.00x)")
