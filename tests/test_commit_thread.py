@@ -130,12 +130,49 @@ def test_commits_queued_behind_the_one_in_flight_go_when_it_is_answered() -> Non
         p.send([acked(3)])
         time.sleep(0.05)
         assert len(master.sent) == 1  # still in flight: the others wait for its answer
-        master.answer()  # the answer sends the queued ones (here: on this thread)
+        master.answer()  # their linger is over: the sender thread sends them at once
         assert master.wait_sent(2)
-        assert master.sent[1][0] == [2, 3]
+        assert master.sent[1] == ([2, 3], "kvpool-commits")
         master.answer()
         p.flush()
         assert p.idle()
+    finally:
+        p.close()
+
+
+def test_commits_queued_behind_the_one_in_flight_linger_from_their_first_ack() -> None:
+    """An answer does not send what queued behind it at once: the frame leaves
+    ``linger_s`` after the first of those puts was acknowledged, so a stream of puts
+    sends about one frame per linger, not one per master round trip."""
+    master = Master()
+    p = pipe(master, threaded=True, linger_s=0.0)
+    try:
+        p.send([acked(1)])
+        assert master.wait_sent(1)
+        p.linger_s = 0.3
+        queued = time.monotonic()
+        p.send([acked(2)])
+        master.answer()
+        p.send([acked(3)])  # joins the frame still lingering
+        assert master.wait_sent(2)
+        assert time.monotonic() - queued >= 0.25  # (timed waits may end a hair early)
+        assert master.sent[1] == ([2, 3], "kvpool-commits")
+        master.answer()
+        p.linger_s = 0.0
+        p.send([acked(4)])
+        assert master.wait_sent(3)
+        p.linger_s = 30.0
+        p.send([acked(5)])
+        master.answer()
+        time.sleep(0.05)
+        assert len(master.sent) == 3  # 5 lingers 30 s from its ack
+        start = time.monotonic()
+        answering = threading.Thread(target=lambda: master.wait_sent(4) and master.answer())
+        answering.start()
+        p.flush()  # cuts the queued frame's linger short
+        answering.join()
+        assert time.monotonic() - start < 5.0
+        assert master.sent[3] == ([5], "kvpool-commits") and p.idle()
     finally:
         p.close()
 

@@ -34,18 +34,29 @@ Rules (the README's "visibility rule"):
 Sending (issue 17): the writer's thread does not send the COMMIT itself. It
 records the put's items (in flight, or queued behind the one in flight) and
 wakes the pipe's sender thread (single puts; a batch's commit is sent by the
-caller at once, as before), which lingers ``LINGER_S`` (1 ms) for more
-puts, then encodes and sends everything queued by then in one frame. The
-encode (~20-30 us of Python), the loopback ``sendall`` (~30-60 us: the kernel
-runs the master's receive path inside it) and the answer's decode were a third
-of a 1 MiB same-host put's time (py-spy, 2026-12-01); now they leave the put's
-path, and a stream of puts pays them once per frame instead of once per put.
-A ``flush`` (every read-side call of the writer, ``close``) cuts the linger
-short, so read-your-writes costs no extra wait. Bound for other clients: the
-commit leaves within ``LINGER_S`` plus, if the writer's thread keeps the GIL
-in pure Python, the interpreter's switch interval (5 ms); the block is visible
-one master round trip later. ``$KVPOOL_PUT_COMMIT_THREAD=0`` sends on the
-writer's thread at once instead (what puts did before; kept and tested).
+caller at once, as before), which lingers until ``LINGER_S`` (1 ms) after the
+oldest of them was acknowledged, then encodes and sends everything queued by
+then in one frame. The puts acknowledged while a COMMIT is in flight wait for
+its answer, then go the same way: the frame that carries them leaves
+``LINGER_S`` after the first of them was acknowledged, or at once if that is
+past. The encode (~20-30 us of Python), the loopback ``sendall`` (~30-60 us:
+the kernel runs the master's receive path inside it) and the answer's decode
+were a third of a 1 MiB same-host put's time (py-spy, 2026-12-01); now they
+leave the put's path, and a stream of puts pays them once per frame instead of
+once per put. While puts stream, frames go about once per ``LINGER_S``, not
+once per master round trip (issue 17, session 24: on a 2 vCPU Intel VM whose
+loopback send of a small frame costs ~20 us of system time, a stream of TCP
+puts sent 0.42 frames per put at 64 KiB and 0.54-0.58 at 1 MiB that way, and
+their sends and answers took ~115 us of the writer's CPU per 1 MiB put; now
+0.13 and 0.36, and a put's median fell from 141-148 to 120-129 us at 64 KiB,
+from 471-487 to 452-456 us at 1 MiB). A ``flush`` (every read-side call of
+the writer, ``close``) cuts the linger short, so read-your-writes costs no
+extra wait. Bound for other clients: the commit leaves within ``LINGER_S`` of
+the put's return, or when the commit in flight is answered if that is later,
+plus, if the writer's thread keeps the GIL in pure Python, the interpreter's
+switch interval (5 ms); the block is visible one master round trip later.
+``$KVPOOL_PUT_COMMIT_THREAD=0`` sends on the writer's thread at once instead
+(what puts did before; kept and tested).
 
 Commits by the node (issue 17): a same-host put sealed in shared memory may
 leave its commit to its node (kvpool.cluster.node_commits) and send nothing;
@@ -109,14 +120,16 @@ class CommitPipe:
         self.threaded = commit_thread_default() if threaded is None else threaded
         self.linger_s = LINGER_S
         self._hurry = threading.Event()  # a flush waits: send without lingering
-        # The sender thread's wake-ups: the in-flight batch a put set (not sent yet), or
-        # None to stop. Started by the first send; stopped by close.
-        self._wake: queue.SimpleQueue[list[Acked] | None] = queue.SimpleQueue()
+        # The sender thread's wake-ups: the in-flight batch set but not sent yet (by a put,
+        # or by the answer it was queued behind) and the monotonic time its first item was
+        # acknowledged; or None to stop. Started by the first send; stopped by close.
+        self._wake: queue.SimpleQueue[tuple[list[Acked], float] | None] = queue.SimpleQueue()
         self._sender: threading.Thread | None = None
         self._stopped = False
         self._cond = threading.Condition()
         self._inflight: list[Acked] | None = None  # the one COMMIT awaiting its answer
         self._queue: list[Acked] = []  # acknowledged while it was in flight: sent next
+        self._queued_at = 0.0  # when the first item of ``_queue`` was acknowledged
         self._unsure: list[Acked] = []  # unanswered (lost link) or refused: to settle
         self._busy: list[Acked] = []  # being settled now (flush waits for them too)
         self._failed: list[tuple[list[bytes], str]] = []  # to raise on the next call
@@ -137,6 +150,8 @@ class CommitPipe:
         with self._cond:
             self._open.update(a.alloc_id for a in items)
             if self._inflight is not None:
+                if not self._queue:
+                    self._queued_at = time.monotonic()
                 self._queue += items
                 return
             self._inflight = items
@@ -149,7 +164,7 @@ class CommitPipe:
                         target=self._send_loop, name="kvpool-commits", daemon=True
                     )
                     self._sender.start()
-                self._wake.put(items)
+                self._wake.put((items, time.monotonic()))
                 return
         self._submit(items)
 
@@ -167,11 +182,14 @@ class CommitPipe:
                 self._unsure += items
 
     def _send_loop(self) -> None:
-        """The sender thread: submit each batch a put set in flight, with what was
-        queued behind it by now (not sent yet either: nothing answered it)."""
-        while (token := self._wake.get()) is not None:
-            if self.linger_s > 0:
-                self._hurry.wait(self.linger_s)  # more puts join this frame meanwhile
+        """The sender thread: submit each batch set in flight (not sent yet), once
+        ``linger_s`` passed since its first item was acknowledged, with what was
+        queued behind it by then (not sent yet either: nothing answered it)."""
+        while (wake := self._wake.get()) is not None:
+            token, since = wake
+            linger = since + self.linger_s - time.monotonic()
+            if linger > 0:
+                self._hurry.wait(linger)  # more puts join this frame meanwhile
                 self._hurry.clear()
             with self._cond:
                 if self._inflight is not token:  # flush gave up on it: settle owns it
@@ -295,8 +313,9 @@ class CommitPipe:
     # -- replies and settling -------------------------------------------------------------
 
     def _answered(self, items: list[Acked], fut: Future[Any]) -> None:
-        """On the RPC reader thread: record the answers (cheap), then send what was
-        queued meanwhile (one small frame on a connection that just answered)."""
+        """On the RPC reader thread: record the answers (cheap), then set what was
+        queued meanwhile in flight: the sender thread sends it ``linger_s`` after its
+        first item was acknowledged (without the thread: at once, from here)."""
         with self._cond:
             if self._inflight is not items:  # flush gave up on it: settle owns it now
                 return
@@ -318,7 +337,10 @@ class CommitPipe:
             following, self._queue = self._queue, []
             self._inflight = following or None
             self._cond.notify_all()
-        if following:
+            threaded = self._sender is not None and not self._stopped
+            if following and threaded:  # before close's stop token, under the lock
+                self._wake.put((following, self._queued_at))
+        if following and not threaded:
             self._submit(following)
 
     def _settle(self, items: list[Acked]) -> None:
