@@ -79,7 +79,7 @@ def check_batch(
             f"{names} must have the same length, got {len(keys)}, {len(values)}"
             + (f" and {len(filled)}" if parents is not None else "")
         )
-    check_keys(keys, filled)
+    check_keys(keys, filled if parents is not None else None)  # (None-filled: nothing to check)
     return filled
 
 

@@ -140,6 +140,11 @@ class LeaseCache:
     def unpin(self, lease: CachedLease) -> None:
         lease.pins -= 1
 
+    def unpin_all(self, leases: list[CachedLease]) -> None:
+        """``unpin`` each (a lease named twice is unpinned twice)."""
+        for lease in leases:
+            lease.pins -= 1
+
     def forget(self, key: bytes) -> list[CachedLease]:
         """Stop serving ``key`` (this client removed it); returns every unpinned lease
         that holds it, dropped whole (its other keys are leased again when next

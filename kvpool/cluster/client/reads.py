@@ -26,11 +26,13 @@ import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
+import numpy as np
+
 from kvpool.args import block_range, check_out_fits
 from kvpool.bindings.buffers import Region, region_nbytes
 from kvpool.cluster.client.handles import RemoteLease
 from kvpool.cluster.client.lease_cache import CachedLease, LeaseCache
-from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession, Placement
+from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession, Placement, Read
 from kvpool.cluster.wire import (
     COMMIT,
     LEASE,
@@ -51,6 +53,7 @@ Order = tuple[int, Placement, int, int]
 
 #: A leased block: its replicas, its size and the cached lease that pins it.
 Found = tuple[list[Placement], int, CachedLease]
+_NDARRAY = np.ndarray  # a global, not a module attribute load, on the batch's hot loop
 
 #: How long a read waits for DRAM room to promote SSD-only blocks into, before
 #: they count as misses (a read of SSD blocks while every DRAM block is leased):
@@ -115,45 +118,45 @@ class LeasedReads:
                 if not transport.read_block(placement.offset, 0, dst, key):
                     return False
             else:
-                self._session.read_many(placement.node_id, [(placement.offset, 0, dst, key)])
+                block = placement.offset
+                self._session.read_many(placement.node_id, [(block, dst, key, block)])
         except TRANSFER_ERRORS:
             return False
         self._session.counts["hits"] += 1
         return True
 
     def read_batch(self, keys: Sequence[bytes], regions: list[Region]) -> list[int | None]:
-        """``get_into_batch``: one pipelined exchange per node, replicas on failure."""
+        """``get_into_batch``: one pipelined exchange per node, replicas on failure.
+        Every destination is checked against its block's size before any read."""
         found = self._resolve(keys)
         try:
-            sizes: list[int | None] = []
-            exact: list[bool] = []  # region holds exactly its block: no slice needed
-            # node -> (index, block offset) of the blocks read from it
-            by_node: dict[str, list[tuple[int, int]]] = {}
+            sizes: list[int | None] = [None] * len(keys)
+            # node -> (indices, whole-block reads) of the blocks read from it
+            by_node: dict[str, tuple[list[int], list[Read]]] = {}
             preferred = self._session.preferred
-            for i, (key, region) in enumerate(zip(keys, regions, strict=True)):
+            for i, key in enumerate(keys):
                 hit = found.get(key)
                 if hit is None:
-                    sizes.append(None)
-                    exact.append(False)
                     continue
                 placements, size, _ = hit
-                have = region_nbytes(region)
-                if have < size:
-                    check_out_fits(region, size)  # raises the usual error, before any read
-                sizes.append(size)
-                exact.append(have == size)
+                region = regions[i]
+                have = region.nbytes if type(region) is _NDARRAY else region_nbytes(region)
+                if have != size:
+                    check_out_fits(region, size)  # raises the usual error when short
+                    region = region[:size]
+                sizes[i] = size
                 placement = placements[0] if len(placements) == 1 else preferred(placements)
-                by_node.setdefault(placement.node_id, []).append((i, placement.offset))
-            for node_id, located in by_node.items():
-                plan = [
-                    (offset, 0, regions[i] if exact[i] else regions[i][: sizes[i]], keys[i])
-                    for i, offset in located
-                ]
+                located = by_node.get(placement.node_id)
+                if located is None:
+                    located = by_node[placement.node_id] = ([], [])
+                located[0].append(i)
+                located[1].append((placement.offset, region, key, placement.offset))
+            for node_id, (indices, plan) in by_node.items():
                 try:  # one pipelined exchange per node
                     self._read_many(node_id, plan)
-                    self._session.counts["hits"] += len(located)
+                    self._session.counts["hits"] += len(indices)
                 except TRANSFER_ERRORS:  # that node failed: each block tries its other replicas
-                    for i, _ in located:
+                    for i in indices:
                         sizes[i] = self.read_range(keys[i], found[keys[i]], regions[i], 0, None)
             return sizes
         finally:
@@ -194,8 +197,7 @@ class LeasedReads:
     def _unpin_found(self, found: dict[bytes, Found]) -> None:
         """Unpin once per entry ``_resolve`` returned."""
         with self._lock:
-            for _, _, lease in found.values():
-                self.cache.unpin(lease)
+            self.cache.unpin_all([lease for _, _, lease in found.values()])
 
     def _resolve(self, keys: Sequence[bytes]) -> dict[bytes, Found]:
         """From the lease cache, else from one LEASE round trip for all the rest (their
@@ -203,6 +205,8 @@ class LeasedReads:
         self._session.check_open()
         with self._lock:
             found = self.cache.pin_many(keys)
+        if len(found) == len(keys):  # every key found (each once): no round trip
+            return found
         # each key once: the lease pins one per block it holds, unpinned one per entry
         missing = list(dict.fromkeys(k for k in keys if k not in found))
         if missing:
@@ -355,7 +359,8 @@ class LeasedReads:
             ordered = sorted(placements, key=lambda p: p is not first)
         for placement in ordered:
             try:
-                self._read_many(placement.node_id, [(placement.offset, start, dst, key)])
+                block = placement.offset
+                self._read_many(placement.node_id, [(block + start, dst, key, block)])
             except TRANSFER_ERRORS:
                 continue
             session.counts["hits"] += 1
@@ -363,15 +368,16 @@ class LeasedReads:
         session.counts["misses"] += 1
         return None
 
-    def _read_many(self, node_id: str, items: list[tuple[int, int, Region, bytes]]) -> None:
-        """(block offset, start, destination, key) reads from one node; a same-host
+    def _read_many(self, node_id: str, items: list[Read]) -> None:
+        """Reads (offset, destination, key, block offset) from one node; a same-host
         copy checks the block's identity record (kvpool.transport.shm_ident) the way
         the node checks a TCP read: ``StaleReadError`` if a block is not there."""
         transport = self._session.transport(node_id)
         if isinstance(transport, ShmTransport):
-            for block, start, dst, key in items:
-                if not transport.read_block(block, start, dst, key):  # not published (yet?)
-                    self._session.read_checked(node_id, [(block, start, dst, key)])
+            for item in items:
+                offset, dst, key, block = item
+                if not transport.read_block(block, offset - block, dst, key):  # not published?
+                    self._session.read_checked(node_id, [item])
         else:
             self._session.read_many(node_id, items)
 

@@ -40,6 +40,11 @@ from kvpool.transport.ucx import UcxTransport
 #: or it refused a stale write or a read of a block that moved).
 TRANSFER_ERRORS = (ConnectionError, TimeoutError, OSError, StaleWriteError, StaleReadError)
 
+#: A checked read, as the transports take it (``TcpTransport.read_blocks``): (offset in
+#: the node's region, destination, the block's key, the block's offset); the bytes
+#: [offset, offset + len(destination)) lie inside that block.
+Read = tuple[int, Region, bytes, int]
+
 
 @dataclass(frozen=True)
 class Placement:
@@ -184,24 +189,22 @@ class ClientSession:
         if status != fenced.OK:
             raise StaleWriteError(f"node {node_id} refused the write (status {status})")
 
-    def read_many(self, node_id: str, items: Sequence[tuple[int, int, Region, bytes]]) -> None:
-        """(block offset, start in block, destination, key) reads from one node,
-        pipelined; ``StaleReadError`` if any block no longer holds its range."""
+    def read_many(self, node_id: str, items: Sequence[Read]) -> None:
+        """Reads (offset, destination, key, block offset) from one node, pipelined;
+        ``StaleReadError`` if any block no longer holds its range."""
         transport = self.transport(node_id)
         if isinstance(transport, (TcpTransport, UcxTransport)):  # the node checks
-            plan = [(block + start, dst, key, block) for block, start, dst, key in items]
-            if not all(transport.read_blocks(plan)):
+            if not all(transport.read_blocks(items)):
                 raise StaleReadError(f"node {node_id} holds other blocks there now")
         else:
-            transport.read_many([(block + start, dst) for block, start, dst, _ in items])
+            transport.read_many([(offset, dst) for offset, dst, _, _ in items])
 
-    def read_checked(self, node_id: str, items: Sequence[tuple[int, int, Region, bytes]]) -> None:
+    def read_checked(self, node_id: str, items: Sequence[Read]) -> None:
         """``read_many`` over the node's TCP control connection, checked by the node
         whatever the data path: a same-host read whose identity record is not
         published yet (a put sealed in shared memory the node has not adopted yet,
         kvpool.transport.shm_seal) is served, and the node adopts that seal."""
-        plan = [(block + start, dst, key, block) for block, start, dst, key in items]
-        if not all(self.control(node_id).read_blocks(plan)):
+        if not all(self.control(node_id).read_blocks(items)):
             raise StaleReadError(f"node {node_id} holds other blocks there now")
 
     def preferred(self, placements: list[Placement]) -> Placement:
