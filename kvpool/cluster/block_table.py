@@ -84,7 +84,7 @@ class BlockTable:
         self.epoch = 0  # the term served now (0: none, every claim is stale)
         self.highest = 0  # the highest term ever served (a lower master is stale)
         self._waits = Waits()  # reads take its plain lock; end_read notifies only if waited on
-        self._lock, self._cond = self._waits.lock, self._waits.cond
+        self._lock = self._waits.lock  # waits and notifies go through ``_waits`` (counted)
         self._entries = EntriesByOffset()
         self._owners: dict[object, Counter[Entry]] = {}
         self._unconfirmed = Unconfirmed()  # sealed, not (yet) confirmed committed
@@ -93,7 +93,7 @@ class BlockTable:
 
     def claim(self, stamp: WriteStamp, owner: object) -> int:
         deadline = time.monotonic() + self.claim_wait
-        with self._cond:
+        with self._lock:
             while True:
                 if stamp.epoch != self.epoch:
                     return FENCE_STALE
@@ -127,7 +127,7 @@ class BlockTable:
     ) -> int:
         """``any_owner``: an explicit seal or release may end a claim another
         connection of the same writer made (claims are made on pooled connections)."""
-        with self._cond:
+        with self._lock:
             entry = self._entries.get(stamp.offset)
             mine = entry is not None and entry.stamp.same_allocation(stamp)
             if mine and ok and seal and entry is not None and not entry.aborted:
@@ -136,7 +136,8 @@ class BlockTable:
             if mine:
                 assert entry is not None
                 holder = owner
-                if any_owner and not self._owners.get(owner, Counter())[entry]:
+                held = self._owners.get(owner)
+                if any_owner and not (held and held[entry]):
                     holder = next((o for o, h in self._owners.items() if h.get(entry)), owner)
                 self._unhold(entry, holder)
                 if not entry.aborted:
@@ -144,12 +145,12 @@ class BlockTable:
             return FENCE_STALE
 
     def owner_gone(self, owner: object) -> None:
-        with self._cond:
+        with self._lock:
             held = self._owners.pop(owner, None)
             for entry, n in (held or {}).items():
                 entry.inflight -= n
                 self._settle(entry)
-            self._cond.notify_all()
+            self._waits.notify_all()
 
     def begin_read(self, key: bytes, block_offset: int, offset: int, length: int) -> Entry | None:
         """The whole block ``key`` at ``block_offset`` covering the range, held (no newer
@@ -175,7 +176,7 @@ class BlockTable:
                 entry.inflight -= 1
                 if entry.aborted:
                     self._settle(entry)
-            if self._waits.waiting:  # (Waits.notify_all, inline)
+            if self._waits.waiting:  # (Waits.notify_all, inline: the node's read path)
                 self._waits.cond.notify_all()
 
     waiting = property(lambda self: self._waits.waiting, doc="threads waiting in the table now")
@@ -190,7 +191,7 @@ class BlockTable:
 
     def new_term(self, epoch: int) -> None:
         """Serve master term ``epoch`` (0: none): abort every write not yet complete."""
-        with self._cond:
+        with self._lock:
             self.epoch = epoch  # first: no claim is granted from here on
             self.highest = max(self.highest, epoch)
             while self._claims is not None:  # shm-sealable claims: adopted or past deadline
@@ -202,11 +203,11 @@ class BlockTable:
                 if entry.state == CLAIMED:
                     entry.aborted = True
                     self._settle(entry)
-            self._cond.notify_all()
+            self._waits.notify_all()
 
     def listing(self) -> list[list[Any]]:
         """Every whole block, checksummed (bytes that changed since are left out)."""
-        with self._cond:
+        with self._lock:
             report = []
             for entry in [e for e in self._adopt_all() if e.state != CLAIMED and not e.aborted]:
                 s = entry.stamp
@@ -224,7 +225,7 @@ class BlockTable:
         """The master made ``key`` (allocation ``alloc_id`` of this term; 0: unknown)
         visible at ``offset``: the entry to checksum, or None when the table holds no
         entry of that allocation there (freed, taken over, or another block's now)."""
-        with self._cond:
+        with self._lock:
             entry = self._entries.get(offset)
             if entry is None:
                 return None  # never recreated: see the invariants above
@@ -250,7 +251,7 @@ class BlockTable:
         ``take_over``): whole and readable now, ``WRITTEN`` until the master's commit
         (a late free of the range's previous block keeps it); None if a newer entry
         overlaps it."""
-        with self._cond:
+        with self._lock:
             if self._entries.overlapping(offset, size):
                 return None
             entry = Entry(WriteStamp(self.epoch, alloc_id, offset, size, key, parent), WRITTEN)
@@ -261,7 +262,7 @@ class BlockTable:
     def freed(self, offset: int, alloc_id: int = 0) -> None:
         """The master freed the block of allocation ``alloc_id`` (0: unknown) at ``offset``;
         one still read (a lease ran out mid-read) serves and lists no more, gone after."""
-        with self._cond:
+        with self._lock:
             entry = self._entries.get(offset)
             if entry is None:
                 return
@@ -271,7 +272,7 @@ class BlockTable:
             ):
                 entry.aborted = True  # end_reads removes it once no read is in flight
                 self._settle(entry)
-                self._cond.notify_all()
+                self._waits.notify_all()
 
     def take_over(self, offset: int, size: int) -> None:
         """The node itself is about to write [offset, offset + size) (an SSD load
@@ -282,7 +283,7 @@ class BlockTable:
         old and loaded bytes; then the entries go, and a stale writer's seal
         there is refused."""
         deadline = time.monotonic() + self.claim_wait
-        with self._cond:
+        with self._lock:
             overlapped = self._entries.overlapping(offset, size)
             for entry in overlapped:
                 entry.aborted = True
@@ -293,7 +294,7 @@ class BlockTable:
                 self._waits.wait(left)
             for entry in overlapped:
                 self._remove(entry)
-            self._cond.notify_all()
+            self._waits.notify_all()
 
     def set_checksum(self, entry: Entry) -> int:
         entry.checksum = self._checksum(entry.stamp.offset, entry.stamp.size)
@@ -301,24 +302,24 @@ class BlockTable:
 
     def used_bytes(self) -> tuple[int, int]:
         """(bytes held in whole blocks, number of such blocks)."""
-        with self._cond:
+        with self._lock:
             whole = [e.stamp.size for e in self._adopt_all() if e.state != CLAIMED]
             return sum(whole), len(whole)
 
     def state_of(self, offset: int) -> str | None:
-        with self._cond:
+        with self._lock:
             return None if (entry := self._entries.get(offset)) is None else entry.state
 
     def unconfirmed(self, age: float) -> list[Entry]:
         """Blocks still ``WRITTEN`` ``age`` s after their seal (no commit event came: their
         writer may be gone), each once (kvpool.cluster.unconfirmed)."""
-        with self._cond:
+        with self._lock:
             return self._unconfirmed.due(age, self._entries)
 
     def adopt_owed(self) -> list[Entry]:
         """Adopt the records sealed for claims taken ahead; hand over the blocks whose
         writers asked the node to commit them (each once, in the order sealed)."""
-        with self._cond:
+        with self._lock:
             for entry in [] if self._claims is None else self._claims.sealed_open():
                 self._adopt_sealed(entry)
             return [] if self._claims is None else self._claims.take_owed()
@@ -337,7 +338,7 @@ class BlockTable:
             self._publish(entry)
             if self._claims is not None:
                 self._claims.sealed(entry)
-        self._cond.notify_all()
+        self._waits.notify_all()
 
     def _adopt_sealed(self, entry: Entry) -> bool:
         """Adopt ``entry``'s seal record if its writer sealed it in shared memory."""
@@ -366,7 +367,10 @@ class BlockTable:
 
     def _hold(self, entry: Entry, owner: object) -> None:
         entry.inflight += 1
-        self._owners.setdefault(owner, Counter())[entry] += 1
+        held = self._owners.get(owner)
+        if held is None:  # (not ``setdefault``: it would build a Counter per claim)
+            held = self._owners[owner] = Counter()
+        held[entry] += 1
 
     def _unhold(self, entry: Entry, owner: object) -> None:
         held = self._owners.get(owner)
@@ -376,7 +380,7 @@ class BlockTable:
                 del held[entry]
             entry.inflight -= 1
             self._settle(entry)
-            self._cond.notify_all()
+            self._waits.notify_all()
 
     def _settle(self, entry: Entry) -> None:
         if entry.aborted and entry.inflight <= 0 and self._entries.get(entry.stamp.offset) is entry:
