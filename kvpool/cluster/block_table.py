@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -86,7 +86,7 @@ class BlockTable:
         self._waits = Waits()  # reads take its plain lock; end_read notifies only if waited on
         self._lock = self._waits.lock  # waits and notifies go through ``_waits`` (counted)
         self._entries = EntriesByOffset()
-        self._owners: dict[object, Counter[Entry]] = {}
+        self._owners: defaultdict[object, Counter[Entry]] = defaultdict(Counter)
         self._unconfirmed = Unconfirmed()  # sealed, not (yet) confirmed committed
 
     # -- the fence (kvpool.transport.fencing.WriteFence) ------------------------------
@@ -136,8 +136,7 @@ class BlockTable:
             if mine:
                 assert entry is not None
                 holder = owner
-                held = self._owners.get(owner)
-                if any_owner and not (held and held[entry]):
+                if any_owner and not (self._owners.get(owner) or Counter())[entry]:
                     holder = next((o for o, h in self._owners.items() if h.get(entry)), owner)
                 self._unhold(entry, holder)
                 if not entry.aborted:
@@ -367,10 +366,7 @@ class BlockTable:
 
     def _hold(self, entry: Entry, owner: object) -> None:
         entry.inflight += 1
-        held = self._owners.get(owner)
-        if held is None:  # (not ``setdefault``: it would build a Counter per claim)
-            held = self._owners[owner] = Counter()
-        held[entry] += 1
+        self._owners[owner][entry] += 1  # (a defaultdict: no Counter built per claim)
 
     def _unhold(self, entry: Entry, owner: object) -> None:
         held = self._owners.get(owner)

@@ -34,27 +34,21 @@ Rules (the README's "visibility rule"):
 Sending (issue 17): the writer's thread does not send the COMMIT itself. It
 records the put's items (in flight, or queued behind the one in flight) and
 wakes the pipe's sender thread (single puts; a batch's commit is sent by the
-caller at once, as before), which lingers until ``LINGER_S`` (1 ms) after the
-oldest of them was acknowledged, then encodes and sends everything queued by
-then in one frame. The puts acknowledged while a COMMIT is in flight wait for
-its answer, then go the same way: the frame that carries them leaves
-``LINGER_S`` after the first of them was acknowledged, or at once if that is
-past. The encode (~20-30 us of Python), the loopback ``sendall`` (~30-60 us:
-the kernel runs the master's receive path inside it) and the answer's decode
-were a third of a 1 MiB same-host put's time (py-spy, 2026-12-01); now they
-leave the put's path, and a stream of puts pays them once per frame instead of
-once per put. While puts stream, frames go about once per ``LINGER_S``, not
-once per master round trip (issue 17, session 24: on a 2 vCPU Intel VM whose
-loopback send of a small frame costs ~20 us of system time, a stream of TCP
-puts sent 0.42 frames per put at 64 KiB and 0.54-0.58 at 1 MiB that way, and
-their sends and answers took ~115 us of the writer's CPU per 1 MiB put; now
-0.13 and 0.36, and a put's median fell from 141-148 to 120-129 us at 64 KiB,
-from 471-487 to 452-456 us at 1 MiB). A ``flush`` (every read-side call of
-the writer, ``close``) cuts the linger short, so read-your-writes costs no
-extra wait. Bound for other clients: the commit leaves within ``LINGER_S`` of
-the put's return, or when the commit in flight is answered if that is later,
-plus, if the writer's thread keeps the GIL in pure Python, the interpreter's
-switch interval (5 ms); the block is visible one master round trip later.
+caller at once, as before), which sends everything queued by then in one frame
+``LINGER_S`` (1 ms) after the first of them was acknowledged; items queued
+behind a COMMIT in flight also wait for its answer (then leave at once if their
+linger is over). The encode (~20-30 us of Python), the loopback ``sendall``
+(~30-60 us: the kernel runs the master's receive path inside it) and the
+answer's decode were a third of a 1 MiB same-host put's time (py-spy,
+2026-12-01); now they leave the put's path, and a stream of puts pays them
+once per frame, about one per ``LINGER_S`` (not one per master round trip: on a
+2 vCPU Intel VM a stream of TCP puts sent 0.42-0.58 frames per put so, 0.13-0.36
+now; bench/RESULTS.md, session 24). A ``flush`` (every read-side call of the
+writer, ``close``) cuts the linger short, so read-your-writes costs no extra
+wait. Bound for other clients: the commit leaves within ``LINGER_S`` of the
+put's return, or when the commit in flight is answered if that is later, plus,
+if the writer's thread keeps the GIL in pure Python, the interpreter's switch
+interval (5 ms); the block is visible one master round trip later.
 ``$KVPOOL_PUT_COMMIT_THREAD=0`` sends on the writer's thread at once instead
 (what puts did before; kept and tested).
 
