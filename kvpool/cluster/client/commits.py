@@ -309,7 +309,8 @@ class CommitPipe:
     def _answered(self, items: list[Acked], fut: Future[Any]) -> None:
         """On the RPC reader thread: record the answers (cheap), then set what was
         queued meanwhile in flight: the sender thread sends it ``linger_s`` after its
-        first item was acknowledged (without the thread: at once, from here)."""
+        first item was acknowledged, or this thread at once if that has passed (or
+        there is no sender thread): one small frame on a connection that just answered."""
         with self._cond:
             if self._inflight is not items:  # flush gave up on it: settle owns it now
                 return
@@ -332,9 +333,10 @@ class CommitPipe:
             self._inflight = following or None
             self._cond.notify_all()
             threaded = self._sender is not None and not self._stopped
-            if following and threaded:  # before close's stop token, under the lock
+            linger = threaded and time.monotonic() < self._queued_at + self.linger_s
+            if following and linger:  # before close's stop token, under the lock
                 self._wake.put((following, self._queued_at))
-        if following and not threaded:
+        if following and not linger:
             self._submit(following)
 
     def _settle(self, items: list[Acked]) -> None:
