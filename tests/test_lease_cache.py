@@ -32,6 +32,20 @@ def test_hold_time_pins_and_byte_bound() -> None:
     assert done.lease_id == 2 and done.reads[c] == 1
 
 
+def test_pin_many_then_unpin_all_leaves_every_lease_as_it_was() -> None:
+    """A batch pins each distinct key's lease once (a lease holding two of its keys
+    twice) and ``unpin_all`` of what it returned unpins exactly as often."""
+    cache = LeaseCache(hold_s=10)
+    a, b, c = make_keys(3)
+    two = cache.add(1, [(a, "pa", 10), (b, "pb", 10)], ttl=30, pins=0)
+    one = cache.add(2, [(c, "pc", 10)], ttl=30, pins=1)
+    found = cache.pin_many([a, b, a, c])
+    assert list(found) == [a, b, c] and (two.pins, one.pins) == (2, 2)
+    cache.unpin_all([lease for _, _, lease in found.values()])
+    assert (two.pins, one.pins) == (0, 1)
+    assert [d.lease_id for d in cache.due(unpinned=True)] == [1]
+
+
 def test_forget_and_release_all_unpinned() -> None:
     cache = LeaseCache(hold_s=10)
     a, b = make_keys(2)
