@@ -4,6 +4,7 @@ test_node_commits): one-page blocks at page offsets, term 3 unless told."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from kvpool.cluster.block_table import BlockTable
 from kvpool.transport.fencing import WriteStamp
@@ -31,3 +32,17 @@ def ahead(alloc: int, offset: int = 0, epoch: int = 3) -> WriteStamp:
 def real(alloc: int, offset: int = 0, epoch: int = 3, key: bytes = K1) -> WriteStamp:
     """The stamp its writer seals: the real key and a parent."""
     return WriteStamp(epoch, alloc, offset, PAGE, key, P1)
+
+
+class Link:
+    """A master link that answers each commit with the next of ``answers``."""
+
+    def __init__(self, *answers: Any) -> None:
+        self.answers, self.calls = list(answers), []
+
+    def call(self, method: str, request: Any) -> Any:
+        self.calls.append(request)
+        answer = self.answers.pop(0)
+        if isinstance(answer, Exception):
+            raise answer
+        return answer

@@ -22,7 +22,8 @@ from clusterhelpers import Cluster, start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool
-from kvpool.cluster.client.commits import Acked, CommitPipe
+from kvpool.cluster.client.acked import Acked
+from kvpool.cluster.client.commits import CommitPipe
 from kvpool.cluster.client.put_modes import commit_thread_default, node_commits_default
 from kvpool.cluster.wire import COMMIT, CommitRequest
 from kvpool.errors import ConnectionLostError

@@ -22,13 +22,13 @@ import numpy as np
 import pytest
 from clusterhelpers import start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
-from sealhelpers import K2, P1, PAGE, ahead, real, table
+from sealhelpers import K2, P1, PAGE, Link, ahead, real, table
 
 import kvpool
 from kvpool.cluster.block_entry import COMMITTED
 from kvpool.cluster.block_table import BlockTable
 from kvpool.cluster.client import node_watch
-from kvpool.cluster.client.commits import Acked
+from kvpool.cluster.client.acked import Acked
 from kvpool.cluster.client.node_watch import NodeWatch
 from kvpool.cluster.node_commits import IDLE_S, SealCommitter
 from kvpool.errors import MasterUnavailableError
@@ -131,20 +131,6 @@ def test_a_claim_aborted_by_a_new_term_is_never_owed(tmp_path) -> None:
 # -- the committer's answers (a fake master link) ---------------------------------------
 
 
-class Link:
-    """A master link that answers each commit with the next of ``answers``."""
-
-    def __init__(self, *answers: Any) -> None:
-        self.answers, self.calls = list(answers), []
-
-    def call(self, method: str, request: Any) -> Any:
-        self.calls.append(request)
-        answer = self.answers.pop(0)
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-
 def owed_blocks(tmp_path: Any, n: int) -> tuple[SealRecords, SealRecords, BlockTable]:
     node, writer = files(tmp_path)
     t = table(node)
@@ -242,30 +228,37 @@ def reads_back(url: str, key: bytes, i: int) -> bool:
         return reader.get_into(key, out) == BLOCK and np.array_equal(out, payload(i))
 
 
-def stock_claimed_grants(writer: kvpool.RemotePool, key: bytes, at_least: int = 4) -> None:
+def stock_claimed_grants(
+    writer: kvpool.RemotePool, key: bytes, at_least: int = 4, claimed: bool = True
+) -> None:
     """Put ``key`` (payload 0; it allocates, grants come with it), then wait until
-    the writer's stock holds grants claimed on their node: the next puts are sealed.
-    The first put's commit (the client's own: no grant yet) is answered first, so a
-    caller counting the writer's commit frames never sees it late (a CI run under
-    load once read the count before the commit thread had sent it)."""
+    the writer's stock holds grants (``claimed``: claimed on their node, so the
+    next same-host puts are sealed). The first put's commit (the client's own: no
+    grant yet) is answered first, so a caller counting the writer's commit frames
+    never sees it late (a CI run under load once read the count before the commit
+    thread had sent it)."""
     assert nodes_ready(writer)
     assert writer.put(key, payload(0))
     writer.flush()
     stock = writer._putter.grants
-    assert wait_until(lambda: stock.claimed_in_stock() > at_least, timeout=10)
+    held = stock.claimed_in_stock if claimed else stock.__len__
+    assert wait_until(lambda: held() > at_least, timeout=10)
 
 
-def test_same_host_puts_send_no_commit_and_are_read_back_by_all(
-    monkeypatch: pytest.MonkeyPatch,
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_puts_their_node_commits_send_no_commit_and_are_read_back_by_all(
+    transport: str,
 ) -> None:
+    """Same host: sealed in shared memory with ``NODE_COMMITS``; TCP: written with
+    ``WRITE_COMMIT`` (kvpool.cluster.client.node_watch asks the node)."""
     cluster = start_cluster(["16MiB"])
     try:
         keys = make_keys(24, seed=81)
         with (
-            kvpool.connect(cluster.url, timeout=10) as writer,
-            kvpool.connect(cluster.url, timeout=10) as reader,
+            kvpool.connect(cluster.url, timeout=10, transport=transport) as writer,
+            kvpool.connect(cluster.url, timeout=10, transport=transport) as reader,
         ):
-            stock_claimed_grants(writer, keys[0])
+            stock_claimed_grants(writer, keys[0], claimed=transport == "shm")
             commits = writer._putter.commits
             sent, by_node = commits.sent, commits.by_node.count
             for i in range(1, 5):

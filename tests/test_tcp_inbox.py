@@ -16,9 +16,10 @@ from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import RegionInfo
 from kvpool.transport.fencing import FENCE_OK, IDENT, WriteStamp
 from kvpool.transport.tcp import TcpTransport
+from kvpool.transport.tcp_checked_reads import GATHER_MAX
 from kvpool.transport.tcp_conn import DataConn
 from kvpool.transport.tcp_inbox import Inbox
-from kvpool.transport.tcp_server import GATHER_MAX, TcpDataServer
+from kvpool.transport.tcp_server import TcpDataServer
 
 EPOCH = 3
 

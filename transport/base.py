@@ -75,6 +75,7 @@ class RegionInfo(WireMessage):
     control_port: int = 0  # the node's own RPC server (SSD tier commands), on tcp_host
     ssd_bytes: int = 0  # capacity of the node's SSD tier (0 = none)
     tcp_instance: str = ""  # the TCP data server's incarnation id (checked in its handshake)
+    tcp_node_commits: bool = False  # takes WRITE_COMMIT: the node commits such writes (tcp_wire)
 
 
 class Transport(ABC):

@@ -128,3 +128,20 @@ class WriteFence(Protocol):
     def owner_gone(self, owner: object) -> None:
         """The connection closed: end every write it still had in flight."""
         ...
+
+
+class CommitDesk(Protocol):
+    """Where a data server hands the blocks whose writers asked the node to commit
+    them (``OP_WRITE_COMMIT``) and asks how those commits went (``OP_COMMITS``);
+    implemented by the node's commit thread (kvpool.cluster.node_commits)."""
+
+    def owe(self, stamp: WriteStamp) -> None:
+        """The block ``stamp`` names was just sealed by its final write, whose writer
+        asked for the commit: owe it one. Called before the write is acknowledged."""
+        ...
+
+    def outcomes(self, ids: list[tuple[int, int]], wait_s: float) -> bytes:
+        """One state byte per (allocation id, block offset) (tcp_wire ``COMMITS``); an
+        answer given is forgotten. A commit still owed is hurried along, and waited
+        for up to ``wait_s`` (the desk bounds it)."""
+        ...

@@ -31,7 +31,7 @@ from typing import Any
 from kvpool.bindings import stream_copy
 from kvpool.transport import shm_copy, tcp_recv
 from kvpool.transport.base import RegionInfo, Transport, host_identity
-from kvpool.transport.fencing import WriteFence
+from kvpool.transport.fencing import CommitDesk, WriteFence
 from kvpool.transport.select import select_transport
 from kvpool.transport.tcp_server import TcpDataServer
 
@@ -89,15 +89,17 @@ def expose_region(
     ucx: bool | None = None,
     ucx_port: int = 0,
     fence: WriteFence | None = None,
+    commits: CommitDesk | None = None,
 ) -> ExposedRegion:
     """Serve ``region`` over TCP (and UCX: ``ucx=None`` means as ``$KVPOOL_UCX`` says,
     by default where UCXX and an RDMA device are present).
 
     ``shm_name`` is the /dev/shm file backing ``region`` ("" if it is not
     shared); same-host clients then map it instead of using a socket.
-    ``fence`` checks stamped writes (kvpool.transport.fencing).
+    ``fence`` checks stamped writes (kvpool.transport.fencing); ``commits`` takes
+    the TCP writes whose writer asks the node to commit them.
     """
-    tcp = TcpDataServer(region, host=host, port=port, token=token, fence=fence)
+    tcp = TcpDataServer(region, host=host, port=port, token=token, fence=fence, commits=commits)
     _, tcp_port = tcp.start()
     info = RegionInfo(
         node_id=node_id,
@@ -106,6 +108,7 @@ def expose_region(
         tcp_host=advertised_host(host),
         tcp_port=tcp_port,
         tcp_instance=tcp.instance,
+        tcp_node_commits=commits is not None,
         shm_name=shm_name,
     )
     ucx_server = None

@@ -36,6 +36,7 @@ from kvpool.errors import (
     PoolClosedError,
 )
 from kvpool.rpc.auth import resolve_token
+from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import RegionInfo, Transport, check_range
 from kvpool.transport.fencing import IDENT
 from kvpool.transport.tcp_conn import DataConn
@@ -289,6 +290,16 @@ class TcpTransport(Transport):
                 self._release(conn, healthy)
 
         return statuses
+
+    def commit_outcomes(self, ids: Sequence[tuple[int, int]], wait_s: float = 0.0) -> list[int]:
+        """How the node's commits of these (allocation id, block offset) went, one state
+        each (tcp_wire ``COMMITS``; its node commits them: ``info.tcp_node_commits``),
+        waiting up to ``wait_s`` (the node caps it at 1 s) for those still owed."""
+        out: list[int] = []
+        for at in range(0, len(ids), w.MAX_COMMIT_IDS):
+            part = list(ids[at : at + w.MAX_COMMIT_IDS])
+            out += self._io(DataConn.commit_outcomes, part, wait_s)
+        return out
 
     def write_many(self, items: Sequence[tuple[int, Any]]) -> None:
         plan = [(offset, self._source(offset, data)) for offset, data in items]

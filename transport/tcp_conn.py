@@ -35,6 +35,7 @@ from kvpool.transport import tcp_wire as w
 from kvpool.transport.tcp_recv import spin
 
 _ZEROS = bytes(w.ALIGN)
+ASK_MARGIN_S = 0.25  # a ``COMMITS`` answer's allowance past the wait it asked for
 #: Replies one scatter receive takes at most (two iovecs each, far below IOV_MAX).
 SCATTER_REPLIES = 64
 _HEAD_STEP = w.RESP.size + w.ALIGN  # room for a reply's header and its largest pad
@@ -51,6 +52,7 @@ class DataConn:
             raise CallTimeoutError(f"data connect to {addr} timed out") from exc
         except OSError as exc:
             raise ConnectionLostError(f"cannot open data connection to {addr}: {exc}") from exc
+        self._timeout = timeout
         try:
             w.tune(sock)
             set_io_timeout(sock, timeout)
@@ -310,6 +312,27 @@ class DataConn:
             if not chunk:
                 raise ConnectionLostError("peer closed the data connection")
             pending += chunk
+
+    def commit_outcomes(self, ids: list[tuple[int, int]], wait_s: float) -> bytes:
+        """``COMMITS``: the node's state byte for each (allocation id, block offset),
+        once none is owed any more or ``wait_s`` passed. No answer within ``wait_s``
+        + ``ASK_MARGIN_S`` (a stopped node) times out: a flush never waits on a node
+        longer than it meant to."""
+        rid = self._next_rid()
+        body = b"".join([w.COMMIT_ID.pack(alloc_id, offset) for alloc_id, offset in ids])
+        request = w.REQ.pack(w.OP_COMMITS, 0, rid, int(wait_s * 1e6), len(body)) + body
+        set_io_timeout(self.sock, min(self._timeout, wait_s + ASK_MARGIN_S))
+        try:
+            self.sock.sendall(request)
+            self._sent += len(request)
+            states = bytearray(self._read_resp(rid))
+            w.recv_into_exact(self.sock, memoryview(states))
+        finally:
+            set_io_timeout(self.sock, self._timeout)
+        self._received += len(states)
+        if len(states) != len(ids):
+            raise ConnectionLostError(f"{len(states)} commit answers for {len(ids)} asks")
+        return bytes(states)
 
     def write_many(self, plan: list[tuple[int, np.ndarray]]) -> None:
         rids = self._next_rids(len(plan))

@@ -7,8 +7,11 @@ straight into the region (the client pads too). The server knows nothing about
 blocks: the master decides which ranges are valid; this server only refuses ranges
 outside the region and, given a ``fence`` (kvpool.transport.fencing), passes every
 stamped op through it before a byte lands (the node's block table checks the epoch
-and allocation) and serves a checked read only while its block holds the range. The
-token rule of ``kvpool.rpc.auth`` applies (a non-loopback bind needs a token).
+and allocation) and serves a checked read only while its block holds the range
+(kvpool.transport.tcp_checked_reads). Given ``commits`` (a ``CommitDesk``) it also
+takes final writes whose writer asks the node to send the master commit
+(``WRITE_COMMIT``) and answers how those commits went (``COMMITS``). The token rule
+of ``kvpool.rpc.auth`` applies (a non-loopback bind needs a token).
 """
 
 from __future__ import annotations
@@ -29,18 +32,14 @@ from kvpool.transport.fencing import (
     FENCE_BUSY,
     FENCE_OK,
     STAMP,
+    CommitDesk,
     WriteFence,
     WriteStamp,
 )
+from kvpool.transport.tcp_checked_reads import CheckedReads
 from kvpool.transport.tcp_inbox import Inbox, Outbox
 
 log = logging.getLogger("kvpool.transport.tcp")
-_STALE_MSG = b"that block no longer holds this range"
-#: Checked reads one gather send answers, at most: requests, payload bytes so far
-GATHER_MAX, GATHER_BYTES = 64, 1 << 20
-_BLOCK = w.READ_BLOCK_REQ
-_BLOCK_REQ = _BLOCK.size
-_PADS = tuple(bytes(n) for n in range(w.ALIGN))  # an ok reply's pad, by length: no slicing
 #: Fenced ops with no payload either way (a claim taken ahead, a seal, a release):
 #: their replies to a pipelined batch leave together (``Outbox``).
 _QUIET_OPS = frozenset((w.OP_CLAIM, w.OP_SEAL, w.OP_RELEASE))
@@ -61,6 +60,7 @@ class TcpDataServer:
         fence: WriteFence | None = None,
         write_timeout: float = 30.0,
         max_connections: int = 1024,
+        commits: CommitDesk | None = None,
     ) -> None:
         self.token = resolve_token(token)
         check_bind(host, self.token)
@@ -69,15 +69,21 @@ class TcpDataServer:
         self.size = self.region.nbytes
         self.handshake_timeout = handshake_timeout
         self.fence, self.write_timeout = fence, write_timeout
+        self.commits = commits  # takes OP_WRITE_COMMIT and OP_COMMITS (None: refused)
         self.max_connections = max_connections
         self._listener = listen(host, port)
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.bytes_read = 0
+        self.reads = CheckedReads(self._mv, fence)  # READ_BLOCK (and READ: counts there too)
         self.bytes_written = 0
         self.instance = secrets.token_hex(8)  # this incarnation (see tcp_wire)
+
+    @property
+    def bytes_read(self) -> int:
+        """Payload bytes served (plain and checked reads)."""
+        return self.reads.bytes_read
 
     @property
     def address(self) -> tuple[str, int]:
@@ -168,7 +174,7 @@ class TcpDataServer:
         buf = inbox.buf
         skip = memoryview(bytearray(w.ALIGN))
         unpack_from, req_size = w.REQ.unpack_from, w.REQ.size
-        read_block, block_req = w.OP_READ_BLOCK, _BLOCK_REQ
+        read_block, block_req = w.OP_READ_BLOCK, w.READ_BLOCK_REQ.size
         batch = 2 * block_req  # two checked reads buffered whole: serve them as a batch
         while True:
             if inbox.start == inbox.end:  # nothing buffered: wait for the next request
@@ -183,10 +189,10 @@ class TcpDataServer:
                 try:
                     start = inbox.start
                     if inbox.end - start < batch or buf[start + block_req] != read_block:
-                        sent += self._read_block(sock, inbox, sent)  # one alone
+                        sent += self.reads.one(sock, inbox, sent)  # one alone
                         received += block_req
                     else:  # a pipelined batch: one gather send for those here whole
-                        n_sent, n_received = self._read_blocks(sock, inbox, sent)
+                        n_sent, n_received = self.reads.batch(sock, inbox, sent)
                         sent += n_sent
                         received += n_received
                 except ConnectionLostError:
@@ -208,6 +214,12 @@ class TcpDataServer:
             if op == w.OP_PING:
                 sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
                 sent += w.RESP.size
+                continue
+            if op == w.OP_COMMITS:  # ``offset``: how long to wait for owed ones (us)
+                n = self._commit_answers(sock, inbox, rid, length, offset / 1e6)
+                if n is None:
+                    return True  # its ids are not drained: the stream is unusable
+                sent, received = sent + n, received + length
                 continue
             if op in w.STAMPED_OPS:
                 out = outbox if quiet else sock
@@ -239,10 +251,10 @@ class TcpDataServer:
             span = self._mv[offset : offset + length]
             if op == w.OP_READ:
                 pad = w.read_pad(sent)
-                reply = w.READ_RESP.pack(w.ST_OK, pad, rid, length) + _PADS[pad]
+                reply = w.READ_RESP.pack(w.ST_OK, pad, rid, length) + bytes(pad)
                 w.send_parts(sock, reply, span)
                 sent += len(reply) + length
-                self.bytes_read += length
+                self.reads.bytes_read += length
             else:
                 inbox.read_into(skip[:pad], span)
                 sock.sendall(w.RESP.pack(w.ST_OK, rid, 0))
@@ -264,10 +276,10 @@ class TcpDataServer:
         (through ``out``: the socket, or the outbox of a quiet op), or None after a
         fatal error (the stream is unusable). ``pad`` receives a write's pad bytes."""
         stamp = WriteStamp.unpack(inbox.buf[(at := inbox.take(STAMP.size)) : at + STAMP.size])
-        payload = length if op in (w.OP_WRITE_FINAL, w.OP_WRITE_PART) else 0
+        payload = length if op in w.PAYLOAD_OPS else 0
         fence = self.fence
-        if fence is None:
-            self._error(out, w.ST_BAD_OP, rid, "this data server takes no stamped writes")
+        if fence is None or (op == w.OP_WRITE_COMMIT and self.commits is None):
+            self._error(out, w.ST_BAD_OP, rid, "this data server takes no such stamped writes")
             return None
         if stamp.offset + stamp.size > self.size or (payload and not stamp.covers(offset, length)):
             n = self._error(out, w.ST_RANGE, rid, f"stamp range outside region of {self.size} B")
@@ -282,88 +294,26 @@ class TcpDataServer:
                 inbox.discard(pad.nbytes + payload)
             return self._fence_reply(out, rid, status)
         inbox.read_into(pad, self._mv[offset : offset + length])  # <= write_timeout stalls
-        status = fence.finish(stamp, sock, ok=True, seal=op == w.OP_WRITE_FINAL)
+        status = fence.finish(stamp, sock, ok=True, seal=op != w.OP_WRITE_PART)
+        if op == w.OP_WRITE_COMMIT and status == FENCE_OK and self.commits is not None:
+            self.commits.owe(stamp)  # before the ack: an ask after it finds the commit owed
         self.bytes_written += length
         return self._fence_reply(out, rid, status)
 
-    def _read_block(self, sock: socket.socket, inbox: Inbox, sent: int) -> int:
-        """The checked read at the head of ``inbox``, alone (``_read_blocks`` without its
-        lists, Inbox.take inline); the bytes sent. Served only while the named block
-        holds the range, held until the send ends; else ST_STALE as long as an ok reply."""
-        at = inbox.start
-        if inbox.end - at >= _BLOCK_REQ:
-            inbox.start = at + _BLOCK_REQ
-        else:
-            at = inbox.take(_BLOCK_REQ)
-        _, _, rid, offset, length, key, block_offset = _BLOCK.unpack_from(inbox.buf, at)
-        fence = self.fence
-        held = None if fence is None else fence.begin_read(key, block_offset, offset, length)
-        pad = -(sent + w.RESP.size) % w.ALIGN  # w.read_pad, inline
-        if held is None:
-            reply = _stale_reply(rid, pad, length, offset + length <= self.size)
-            sock.sendall(reply)
-            return len(reply)
-        total = w.RESP.size + pad + length
-        try:
-            head = w.READ_RESP.pack(w.ST_OK, pad, rid, length)
-            parts: list[bytes | memoryview] = [head, _PADS[pad], self._mv[offset : offset + length]]
-            done = sock.sendmsg(parts)  # one gather send, nearly always the whole reply
-            if done < total:
-                w.send_all(sock, parts, done)
-            self.bytes_read += length
-        finally:
-            assert fence is not None
-            fence.end_read(held)
-        return total
-
-    def _read_blocks(self, sock: socket.socket, inbox: Inbox, sent: int) -> tuple[int, int]:
-        """The checked read at the head of ``inbox`` and each whole one buffered behind
-        it (a pipelined batch, up to GATHER_*), answered with one gather send; their
-        blocks held (one fence call for all) until the send ends; (bytes sent, bytes
-        received). The caller saw the first two whole: both checked reads."""
-        start, block_req, read_block = inbox.start, _BLOCK_REQ, w.OP_READ_BLOCK
-        whole = min((inbox.end - start) // block_req, GATHER_MAX)
-        reads = []  # (op, pad, rid, offset, length, key, block offset) per request
-        asked = 0  # payload bytes the requests taken ask for
-        for request in _BLOCK.iter_unpack(inbox.buf[start : start + whole * block_req]):
-            if request[0] != read_block:
-                break
-            reads.append(request)
-            asked += request[4]
-            if asked >= GATHER_BYTES:
-                break
-        inbox.start = start + len(reads) * block_req
-        fence = self.fence
-        if fence is None:
-            held: list[Any] = [None] * len(reads)
-        else:
-            held = fence.begin_reads([(r[5], r[6], r[3], r[4]) for r in reads])
-        size, region, pack, head = self.size, self._mv, w.READ_RESP.pack, w.RESP.size
-        parts: list[bytes | memoryview] = []
-        first, nbytes = sent, 0  # nbytes: the payload bytes served
-        try:
-            for (_, _, rid, offset, length, _, _), entry in zip(reads, held, strict=True):
-                pad = -(sent + head) % w.ALIGN  # w.read_pad, inline
-                if entry is None:
-                    reply = _stale_reply(rid, pad, length, offset + length <= size)
-                    parts.append(reply)
-                    sent += len(reply)
-                    continue
-                parts += (
-                    pack(w.ST_OK, pad, rid, length),
-                    _PADS[pad],
-                    region[offset : offset + length],
-                )
-                sent += head + pad + length
-                nbytes += length
-            done = sock.sendmsg(parts)  # one gather send, nearly always the whole batch
-            if done < sent - first:
-                w.send_all(sock, parts, done)
-            self.bytes_read += nbytes
-        finally:
-            if fence is not None:
-                fence.end_reads([entry for entry in held if entry is not None])
-        return sent - first, len(reads) * block_req
+    def _commit_answers(
+        self, sock: socket.socket, inbox: Inbox, rid: int, length: int, wait_s: float
+    ) -> int | None:
+        """``COMMITS``: one state byte per id named; the bytes sent, or None after a
+        fatal error (its ids are not drained)."""
+        n, rest = divmod(length, w.COMMIT_ID.size)
+        if self.commits is None or rest or n > w.MAX_COMMIT_IDS:
+            self._error(sock, w.ST_BAD_OP, rid, "no commits by this node, or a bad COMMITS")
+            return None
+        raw = bytearray(length)
+        inbox.read_into(memoryview(raw)[:0], memoryview(raw))
+        states = self.commits.outcomes(list(w.COMMIT_ID.iter_unpack(raw)), wait_s)
+        sock.sendall(w.RESP.pack(w.ST_OK, rid, len(states)) + states)
+        return w.RESP.size + len(states)
 
     def _fence_reply(self, sock: socket.socket | Outbox, rid: int, status: int) -> int:
         """The fence's verdict as a reply; the bytes sent."""
@@ -377,13 +327,3 @@ class TcpDataServer:
         return self._error(
             sock, w.ST_STALE, rid, "stale write: the range belongs to a newer allocation"
         )
-
-
-def _stale_reply(rid: int, pad: int, length: int, in_region: bool) -> bytes:
-    """A refused checked read's reply, as long as the ok one would be (its ``pad`` +
-    ``length`` bytes of payload) when the range lies ``in_region`` (else the whole
-    message, unpadded: the reader's stream is lost anyway). Only the first ``pad``
-    bytes carry text, the rest NULs: the reader receives this where the payload
-    would land, so its buffer gets NULs, never text that could pass for bytes."""
-    msg = _STALE_MSG[:pad].ljust(pad + length, b"\0") if in_region else _STALE_MSG
-    return w.RESP.pack(w.ST_STALE, rid, len(msg)) + msg

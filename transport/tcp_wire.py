@@ -26,6 +26,14 @@ Then any number of requests, answered strictly in order:
   an ok reply (its message cut to the ok reply's pad, NULs in place of the payload), so a
   client places every reply of a pipeline of checked reads before any arrives (one
   scatter receive); a server may answer a batch of them with one gather send;
+- commits by the node (kvpool.cluster.node_commits; a node that takes them says so in
+  ``RegionInfo.tcp_node_commits``): ``WRITE_COMMIT`` is a ``WRITE_FINAL`` whose writer
+  asks the node to send the block's master commit once it is whole (its ok reply:
+  the block is whole and owed that commit); ``COMMITS`` (no stamp; its ``offset``:
+  how many microseconds the node may wait for commits still owed) carries ``length``
+  bytes of ``COMMIT_ID`` (allocation id, block offset) and is answered with one
+  state byte per id (kvpool.transport.shm_seal's ``NODE_COMMITS`` while owed,
+  ``VISIBLE``, ``NOT_COMMITTED``, or ``UNKNOWN``: the node has no answer for it);
 - ``RESP`` (status, request id, length); for an ok READ or READ_BLOCK ``pad``
   zero bytes (``RESP``'s second byte, 0-63) and then ``length`` payload bytes
   follow; for an error, ``length`` bytes of UTF-8 message follow (no pad).
@@ -84,10 +92,14 @@ ALIGN = 64
 OP_READ, OP_WRITE, OP_PING = 1, 2, 3
 OP_WRITE_FINAL, OP_WRITE_PART, OP_CLAIM, OP_SEAL, OP_RELEASE = 4, 5, 6, 7, 8  # + STAMP
 OP_READ_BLOCK = 9  # + IDENT: a READ served only if that block still holds the range
+OP_WRITE_COMMIT, OP_COMMITS = 10, 11  # commits by the node: a final write; its answers
 STAMPED_OPS = frozenset(
-    (OP_WRITE_FINAL, OP_WRITE_PART, OP_CLAIM, OP_SEAL, OP_RELEASE, OP_READ_BLOCK)
+    (OP_WRITE_FINAL, OP_WRITE_PART, OP_CLAIM, OP_SEAL, OP_RELEASE, OP_READ_BLOCK, OP_WRITE_COMMIT)
 )
-PAYLOAD_OPS = frozenset((OP_WRITE, OP_WRITE_FINAL, OP_WRITE_PART))  # + pad + length bytes
+PAYLOAD_OPS = frozenset((OP_WRITE, OP_WRITE_FINAL, OP_WRITE_PART, OP_WRITE_COMMIT))  # + pad
+COMMIT_ID = struct.Struct("!QQ")  # what ``COMMITS`` asks about: allocation id, block offset
+MAX_COMMIT_IDS = 1 << 16  # ids one ``COMMITS`` may name
+UNKNOWN = 0xFF  # a ``COMMITS`` answer: no such block owed or answered (or forgotten)
 ST_OK, ST_BAD_VERSION, ST_BAD_TOKEN, ST_RANGE, ST_BAD_OP, ST_WRONG_INSTANCE = 0, 1, 2, 3, 4, 5
 ST_STALE, ST_BUSY = 6, 7  # the write fence refused the stamp (kvpool.transport.fencing)
 

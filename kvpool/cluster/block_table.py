@@ -36,14 +36,14 @@ Invariants (all under one lock):
 - shared-memory seals (kvpool.transport.shm_seal): a claim taken ahead (placeholder key) has its
   record cleared before it is granted; a record naming it (claimed, not aborted) is adopted as a
   ``SEAL`` would be, and a new term aborts it only once past its deadline + margin (waits for
-  that); a block whose record asks for the node's commit is owed it once (sealed_claims).
+  that); a block whose record asks for the node's commit is owed it once (sealed_claims), as
+  is one whose final TCP write asked for it (``owe``).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections import Counter, defaultdict
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -58,6 +58,7 @@ from kvpool.cluster.block_entry import (
 )
 from kvpool.cluster.sealed_claims import SealedClaims
 from kvpool.cluster.unconfirmed import Unconfirmed
+from kvpool.cluster.write_holders import WriteHolders
 from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, FENCE_STALE, WriteStamp
 from kvpool.transport.shm_ident import BlockIdents
 from kvpool.transport.shm_seal import SealRecords, now_ns
@@ -86,7 +87,7 @@ class BlockTable:
         self._waits = Waits()  # reads take its plain lock; end_read notifies only if waited on
         self._lock = self._waits.lock  # waits and notifies go through ``_waits`` (counted)
         self._entries = EntriesByOffset()
-        self._owners: defaultdict[object, Counter[Entry]] = defaultdict(Counter)
+        self._holders = WriteHolders()  # writes in flight by connection
         self._unconfirmed = Unconfirmed()  # sealed, not (yet) confirmed committed
 
     # -- the fence (kvpool.transport.fencing.WriteFence) ------------------------------
@@ -101,7 +102,7 @@ class BlockTable:
                 if entry is not None and entry.stamp.same_allocation(stamp):
                     if entry.aborted or entry.state != CLAIMED:
                         return FENCE_STALE  # written blocks are immutable
-                    self._hold(entry, owner)
+                    self._holders.hold(entry, owner)
                     return FENCE_OK
                 overlapped = self._entries.overlapping(stamp.offset, stamp.size)
                 for other in overlapped:
@@ -115,7 +116,7 @@ class BlockTable:
                     self._insert(entry)
                     if self._claims is not None and stamp.key == NO_KEY:
                         self._claims.granted(entry)  # before the claim is answered
-                    self._hold(entry, owner)
+                    self._holders.hold(entry, owner)
                     return FENCE_OK
                 left = deadline - time.monotonic()
                 if left <= 0:
@@ -135,19 +136,14 @@ class BlockTable:
                 return FENCE_OK
             if mine:
                 assert entry is not None
-                holder = owner
-                if any_owner and not (self._owners.get(owner) or Counter())[entry]:
-                    holder = next((o for o, h in self._owners.items() if h.get(entry)), owner)
-                self._unhold(entry, holder)
+                self._unhold(entry, self._holders.holder(entry, owner) if any_owner else owner)
                 if not entry.aborted:
                     return FENCE_OK
             return FENCE_STALE
 
     def owner_gone(self, owner: object) -> None:
         with self._lock:
-            held = self._owners.pop(owner, None)
-            for entry, n in (held or {}).items():
-                entry.inflight -= n
+            for entry in self._holders.gone(owner):
                 self._settle(entry)
             self._waits.notify_all()
 
@@ -315,6 +311,13 @@ class BlockTable:
         with self._lock:
             return self._unconfirmed.due(age, self._entries)
 
+    def owe(self, stamp: WriteStamp) -> bool:
+        """The final TCP write of ``stamp`` asked the node to commit the block it sealed: owed
+        once (False: not whole under that allocation now, or the node takes no such asks)."""
+        with self._lock:
+            entry = self._entries.get(stamp.offset)
+            return entry is not None and self._claims is not None and self._claims.owe(entry, stamp)
+
     def adopt_owed(self) -> list[Entry]:
         """Adopt the records sealed for claims taken ahead; hand over the blocks whose
         writers asked the node to commit them (each once, in the order sealed)."""
@@ -327,10 +330,9 @@ class BlockTable:
 
     def _seal(self, entry: Entry, stamp: WriteStamp) -> None:
         """Whole: no write of it in flight (a claim taken ahead ends too); key named."""
-        for held in self._owners.values():
-            held.pop(entry, None)
+        self._holders.sealed(entry)
         was = entry.state  # COMMITTED: the commit event overtook this seal
-        entry.inflight, entry.stamp = 0, stamp
+        entry.stamp = stamp
         entry.state = COMMITTED if was == COMMITTED else WRITTEN
         if was == CLAIMED:
             self._unconfirmed.sealed(entry, self._entries)
@@ -364,17 +366,8 @@ class BlockTable:
         entry.inflight += 1
         return entry
 
-    def _hold(self, entry: Entry, owner: object) -> None:
-        entry.inflight += 1
-        self._owners[owner][entry] += 1  # (a defaultdict: no Counter built per claim)
-
     def _unhold(self, entry: Entry, owner: object) -> None:
-        held = self._owners.get(owner)
-        if held is not None and held[entry] > 0:
-            held[entry] -= 1
-            if not held[entry]:
-                del held[entry]
-            entry.inflight -= 1
+        if self._holders.release(entry, owner):
             self._settle(entry)
             self._waits.notify_all()
 

@@ -127,6 +127,7 @@ class StorageNode:
                 port=config.data_port,
                 token=config.token,
                 fence=self.table,
+                commits=self.committer,
             )
         except BaseException:
             self.seals.close()

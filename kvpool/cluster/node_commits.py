@@ -1,18 +1,23 @@
-"""The node commits same-host puts: the master ``COMMIT`` of blocks sealed in shared memory.
+"""The node commits puts for their writers: the master ``COMMIT`` of blocks it holds whole.
 
 A same-host writer that seals a claim taken ahead with ``NODE_COMMITS`` in its
-seal record (kvpool.transport.shm_seal) leaves the block's master commit to
-the node holding it: the put itself sends nothing (no COMMIT frame, no reply
-to receive on the writer's CPU; issue 17). ``SealCommitter`` is the node's
+seal record (kvpool.transport.shm_seal), or a TCP writer whose final write is a
+``WRITE_COMMIT`` (kvpool.transport.tcp_wire), leaves the block's master commit
+to the node holding it: the put itself sends nothing to the master (no COMMIT
+frame, no reply to receive on the writer's CPU; issue 17), and the node's
+frames carry the blocks of all its writers. ``SealCommitter`` is the node's
 thread that does it:
 
 1. poll the seal file's doorbell every ``FAST_S`` while writers rang within the
-   last ``BUSY_S``, else every ``IDLE_S``; a ring (or ``IDLE_S`` passing) adopts
-   the records sealed for claims taken ahead (``BlockTable.adopt_owed``);
+   last ``BUSY_S``, else every ``IDLE_S``; a ring, an ask about a commit still
+   owed (``outcomes``), or ``IDLE_S`` passing adopts the records sealed for
+   claims taken ahead and takes the blocks the table owes
+   (``BlockTable.adopt_owed``; TCP writes are owed by their data server: ``owe``);
 2. commit the blocks the table owes in one ``COMMIT`` (grant ids, keys,
    parents) on the node's own master connection, one call at a time, so a
    stream of puts shares frames;
-3. answer each writer in its record: ``VISIBLE`` when the master committed
+3. answer each writer: in its seal record, or in the book TCP writers ask
+   (kvpool.cluster.commit_answers). ``VISIBLE`` when the master committed
    it, or answered False (the key was stored already: the put's bytes were not
    needed), or the block was re-registered with a newer master; else
    ``NOT_COMMITTED`` (the master knew no such grant in the term that lent it:
@@ -38,7 +43,7 @@ with its key, and every registration reports it.
 
 Bound (the README's visibility rule): a healthy node commits a sealed block
 within one poll period (at most ``IDLE_S``) plus the commit's round trip,
-after the one in flight.
+after the one in flight; sooner when its writer asks for the answer (a flush).
 """
 
 from __future__ import annotations
@@ -50,9 +55,11 @@ from collections.abc import Callable
 
 from kvpool.cluster.block_entry import COMMITTED, Entry
 from kvpool.cluster.block_table import BlockTable
+from kvpool.cluster.commit_answers import CommitAnswers
 from kvpool.cluster.link import MasterLink
 from kvpool.cluster.wire import COMMIT, CommitRequest
 from kvpool.errors import KVPoolError
+from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.shm_seal import NOT_COMMITTED, VISIBLE, SealRecords
 
 log = logging.getLogger("kvpool.cluster.node")
@@ -64,7 +71,8 @@ ORPHAN_MARGIN_S = 0.5  # a node's orphan age: its heartbeat interval plus this
 
 
 class SealCommitter:
-    """The node's thread that commits the blocks same-host writers asked it to."""
+    """The node's thread that commits the blocks writers asked it to; the desk of its
+    TCP data server for those asks (kvpool.transport.fencing.CommitDesk)."""
 
     def __init__(
         self,
@@ -76,6 +84,8 @@ class SealCommitter:
         self._table, self._records, self._link = table, records, link
         self._orphan_age = orphan_age  # None: leave unconfirmed blocks alone
         self._stop = threading.Event()
+        self._hurry = threading.Event()  # a writer waits for an answer: poll now
+        self.answers = CommitAnswers()  # of the TCP writers' asks
         self._thread = threading.Thread(target=self._loop, name="kvpool-node-commits", daemon=True)
         self._waiting: list[Entry] = []  # owed, not answered yet (master unreachable)
         self._orphans: list[Entry] = []  # unconfirmed, to commit for their writers
@@ -89,6 +99,7 @@ class SealCommitter:
         """Stop polling. A commit call riding a master outage is not waited for past
         1 s: the thread is a daemon, and the node closes its link next."""
         self._stop.set()
+        self._hurry.set()
         if self._thread.is_alive():
             self._thread.join(1.0)
 
@@ -97,9 +108,11 @@ class SealCommitter:
         pause, backoff = 0.0, 0.05  # after a failed commit: wait, doubling up to 1 s
         while not self._stop.is_set():
             now = time.monotonic()
+            hurried = self._hurry.is_set()
+            self._hurry.clear()
             if self._records.rung():
                 rang_at = now
-            if rang_at >= scanned_at or now - scanned_at >= IDLE_S:
+            if hurried or rang_at >= scanned_at or now - scanned_at >= IDLE_S:
                 scanned_at = now
                 self._waiting += self._table.adopt_owed()
             if self._orphan_age is not None and now - orphans_at >= ORPHAN_SCAN_S:
@@ -123,7 +136,20 @@ class SealCommitter:
                         exc_info=not expected,
                     )
                     pause, backoff = time.monotonic() + backoff, min(2 * backoff, 1.0)
-            self._stop.wait(FAST_S if now - rang_at < BUSY_S else IDLE_S)
+            self._hurry.wait(FAST_S if now - rang_at < BUSY_S else IDLE_S)
+
+    # -- the desk of the TCP data server (kvpool.transport.fencing.CommitDesk) ---------
+
+    def owe(self, stamp: WriteStamp) -> None:
+        """A TCP writer's final write asked for the commit (before its acknowledgement)."""
+        self.answers.owed(stamp.alloc_id, stamp.offset)  # first: the answer lands there
+        if not self._table.owe(stamp):  # not whole under it now: its writer settles it
+            self.answers.answer(stamp.alloc_id, stamp.offset, NOT_COMMITTED)
+            self.not_committed += 1
+
+    def outcomes(self, ids: list[tuple[int, int]], wait_s: float) -> bytes:
+        """How those commits went; one still owed is committed now (its writer waits)."""
+        return self.answers.ask(ids, wait_s, self._hurry.set)
 
     def _commit(self, owed: list[Entry]) -> list[Entry]:
         """Commit ``owed`` and answer their writers; returns those to retry."""
@@ -166,7 +192,9 @@ class SealCommitter:
         return list(self._link().call(COMMIT, request))
 
     def _answer(self, entry: Entry, state: int) -> None:
-        self._records.answer(entry.stamp.offset, entry.stamp.alloc_id, state)
+        s = entry.stamp
+        if not self.answers.answer(s.alloc_id, s.offset, state):  # not a TCP writer's
+            self._records.answer(s.offset, s.alloc_id, state)
         if state == VISIBLE:
             self.committed += 1
         else:

@@ -13,8 +13,9 @@ Invariants:
   not O(blocks). An entry leaves it when sealed or removed from the table;
 - an entry is owed a commit at most once: when it goes from claimed to
   whole (adopted from its record, or sealed over TCP) and its record, naming
-  its allocation, asks for one (``NODE_COMMITS``). ``take_owed`` hands the
-  owed entries over in the order they were sealed.
+  its allocation, asks for one (``NODE_COMMITS``); or when its final TCP write
+  asked for one (``owe``: its data server calls it once, right after the seal).
+  ``take_owed`` hands the owed entries over in the order they were owed.
 """
 
 from __future__ import annotations
@@ -59,6 +60,14 @@ class SealedClaims:
         found = self.records.read(entry.stamp.offset) if entry.granted_ns else None
         if found is not None and found[1] and found[0].same_allocation(entry.stamp):
             self._owed.append(entry)
+
+    def owe(self, entry: Entry, stamp: WriteStamp) -> bool:
+        """``entry``'s final TCP write (``stamp``) asked for the node's commit: owed it
+        if the entry is that allocation's and whole (False: replaced or aborted since)."""
+        if entry.state == CLAIMED or entry.aborted or not entry.stamp.same_allocation(stamp):
+            return False
+        self._owed.append(entry)
+        return True
 
     def gone(self, entry: Entry) -> None:
         if self.open.get(entry.stamp.offset) is entry:

@@ -52,11 +52,13 @@ interval (5 ms); the block is visible one master round trip later.
 ``$KVPOOL_PUT_COMMIT_THREAD=0`` sends on the writer's thread at once instead
 (what puts did before; kept and tested).
 
-Commits by the node (issue 17): a same-host put sealed in shared memory may
-leave its commit to its node (kvpool.cluster.node_commits) and send nothing;
-``watch`` records it (kvpool.cluster.client.node_watch), ``flush`` waits for
-the node's answer too, and what the node could not commit is settled here
-like a refused commit. ``$KVPOOL_NODE_COMMITS=0`` keeps commits with the client.
+Commits by the node (issue 17): a single put sealed in shared memory, or
+written over TCP with ``WRITE_COMMIT``, may leave its commit to its node
+(kvpool.cluster.node_commits) and send nothing to the master; ``watch``
+records it (kvpool.cluster.client.node_watch), ``flush`` waits for the
+node's answer too (``settle`` asks TCP nodes for theirs each janitor tick), and
+what the node could not commit is settled here like a refused commit.
+``$KVPOOL_NODE_COMMITS=0`` keeps commits with the client.
 
 Thread-safety: one condition guards the bookkeeping; replies are handled on the
 RPC reader thread, which only records them and sends what was queued behind
@@ -70,38 +72,19 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any, NamedTuple
+from typing import Any
 
+from kvpool.cluster.client.acked import Acked, Recover
 from kvpool.cluster.client.node_watch import NodeWatch
 from kvpool.cluster.client.put_modes import commit_thread_default
 from kvpool.cluster.wire import COMMIT, EXISTS, CommitRequest, KeysRequest
 from kvpool.errors import KVPoolError, PutCommitError
 from kvpool.transport.shm_seal import SealRecords
+from kvpool.transport.tcp import TcpTransport
 
 log = logging.getLogger("kvpool.cluster.client")
 LINGER_S = 0.001  # the sender thread waits this long for more puts to share a frame
-
-
-class Acked(NamedTuple):
-    """A put acknowledged to its caller whose commit is on its way: where its
-    sealed bytes are (for a recovery) and what the commit binds. A named tuple,
-    not a frozen dataclass: every put builds one, in ~0.18 us against ~0.58."""
-
-    key: bytes
-    parent: bytes | None
-    alloc_id: int
-    node_id: str
-    offset: int
-    size: int
-    granted: bool  # a grant (the commit binds the key) or an allocation for the key
-
-
-#: ``recover(items)``: put the sealed bytes of ``items`` again the classic way; per
-#: item True (visible now, or found already stored), None (read back but not visible
-#: yet: the cluster is still recovering) or False (the node no longer holds them).
-Recover = Callable[[list[Acked]], list[bool | None]]
 
 
 class CommitPipe:
@@ -162,10 +145,14 @@ class CommitPipe:
                 return
         self._submit(items)
 
-    def watch(self, item: Acked, records: SealRecords) -> None:
-        """A put sealed with ``NODE_COMMITS`` in ``records``: its node commits it;
-        ``flush`` waits for the node's answer there."""
-        unsure = self.by_node.watch(item, records)
+    def watch(self, item: Acked, node: SealRecords | TcpTransport) -> None:
+        """A put its node commits: sealed with ``NODE_COMMITS`` in ``node``'s seal
+        records, or written with ``WRITE_COMMIT`` over TCP transport ``node``.
+        ``flush`` waits for the node's answer (``settle`` asks TCP nodes for theirs)."""
+        if isinstance(node, TcpTransport):
+            self.by_node.ask(item, node)
+            return
+        unsure = self.by_node.watch(item, node)
         if unsure:
             self._to_settle(unsure)
 
@@ -241,7 +228,7 @@ class CommitPipe:
         """Nothing in flight, queued or to settle."""
         with self._cond:
             return self._inflight is None and not (
-                self._queue or self._unsure or self._busy or self.by_node.watched
+                self._queue or self._unsure or self._busy or self.by_node.busy()
             )
 
     def flush(self) -> None:
@@ -251,7 +238,7 @@ class CommitPipe:
         # Fast path of every read (no lock): this thread's own puts set these
         # before they returned, so a read after them never misses its own writes.
         if self._inflight is None and not (
-            self._queue or self._unsure or self._busy or self._failed or self.by_node.watched
+            self._queue or self._unsure or self._busy or self._failed or self.by_node.busy()
         ):
             return
         if self.idle():
@@ -274,6 +261,7 @@ class CommitPipe:
     def settle(self) -> None:
         """Retry, look up or recover the commits that were not applied (blocking:
         master calls, reads from nodes). Runs in a writer's call or the janitor."""
+        self._to_settle(self.by_node.sweep_asked())  # TCP puts their node commits
         with self._settling:
             with self._cond:
                 items = [

@@ -56,12 +56,17 @@ def write_blocks_begin(
     after its record was written, is still inside the claim's deadline
     (kvpool.transport.shm_seal); otherwise its seal goes over TCP as before.
     With ``node_commits`` (a set) and a node that commits sealed blocks, each
-    record asks the node to send the block's master commit, and the indices so
-    asked are added to the set: once sealed (either way), the caller must not
-    commit them itself (kvpool.cluster.node_commits).
+    record asks the node to send the block's master commit (over TCP: each write,
+    ``WRITE_COMMIT``, where the node takes those), and the indices so asked are
+    added to the set: once sealed (either way), the caller must not commit them
+    itself (kvpool.cluster.node_commits).
     """
     if isinstance(data, TcpTransport):
-        return data.stamped([(w.OP_WRITE_FINAL, s.pack(), off, d) for s, off, d in items]), None
+        op = w.OP_WRITE_FINAL
+        if node_commits is not None and data.info.tcp_node_commits:
+            op = w.OP_WRITE_COMMIT  # the node commits each block once it is whole
+            node_commits.update(range(len(items)))
+        return data.stamped([(op, s.pack(), off, d) for s, off, d in items]), None
     need = [i for i in range(len(items)) if i not in claimed]
     claims = [OK] * len(items)
     try:

@@ -28,7 +28,7 @@ import numpy as np
 
 from kvpool.bindings.buffers import Region
 from kvpool.cluster.client import fenced
-from kvpool.cluster.client.commits import Acked
+from kvpool.cluster.client.acked import Acked
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.wire import EXISTS, KeysRequest
 from kvpool.errors import KVPoolError, PutFailedError
@@ -138,7 +138,7 @@ def recover_puts(
 ) -> list[bool | None]:
     """Put acknowledged blocks whose commit the master refused again, from the
     bytes their node sealed: a checked read (``read_back``), then a classic put.
-    Per item (``commits.Recover``): True visible, None read back but not visible
+    Per item (``acked.Recover``): True visible, None read back but not visible
     yet (the caller tries again), False the bytes are gone."""
     copies = read_back(session, items)
     back = [(a, c) for a, c in zip(items, copies, strict=True) if c is not None]

@@ -9,16 +9,16 @@ is in stock. The writes and their seals: kvpool.cluster.client.put_writes.
 Pipelined commits (the default; kvpool.cluster.client.commits has the rules):
 a put with ``replicas`` == 1 returns once its node holds the block whole with
 its key (what makes it outlive a master crash); its ``COMMIT`` is answered in
-the background, so a put with a grant in stock costs the node's round trip
-only (same host: none, when its claim was taken ahead and the seal goes in shared
-memory; no commit frame either when its node commits it, kvpool.cluster.node_commits).
-A put of a key this client already put goes the synchronous way and answers
-exactly; ``pipelined=False`` (or ``replicas`` > 1) commits synchronously.
+the background, so a put with a grant in stock costs the node's round trip only
+(same host: none, its claim taken ahead and its seal in shared memory). A single
+put's node may send the commit itself (kvpool.cluster.node_commits): then the put
+sends no frame to the master at all. A put of a key this client already put goes
+the synchronous way; ``pipelined=False`` (or ``replicas`` > 1) commits synchronously.
 
 Invariants:
 - a key's bytes are written (same-host: and sealed) before ``put`` answers True;
-  its commit is sent (or queued behind the one in flight) before it returns; a
-  failed write's allocation or grant is revoked, never committed;
+  its commit is sent, queued behind the one in flight, or owed by its node before
+  it returns; a failed write's allocation or grant is revoked, never committed;
 - ``put`` never answers for a key that holds no block (the store contract).
   A block no commit made visible (its grant or allocation unknown to the
   master: expired, or a failover in between), whose seal was refused (its node
@@ -26,8 +26,7 @@ Invariants:
   allocations until stored or found stored, within the failover deadline;
   then ``PutFailedError``. A pipelined commit the master refuses is settled by
   ``CommitPipe`` or raised, never dropped silently;
-- puts with ``replicas`` > 1 allocate (grants are single placements), commit synchronously.
-"""
+- puts with ``replicas`` > 1 allocate (grants are single placements), commit synchronously."""
 
 from __future__ import annotations
 
@@ -40,7 +39,8 @@ import numpy as np
 
 from kvpool.bindings.buffers import Region, region_nbytes
 from kvpool.cluster.client import fenced
-from kvpool.cluster.client.commits import Acked, CommitPipe
+from kvpool.cluster.client.acked import Acked
+from kvpool.cluster.client.commits import CommitPipe
 from kvpool.cluster.client.grant_supply import GrantSupply
 from kvpool.cluster.client.grants import Grant
 from kvpool.cluster.client.put_modes import node_commits_default
@@ -122,9 +122,8 @@ class RemotePutter:
     ) -> tuple[list[bool], list[int], str] | None:
         """``put_once`` of one new key, pipelined, without its batch bookkeeping; None
         (nothing done) unless a grant is in stock. Written here: a TCP write, or a same-host
-        one whose grant holds its claim and whose node publishes seal records (the one
-        ``SealedPutter`` declined: its copy failed, or its node does not commit seals);
-        anything else (a same-host write that must claim its range, UCX) goes to ``put_once``."""
+        one whose grant holds its claim and whose node publishes seal records (``SealedPutter``
+        declined it); anything else (a claim to take, UCX) goes to ``put_once``."""
         if key in self._mine or not self.supply.enabled:
             return None
         size = region_nbytes(region)
@@ -140,7 +139,10 @@ class RemotePutter:
             return self.put_once([key], [region], [parent], 1, pipelined=True, taken=taken)
         stamp = WriteStamp(grant.epoch, grant.alloc_id, grant.offset, size, key, parent)
         items = [(stamp, grant.offset, region)]
-        by_node: set[int] | None = set() if seals is not None and self.node_commits else None
+        node: SealRecords | TcpTransport | None = seals  # the node commits: it asks there
+        if isinstance(data, TcpTransport) and data.info.tcp_node_commits:
+            node = data
+        by_node: set[int] | None = set() if node is not None and self.node_commits else None
         try:
             control, counts = session.control(node_id), session.counts
             ok, sealing = fenced.write_blocks_begin(
@@ -156,7 +158,7 @@ class RemotePutter:
             self.supply.revoke([grant.alloc_id])
         seal: list[Sealing] = [] if sealing is None else [(node_id, [0], sealing)]
         lost = [] if written else [0]
-        watch = {0: seals} if by_node and seals is not None else None
+        watch = {0: node} if by_node and node is not None else None
         stored, retry = self._acknowledge(
             [key], [parent], [size], written, lost, seal, {0}, grant.expires, True, watch
         )
@@ -240,11 +242,11 @@ class RemotePutter:
         granted: set[int],
         use_by: float,
         pipelined: bool,
-        watch: dict[int, SealRecords] | None = None,
+        watch: dict[int, SealRecords | TcpTransport] | None = None,
     ) -> tuple[list[bool], list[int]]:
         """Commit what was written (sent without waiting when ``pipelined``) and wait
         for the seals: (stored per key, indices not stored, to put again). ``watch``:
-        indices whose node commits them once sealed (records to watch, not send)."""
+        indices whose node commits them once sealed (seal records or TCP node to watch)."""
         watch = watch or {}
         late = pipelined and granted and time.monotonic() > use_by
         if late and not watch:
@@ -330,8 +332,7 @@ class RemotePutter:
             pause = min(2 * pause, 0.25)
 
     def close(self) -> None:
-        """Flush the pipelined commits (``PutCommitError`` for puts lost), then give
-        back the grants."""
+        """Flush the pipelined commits (``PutCommitError`` for lost puts); give back grants."""
         try:
             self.commits.close()
         finally:
@@ -382,8 +383,6 @@ class RemotePutter:
             if not ok and not (ok is False and i in granted):
                 retry.append(i)
         return retry
-
-    # -- pipelined commits -----------------------------------------------------------
 
     def _commit_late(self) -> None:
         """A pipelined put acknowledged past its grant's use window: the master may

@@ -33,7 +33,8 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvpool.cluster.client.commits import Acked, CommitPipe
+from kvpool.cluster.client.acked import Acked
+from kvpool.cluster.client.commits import CommitPipe
 from kvpool.cluster.client.grant_supply import GrantSupply
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.transport.shm_seal import now_ns

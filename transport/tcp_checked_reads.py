@@ -1,0 +1,128 @@
+"""The data server's checked reads (``READ_BLOCK``): bytes served only while their block holds them.
+
+A checked read names its block (``IDENT``: key, block offset). The server asks
+the write fence (kvpool.transport.fencing) to hold that block for the read,
+sends the range straight from the region, and lets the block go when the send
+ended; a range that holds another block now is answered ``ST_STALE``, padded to
+the ok reply's length, so a client that placed every reply of a pipeline ahead
+of time stays in step (kvpool.transport.tcp_wire). A pipelined batch buffered
+whole is answered with one gather send (``GATHER_MAX`` requests, ``GATHER_BYTES``
+of payload at most), its blocks held by one fence call.
+
+``CheckedReads`` serves them for one data server (kvpool.transport.tcp_server);
+every connection's thread calls it. Invariant: a block is held from before its
+first byte is sent until its send ended (or failed), and released exactly once.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+from kvpool.transport import tcp_wire as w
+from kvpool.transport.fencing import WriteFence
+from kvpool.transport.tcp_inbox import Inbox
+
+_STALE_MSG = b"that block no longer holds this range"
+#: Checked reads one gather send answers, at most: requests, payload bytes so far
+GATHER_MAX, GATHER_BYTES = 64, 1 << 20
+_BLOCK = w.READ_BLOCK_REQ
+_BLOCK_REQ = _BLOCK.size
+_PADS = tuple(bytes(n) for n in range(w.ALIGN))  # an ok reply's pad, by length: no slicing
+
+
+class CheckedReads:
+    """The checked reads of one data server's ``region`` (a flat byte view)."""
+
+    def __init__(self, region: memoryview, fence: WriteFence | None) -> None:
+        self._mv, self.size, self.fence = region, region.nbytes, fence
+        self.bytes_read = 0  # payload bytes served (the server's plain reads count here too)
+
+    def one(self, sock: socket.socket, inbox: Inbox, sent: int) -> int:
+        """The checked read at the head of ``inbox``, alone (``batch`` without its
+        lists, Inbox.take inline); the bytes sent. Served only while the named block
+        holds the range, held until the send ends; else ST_STALE as long as an ok reply."""
+        at = inbox.start
+        if inbox.end - at >= _BLOCK_REQ:
+            inbox.start = at + _BLOCK_REQ
+        else:
+            at = inbox.take(_BLOCK_REQ)
+        _, _, rid, offset, length, key, block_offset = _BLOCK.unpack_from(inbox.buf, at)
+        fence = self.fence
+        held = None if fence is None else fence.begin_read(key, block_offset, offset, length)
+        pad = -(sent + w.RESP.size) % w.ALIGN  # w.read_pad, inline
+        if held is None:
+            reply = _stale_reply(rid, pad, length, offset + length <= self.size)
+            sock.sendall(reply)
+            return len(reply)
+        total = w.RESP.size + pad + length
+        try:
+            head = w.READ_RESP.pack(w.ST_OK, pad, rid, length)
+            parts: list[bytes | memoryview] = [head, _PADS[pad], self._mv[offset : offset + length]]
+            done = sock.sendmsg(parts)  # one gather send, nearly always the whole reply
+            if done < total:
+                w.send_all(sock, parts, done)
+            self.bytes_read += length
+        finally:
+            assert fence is not None
+            fence.end_read(held)
+        return total
+
+    def batch(self, sock: socket.socket, inbox: Inbox, sent: int) -> tuple[int, int]:
+        """The checked read at the head of ``inbox`` and each whole one buffered behind
+        it (a pipelined batch, up to GATHER_*), answered with one gather send; their
+        blocks held (one fence call for all) until the send ends; (bytes sent, bytes
+        received). The caller saw the first two whole: both checked reads."""
+        start, block_req, read_block = inbox.start, _BLOCK_REQ, w.OP_READ_BLOCK
+        whole = min((inbox.end - start) // block_req, GATHER_MAX)
+        reads = []  # (op, pad, rid, offset, length, key, block offset) per request
+        asked = 0  # payload bytes the requests taken ask for
+        for request in _BLOCK.iter_unpack(inbox.buf[start : start + whole * block_req]):
+            if request[0] != read_block:
+                break
+            reads.append(request)
+            asked += request[4]
+            if asked >= GATHER_BYTES:
+                break
+        inbox.start = start + len(reads) * block_req
+        fence = self.fence
+        if fence is None:
+            held: list[Any] = [None] * len(reads)
+        else:
+            held = fence.begin_reads([(r[5], r[6], r[3], r[4]) for r in reads])
+        size, region, pack, head = self.size, self._mv, w.READ_RESP.pack, w.RESP.size
+        parts: list[bytes | memoryview] = []
+        first, nbytes = sent, 0  # nbytes: the payload bytes served
+        try:
+            for (_, _, rid, offset, length, _, _), entry in zip(reads, held, strict=True):
+                pad = -(sent + head) % w.ALIGN  # w.read_pad, inline
+                if entry is None:
+                    reply = _stale_reply(rid, pad, length, offset + length <= size)
+                    parts.append(reply)
+                    sent += len(reply)
+                    continue
+                parts += (
+                    pack(w.ST_OK, pad, rid, length),
+                    _PADS[pad],
+                    region[offset : offset + length],
+                )
+                sent += head + pad + length
+                nbytes += length
+            done = sock.sendmsg(parts)  # one gather send, nearly always the whole batch
+            if done < sent - first:
+                w.send_all(sock, parts, done)
+            self.bytes_read += nbytes
+        finally:
+            if fence is not None:
+                fence.end_reads([entry for entry in held if entry is not None])
+        return sent - first, len(reads) * block_req
+
+
+def _stale_reply(rid: int, pad: int, length: int, in_region: bool) -> bytes:
+    """A refused checked read's reply, as long as the ok one would be (its ``pad`` +
+    ``length`` bytes of payload) when the range lies ``in_region`` (else the whole
+    message, unpadded: the reader's stream is lost anyway). Only the first ``pad``
+    bytes carry text, the rest NULs: the reader receives this where the payload
+    would land, so its buffer gets NULs, never text that could pass for bytes."""
+    msg = _STALE_MSG[:pad].ljust(pad + length, b"\0") if in_region else _STALE_MSG
+    return w.RESP.pack(w.ST_STALE, rid, len(msg)) + msg
