@@ -51,15 +51,20 @@ from kvpool.transport.tcp_wire import UNKNOWN
 
 def test_the_book_hands_each_answer_out_once_and_only_for_asks_it_holds() -> None:
     book = CommitAnswers()
-    book.owed(7, PAGE)
+    book.owed(7, PAGE, 3)
     assert book.ask([(7, PAGE), (8, 0)]) == bytes([NODE_COMMITS, UNKNOWN])
-    assert not book.answer(8, 0, VISIBLE)  # nobody asked for that one here: not kept
-    assert book.answer(7, PAGE, VISIBLE)
-    book.owed(7, PAGE)  # a late ask never turns an answer back into "owed"
+    assert not book.answer(8, 0, 3, VISIBLE)  # nobody asked for that one here: not kept
+    assert book.answer(7, PAGE, 3, VISIBLE)
     assert book.ask([(7, PAGE)]) == bytes([VISIBLE])
     assert book.ask([(7, PAGE)]) == bytes([UNKNOWN]) and len(book) == 0  # handed out once
-    book.owed(9, 2 * PAGE)
-    book.answer(9, 2 * PAGE, NOT_COMMITTED)
+    book.owed(7, PAGE, 3)
+    book.answer(7, PAGE, 3, VISIBLE)  # never asked for (its writer died) ...
+    book.owed(7, PAGE, 4)  # ... and the same id, lent again by a newer master term
+    assert book.ask([(7, PAGE)]) == bytes([NODE_COMMITS])  # never the older write's answer
+    assert book.answer(7, PAGE, 3, NOT_COMMITTED)  # a late answer of the older write ...
+    assert book.ask([(7, PAGE)]) == bytes([NODE_COMMITS])  # ... does not land on it either
+    book.owed(9, 2 * PAGE, 4)
+    book.answer(9, 2 * PAGE, 4, NOT_COMMITTED)
     assert book.ask([(9, PAGE), (9, 2 * PAGE)]) == bytes([UNKNOWN, NOT_COMMITTED])
 
 
@@ -67,13 +72,13 @@ def test_the_book_forgets_what_nobody_asks_for() -> None:
     now = [100.0]
     book = CommitAnswers(clock=lambda: now[0], keep_s=10.0, max_kept=3)
     for alloc in (1, 2, 3, 4):
-        book.owed(alloc, 0)
+        book.owed(alloc, 0, 3)
     assert len(book) == 3  # the oldest went first
     assert book.ask([(1, 0), (4, 0)]) == bytes([UNKNOWN, NODE_COMMITS])
     now[0] += 5.0
-    book.answer(4, 0, VISIBLE)  # answered (and so renewed) now
+    book.answer(4, 0, 3, VISIBLE)  # answered (and so renewed) now
     now[0] += 6.0
-    book.owed(5, 0)  # 2 and 3 were asked 11 s ago: forgotten
+    book.owed(5, 0, 3)  # 2 and 3 were asked 11 s ago: forgotten
     assert book.ask([(2, 0), (3, 0), (4, 0), (5, 0)]) == bytes(
         [UNKNOWN, UNKNOWN, VISIBLE, NODE_COMMITS]
     )
@@ -81,12 +86,12 @@ def test_the_book_forgets_what_nobody_asks_for() -> None:
 
 def test_an_ask_hurries_the_commit_and_waits_for_its_answer() -> None:
     book, hurried = CommitAnswers(), []
-    book.owed(1, 0)
-    threading.Timer(0.05, lambda: book.answer(1, 0, VISIBLE)).start()
+    book.owed(1, 0, 3)
+    threading.Timer(0.05, lambda: book.answer(1, 0, 3, VISIBLE)).start()
     began = time.monotonic()
     assert book.ask([(1, 0)], wait_s=5.0, hurry=lambda: hurried.append(1)) == bytes([VISIBLE])
     assert time.monotonic() - began < 2.0 and hurried == [1]
-    book.owed(2, 0)
+    book.owed(2, 0, 3)
     began = time.monotonic()
     assert book.ask([(2, 0)], wait_s=0.1) == bytes([NODE_COMMITS])  # not answered in time
     assert 0.09 <= time.monotonic() - began < 2.0

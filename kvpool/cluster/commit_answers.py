@@ -21,8 +21,9 @@ Every state but ``VISIBLE`` leaves the put to its writer to settle
 and put again), so a forgotten answer costs time, never a block.
 
 Invariants (thread-safe: data-server threads and the commit thread):
-- an ask is ``owed`` before its write is acknowledged, so an asker after the
-  acknowledgement never reads ``UNKNOWN`` for a commit still to come;
+- an ask is ``owed`` before its write is acknowledged (and before the commit
+  thread can take it), so an asker after the acknowledgement never reads
+  ``UNKNOWN`` for a commit still to come, nor an older write's answer;
 - an answer is handed out once (asking forgets it); an answer or ask not
   asked about within ``keep_s`` is forgotten, and at most ``max_kept`` are
   kept (the oldest go first): a writer that died never makes the book grow.
@@ -41,7 +42,7 @@ from kvpool.transport.tcp_wire import UNKNOWN
 KEEP_S = 30.0  # an answer nobody asked for this long is forgotten (writers ask within 2 s)
 MAX_KEPT = 1 << 17  # answers and asks kept at most
 MAX_WAIT_S = 1.0  # an ask waits this long at most for a commit still owed
-_GONE = (UNKNOWN, 0.0)  # the book's entry for an id it does not hold
+_GONE = (UNKNOWN, 0.0, 0)  # the book's entry for an id it does not hold
 
 
 def _no_op() -> None:
@@ -60,27 +61,36 @@ class CommitAnswers:
         self._clock, self._keep_s, self._max_kept = clock, keep_s, max_kept
         self._lock = threading.Lock()
         self._answered = threading.Condition(self._lock)  # an answer was recorded
-        # (allocation id, block offset) -> (state, when it was set), oldest first
-        self._book: OrderedDict[tuple[int, int], tuple[int, float]] = OrderedDict()
+        # (allocation id, block offset) -> (state, when it was set, master term), oldest first
+        self._book: OrderedDict[tuple[int, int], tuple[int, float, int]] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._book)
 
-    def owed(self, alloc_id: int, offset: int) -> None:
-        """A writer asked for the commit of this block (an answer already given stays)."""
-        with self._lock:
-            now = self._clock()
-            self._book.setdefault((alloc_id, offset), (NODE_COMMITS, now))
-            self._forget_old(now)
-
-    def answer(self, alloc_id: int, offset: int, state: int) -> bool:
-        """The commit thread's answer; False (nothing kept) if no writer asked here."""
+    def owed(self, alloc_id: int, offset: int, epoch: int) -> None:
+        """A writer asked for the commit of this block, allocation ``alloc_id`` of master
+        term ``epoch``. What is still kept under the same id is an older write's
+        (allocation ids are unique only within a term): replaced, so this writer never
+        reads another's answer."""
         key = (alloc_id, offset)
         with self._lock:
-            if key not in self._book:
-                return False
             now = self._clock()
-            self._book[key] = (state, now)
+            self._book[key] = (NODE_COMMITS, now, epoch)
+            self._book.move_to_end(key)
+            self._forget_old(now)
+
+    def answer(self, alloc_id: int, offset: int, epoch: int, state: int) -> bool:
+        """The commit thread's answer for that write; False (nothing kept) if no TCP
+        writer asked here. An older term's answer never lands on a newer write's ask."""
+        key = (alloc_id, offset)
+        with self._lock:
+            got = self._book.get(key)
+            if got is None:
+                return False
+            if got[2] != epoch:
+                return True  # a newer write of the same id asked since: not its answer
+            now = self._clock()
+            self._book[key] = (state, now, epoch)
             self._book.move_to_end(key)
             self._forget_old(now)
             self._answered.notify_all()

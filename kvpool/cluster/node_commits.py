@@ -142,9 +142,10 @@ class SealCommitter:
 
     def owe(self, stamp: WriteStamp) -> None:
         """A TCP writer's final write asked for the commit (before its acknowledgement)."""
-        self.answers.owed(stamp.alloc_id, stamp.offset)  # first: the answer lands there
+        s = stamp
+        self.answers.owed(s.alloc_id, s.offset, s.epoch)  # first: the answer lands there
         if not self._table.owe(stamp):  # not whole under it now: its writer settles it
-            self.answers.answer(stamp.alloc_id, stamp.offset, NOT_COMMITTED)
+            self.answers.answer(s.alloc_id, s.offset, s.epoch, NOT_COMMITTED)
             self.not_committed += 1
 
     def outcomes(self, ids: list[tuple[int, int]], wait_s: float) -> bytes:
@@ -193,7 +194,7 @@ class SealCommitter:
 
     def _answer(self, entry: Entry, state: int) -> None:
         s = entry.stamp
-        if not self.answers.answer(s.alloc_id, s.offset, state):  # not a TCP writer's
+        if not self.answers.answer(s.alloc_id, s.offset, s.epoch, state):  # not a TCP ask
             self._records.answer(s.offset, s.alloc_id, state)
         if state == VISIBLE:
             self.committed += 1
