@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import pytest
 from clusterhelpers import start_cluster, wait_until
-from poolhelpers import make_keys, payload
+from poolhelpers import BLOCK, make_keys, payload
 from sealhelpers import K1, K2, P1, PAGE, Link, real, table
 from test_node_commits import reads_back, stock_claimed_grants
 
@@ -405,5 +405,38 @@ def test_write_commit_keys_and_parents_reach_the_master() -> None:
             assert writer.put(keys[2], payload(2), parent=keys[1])
             assert writer._putter.commits.by_node.count >= 2
             assert writer.prefix_match(keys) == 3
+    finally:
+        cluster.stop()
+
+
+def test_writer_threads_each_read_their_own_tcp_puts_back_at_once() -> None:
+    """Four threads of one client put over TCP (their node commits) and each reads
+    every block back right after its put: read-your-writes per call, whichever
+    thread's flush or janitor tick asked the node; then another client reads all."""
+    cluster = start_cluster(["32MiB"])
+    try:
+        keys = make_keys(80, seed=96)
+        errors: list[BaseException] = []
+        with tcp_writer(cluster.url) as writer:
+            stock_claimed_grants(writer, keys[0], claimed=False)
+
+            def work(t: int) -> None:
+                out = np.empty(BLOCK, np.uint8)
+                try:
+                    for i in range(1 + t, len(keys), 4):
+                        assert writer.put(keys[i], payload(i))
+                        assert writer.get_into(keys[i], out) == BLOCK
+                        assert np.array_equal(out, payload(i))
+                except BaseException as exc:  # reported below
+                    errors.append(exc)
+
+            threads = [threading.Thread(target=work, args=(t,)) for t in range(4)]
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join(60)
+            assert not errors, errors
+            assert writer._putter.commits.by_node.count >= 8  # the path under test
+        assert all(reads_back(cluster.url, keys[i], i) for i in range(len(keys)))
     finally:
         cluster.stop()
