@@ -440,3 +440,22 @@ def test_writer_threads_each_read_their_own_tcp_puts_back_at_once() -> None:
         assert all(reads_back(cluster.url, keys[i], i) for i in range(len(keys)))
     finally:
         cluster.stop()
+
+
+def test_an_ask_for_many_commits_answered_one_by_one_takes_linear_time() -> None:
+    """A flush of thousands of puts asks once; the commit thread answers them one by
+    one, waking the ask each time: it must not rescan every id per answer."""
+    book, ids = CommitAnswers(), [(alloc, 0) for alloc in range(20_000)]
+    for alloc, offset in ids:
+        book.owed(alloc, offset, 3)
+
+    def answer_all() -> None:
+        for alloc, offset in ids:
+            book.answer(alloc, offset, 3, VISIBLE)
+
+    answering = threading.Thread(target=answer_all)
+    began = time.monotonic()
+    answering.start()
+    assert book.ask(ids, wait_s=1.0) == bytes([VISIBLE]) * len(ids)
+    answering.join()
+    assert time.monotonic() - began < 0.9 and len(book) == 0

@@ -102,13 +102,15 @@ class CommitAnswers:
         """One state byte per (allocation id, block offset), each answer handed out
         once. While one of them is still owed, ``hurry`` the commit thread (once) and
         wait up to ``wait_s`` (at most ``MAX_WAIT_S``) for its answer."""
-        book = self._book
+        book, n = self._book, len(ids)
         with self._answered:
             deadline = self._clock() + min(wait_s, MAX_WAIT_S)
-            hurried = False
-            while any(book.get(key, _GONE)[0] == NODE_COMMITS for key in ids):
+            hurried, at = False, 0  # ids[:at] were answered when looked at: O(n) checks in all
+            while True:
+                while at < n and book.get(ids[at], _GONE)[0] != NODE_COMMITS:
+                    at += 1
                 left = deadline - self._clock()
-                if left <= 0:
+                if at == n or left <= 0:
                     break
                 if not hurried:
                     hurry()
