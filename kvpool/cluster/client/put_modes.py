@@ -26,8 +26,9 @@ def commit_thread_default() -> bool:
 
 
 def node_commits_default() -> bool:
-    """Whether same-host puts sealed in shared memory leave their commit to the
-    node: ``$KVPOOL_NODE_COMMITS`` (``0``/``1``), else True."""
+    """Whether single puts leave their commit to the node where it takes them (sealed
+    in shared memory, or written over TCP with ``WRITE_COMMIT``):
+    ``$KVPOOL_NODE_COMMITS`` (``0``/``1``), else True."""
     return _switch("KVPOOL_NODE_COMMITS")
 
 
