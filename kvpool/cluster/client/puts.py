@@ -84,7 +84,7 @@ class RemotePutter:
             return recover_puts(session, items, self.put_once)
 
         self.commits = CommitPipe(session.rpc, recover, session.rpc.deadline)
-        self.node_commits = node_commits_default()  # same-host seals ask the node to commit
+        self.node_commits = node_commits_default()  # single puts ask their node to commit
         self._mine: dict[bytes, None] = {}  # insertion-ordered, bounded by MINE_MAX
         self.late_commits = 0  # pipelined puts committed synchronously: grant window passed
         session.on_region_change(self.supply.forget_node)
