@@ -37,7 +37,7 @@ from kvpool.cluster.client.fenced import write_blocks_begin
 from kvpool.cluster.client.node_watch import NodeWatch
 from kvpool.cluster.commit_answers import CommitAnswers
 from kvpool.cluster.node_commits import SealCommitter
-from kvpool.errors import CallTimeoutError, RemoteError
+from kvpool.errors import CallTimeoutError, ConnectionLostError, RemoteError
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import RegionInfo
 from kvpool.transport.fencing import FENCE_OK, WriteStamp
@@ -459,3 +459,47 @@ def test_an_ask_for_many_commits_answered_one_by_one_takes_linear_time() -> None
     assert book.ask(ids, wait_s=1.0) == bytes([VISIBLE]) * len(ids)
     answering.join()
     assert time.monotonic() - began < 0.9 and len(book) == 0
+
+
+def test_the_general_single_put_path_asks_the_node_too() -> None:
+    """A single TCP put the straight path does not take (here: called past it) goes
+    through ``RemotePutter._put_one``, which writes with ``WRITE_COMMIT`` as well."""
+    cluster = start_cluster(["16MiB"])
+    try:
+        keys = make_keys(3, seed=97)
+        with tcp_writer(cluster.url) as writer:
+            stock_claimed_grants(writer, keys[0], claimed=False)
+            commits = writer._putter.commits
+            sent, asked = commits.sent, commits.by_node.count
+            stored, full, _ = writer._putter.put([keys[1]], [payload(1)], [None], 1)
+            assert stored == [True] and full == []
+            assert commits.sent == sent and commits.by_node.count == asked + 1
+            writer.flush()
+        assert reads_back(cluster.url, keys[1], 1)
+    finally:
+        cluster.stop()
+
+
+def test_a_failed_straight_tcp_write_is_put_again_by_the_general_path(monkeypatch: Any) -> None:
+    """The straight path's write fails (the connection drops, once): its grant is
+    revoked, the put goes the general way on another, and is stored all the same."""
+    cluster = start_cluster(["16MiB"])
+    try:
+        keys = make_keys(2, seed=98)
+        with tcp_writer(cluster.url) as writer:
+            stock_claimed_grants(writer, keys[0], claimed=False)
+            stamped = TcpTransport.stamped
+            failed: list[int] = []
+
+            def fail_once(self: TcpTransport, items: Any) -> list[int]:
+                if not failed and items[0][0] == w.OP_WRITE_COMMIT:
+                    failed.append(1)
+                    raise ConnectionLostError("dropped (test)")
+                return stamped(self, items)
+
+            monkeypatch.setattr(TcpTransport, "stamped", fail_once)
+            assert writer.put(keys[1], payload(1)) and failed == [1]
+            writer.flush()
+        assert reads_back(cluster.url, keys[1], 1)
+    finally:
+        cluster.stop()

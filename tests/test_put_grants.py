@@ -114,6 +114,23 @@ def test_take_claimed_leaves_a_grant_too_old_to_use_with_its_claim() -> None:
     assert [g.alloc_id for g, _ in stock.claims_of([1])] == [1]
 
 
+def test_take_this_takes_only_the_grant_looked_at_while_oldest_and_fresh() -> None:
+    stock = GrantStock()
+    stock.add(BLOCK, [grant(1), grant(2)])
+    first = stock.oldest(BLOCK)
+    assert first is not None and first.alloc_id == 1 and len(stock) == 2  # looked, not taken
+    assert stock.oldest(2 * BLOCK) is None  # another size
+    assert not stock.take_this(BLOCK, grant(1))  # an equal grant is not the one looked at
+    assert stock.take_this(BLOCK, first) and stock.used == 1 and len(stock) == 1
+    assert not stock.take_this(BLOCK, first)  # taken once
+    second = stock.oldest(BLOCK)
+    assert second is not None and stock.take(BLOCK) is second  # another taker was first
+    assert not stock.take_this(BLOCK, second) and stock.used == 2
+    stock.add(BLOCK, [grant(3, expires_in=-1)])
+    old = stock.oldest(BLOCK)
+    assert old is not None and not stock.take_this(BLOCK, old)  # too old: ``take`` drops it
+
+
 def test_grant_budget_from_argument_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("KVPOOL_PUT_GRANT_BYTES", "1048576")
     assert grant_budget() == 1 << 20 and grant_budget(0) == 0

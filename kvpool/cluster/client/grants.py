@@ -98,6 +98,25 @@ class GrantStock:
                 self._dead.append(grant.alloc_id)
         return None
 
+    def oldest(self, size: int) -> Grant | None:
+        """The grant of ``size`` bytes ``take`` tries first (not taken), or None."""
+        with self._lock:
+            stock = self._stock.get(size)
+            return stock[0] if stock else None
+
+    def take_this(self, size: int, grant: Grant) -> bool:
+        """Take ``grant`` if it is still the oldest of ``size`` bytes and fresh: a put
+        that chooses its path by the grant's node looks (``oldest``), then takes."""
+        with self._lock:
+            stock = self._stock.get(size)
+            if not stock or stock[0] is not grant or grant.expires <= time.monotonic():
+                return False
+            stock.popleft()
+            self.used += 1
+            if grant.alloc_id in self._claiming:
+                self._taken_while_claiming.add(grant.alloc_id)
+            return True
+
     def take_claimed(self, size: int) -> tuple[Grant, int, bool] | None:
         """``take`` and ``was_claimed`` in one, for the sealed put's straight path
         (kvpool.cluster.client.sealed_put): the oldest grant of ``size`` bytes if it

@@ -88,7 +88,7 @@ class RemotePutter:
         self._mine: dict[bytes, None] = {}  # insertion-ordered, bounded by MINE_MAX
         self.late_commits = 0  # pipelined puts committed synchronously: grant window passed
         session.on_region_change(self.supply.forget_node)
-        # single same-host puts, before anything here (kvpool.cluster.client.sealed_put)
+        # single puts, same host or TCP, before anything here (kvpool.cluster.client.sealed_put)
         self.sealed = SealedPutter(
             session,
             self.supply,

@@ -134,7 +134,7 @@ class RemotePool(LayerwiseMethods):
         if not (plain_host(data) and data.nbytes):  # else data_region's checks hold already
             return self._put_regions([key], [data_region(data)], [parent], replicas)[0]
         if replicas == 1 and self._putter.sealed.put(key, data, parent):
-            return True  # same host, the straight path (kvpool.cluster.client.sealed_put)
+            return True  # the straight path (kvpool.cluster.client.sealed_put)
         return self._put_regions([key], [data], [parent], replicas)[0]
 
     def put_batch(

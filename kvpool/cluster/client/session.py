@@ -182,6 +182,15 @@ class ClientSession:
         seals = self.seals(node_id)
         return None if seals is None or not seals.node_commits else (data, seals)
 
+    def tcp_committing(self, node_id: str, granted: RegionInfo) -> TcpTransport | None:
+        """``node_id``'s TCP transport, while its region is still ``granted`` (a grant's)
+        and the node commits the TCP writes that ask it to (``WRITE_COMMIT``); else None."""
+        region = self.regions.get(node_id)
+        if region is None or (region is not granted and region != granted):
+            return None  # the node restarted since the grant: it is no use
+        data = self.transport(node_id)
+        return data if type(data) is TcpTransport and data.info.tcp_node_commits else None
+
     def write_block(self, node_id: str, stamp: WriteStamp, src: Region) -> None:
         """One whole block; ``StaleWriteError`` when the node refuses its stamp."""
         statuses, rest = self.write_blocks(node_id, [(stamp, src)])
