@@ -28,7 +28,7 @@ _STALE_MSG = b"that block no longer holds this range"
 GATHER_MAX, GATHER_BYTES = 64, 1 << 20
 _BLOCK = w.READ_BLOCK_REQ
 _BLOCK_REQ = _BLOCK.size
-_PADS = tuple(bytes(n) for n in range(w.ALIGN))  # an ok reply's pad, by length: no slicing
+PADS = tuple(bytes(n) for n in range(w.ALIGN))  # an ok reply's pad, by length: no slicing
 
 
 class CheckedReads:
@@ -58,7 +58,7 @@ class CheckedReads:
         total = w.RESP.size + pad + length
         try:
             head = w.READ_RESP.pack(w.ST_OK, pad, rid, length)
-            parts: list[bytes | memoryview] = [head, _PADS[pad], self._mv[offset : offset + length]]
+            parts: list[bytes | memoryview] = [head, PADS[pad], self._mv[offset : offset + length]]
             done = sock.sendmsg(parts)  # one gather send, nearly always the whole reply
             if done < total:
                 w.send_all(sock, parts, done)
@@ -103,7 +103,7 @@ class CheckedReads:
                     continue
                 parts += (
                     pack(w.ST_OK, pad, rid, length),
-                    _PADS[pad],
+                    PADS[pad],
                     region[offset : offset + length],
                 )
                 sent += head + pad + length

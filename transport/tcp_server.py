@@ -36,7 +36,7 @@ from kvpool.transport.fencing import (
     WriteFence,
     WriteStamp,
 )
-from kvpool.transport.tcp_checked_reads import CheckedReads
+from kvpool.transport.tcp_checked_reads import PADS, CheckedReads
 from kvpool.transport.tcp_inbox import Inbox, Outbox
 
 log = logging.getLogger("kvpool.transport.tcp")
@@ -251,7 +251,7 @@ class TcpDataServer:
             span = self._mv[offset : offset + length]
             if op == w.OP_READ:
                 pad = w.read_pad(sent)
-                reply = w.READ_RESP.pack(w.ST_OK, pad, rid, length) + bytes(pad)
+                reply = w.READ_RESP.pack(w.ST_OK, pad, rid, length) + PADS[pad]
                 w.send_parts(sock, reply, span)
                 sent += len(reply) + length
                 self.reads.bytes_read += length

@@ -173,10 +173,7 @@ class ClientSession:
         """``node_id``'s shared-memory transport and seal records, while its region is
         still ``granted`` (a grant's) and the node commits the blocks sealed there
         (kvpool.cluster.node_commits); else None."""
-        region = self.regions.get(node_id)
-        if region is None or (region is not granted and region != granted):
-            return None  # the node restarted since the grant: it is no use
-        data = self.transport(node_id)
+        data = self._granted_transport(node_id, granted)
         if type(data) is not ShmTransport:
             return None
         seals = self.seals(node_id)
@@ -185,11 +182,16 @@ class ClientSession:
     def tcp_committing(self, node_id: str, granted: RegionInfo) -> TcpTransport | None:
         """``node_id``'s TCP transport, while its region is still ``granted`` (a grant's)
         and the node commits the TCP writes that ask it to (``WRITE_COMMIT``); else None."""
+        data = self._granted_transport(node_id, granted)
+        return data if type(data) is TcpTransport and data.info.tcp_node_commits else None
+
+    def _granted_transport(self, node_id: str, granted: RegionInfo) -> Transport | None:
+        """``node_id``'s transport while its region is still ``granted``; None once the
+        node restarted since the grant (the grant is no use then)."""
         region = self.regions.get(node_id)
         if region is None or (region is not granted and region != granted):
-            return None  # the node restarted since the grant: it is no use
-        data = self.transport(node_id)
-        return data if type(data) is TcpTransport and data.info.tcp_node_commits else None
+            return None
+        return self.transport(node_id)
 
     def write_block(self, node_id: str, stamp: WriteStamp, src: Region) -> None:
         """One whole block; ``StaleWriteError`` when the node refuses its stamp."""
