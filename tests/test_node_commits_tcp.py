@@ -43,6 +43,7 @@ from kvpool.transport.base import RegionInfo
 from kvpool.transport.fencing import FENCE_OK, WriteStamp
 from kvpool.transport.shm_seal import NODE_COMMITS, NOT_COMMITTED, VISIBLE, SealRecords
 from kvpool.transport.tcp import TcpTransport
+from kvpool.transport.tcp_conn import DataConn
 from kvpool.transport.tcp_server import TcpDataServer
 from kvpool.transport.tcp_wire import UNKNOWN
 
@@ -212,6 +213,34 @@ def test_a_refused_write_that_asks_owes_nothing_and_leaves_the_stream_in_step() 
         assert desk.owed == [fresh] and np.array_equal(region[PAGE : 2 * PAGE], data)
         out = np.empty(PAGE, np.uint8)
         assert client.read_block(PAGE, 0, out, K1) and np.array_equal(out, data)
+    finally:
+        client.close()
+        server.close()
+
+
+@pytest.mark.parametrize("length", [5, 16 * (w.MAX_COMMIT_IDS + 1)])
+def test_a_malformed_commits_ask_is_refused_and_the_node_keeps_its_answers(length: int) -> None:
+    """An ask whose ids are not whole (5 bytes) or too many: a clear error, that
+    connection closed (its bytes were not read), and the node's answers untouched
+    for the next ask on another connection."""
+    desk = Desk()
+    desk.states[(1, PAGE)] = VISIBLE
+    server, client, _ = serve(desk)
+    try:
+        port = server.address[1]
+        conn = DataConn("127.0.0.1", port, None, 5.0, server.instance)
+        try:
+            conn.sock.sendall(w.REQ.pack(w.OP_COMMITS, 0, 1, 0, length) + bytes(min(length, 64)))
+            head = bytearray(w.RESP.size)
+            w.recv_into_exact(conn.sock, memoryview(head))
+            status, rid, n = w.RESP.unpack(head)
+            message = bytearray(n)
+            w.recv_into_exact(conn.sock, memoryview(message))
+            assert (status, rid) == (w.ST_BAD_OP, 1) and b"bad COMMITS" in message
+            assert conn.sock.recv(1) == b""  # then the node closed that connection
+        finally:
+            conn.close()
+        assert client.commit_outcomes([(1, PAGE)], 0.0) == [VISIBLE]
     finally:
         client.close()
         server.close()
