@@ -76,15 +76,17 @@ def test_the_answer_lands_only_in_the_record_of_its_allocation(tmp_path) -> None
     node, writer = files(tmp_path)
     writer.write(real(7, PAGE), node_commits=True)
     assert writer.outcome(PAGE, 7) == NODE_COMMITS
-    node.answer(PAGE, 6, VISIBLE)  # another allocation: left alone
+    node.answer(PAGE, 6, 3, VISIBLE)  # another allocation: left alone
     assert writer.outcome(PAGE, 7) == NODE_COMMITS
-    node.answer(PAGE, 7, VISIBLE)
+    node.answer(PAGE, 7, 2, NOT_COMMITTED)  # that id's write of an older term: left alone
+    assert writer.outcome(PAGE, 7) == NODE_COMMITS
+    node.answer(PAGE, 7, 3, VISIBLE)
     assert writer.outcome(PAGE, 7) == VISIBLE
-    node.answer(PAGE, 7, NOT_COMMITTED)  # answered once: a later answer does not flip it
+    node.answer(PAGE, 7, 3, NOT_COMMITTED)  # answered once: a later answer does not flip it
     assert writer.outcome(PAGE, 7) == VISIBLE
     assert writer.outcome(PAGE, 8) is None  # reused for another claim: no answer for 8
     writer.write(real(9, 2 * PAGE))
-    node.answer(2 * PAGE, 9, VISIBLE)  # the writer commits that one: not the node's to answer
+    node.answer(2 * PAGE, 9, 3, VISIBLE)  # the writer commits that one: not the node's
     assert writer.outcome(2 * PAGE, 9) == SEALED
     writer.close()
     node.close()

@@ -75,7 +75,7 @@ HEADER_BYTES = 128
 DOORBELL_WORD = 8  # byte 64
 RECORD = struct.Struct("=QQQQQ16s16s")
 _FIELDS = struct.Struct("=QQQQ16s16s")  # all but ``sealed``
-_ALLOC_WORD = 2  # the record's alloc id, in words from its ``sealed`` word
+_EPOCH_WORD, _ALLOC_WORD = 1, 2  # the record's term and alloc id, in words from ``sealed``
 MAGIC = 0x6B7670736C303032  # "kvpsl002"
 FLAG_NODE_COMMITS = 1  # the node commits records sealed with NODE_COMMITS
 # The record's ``sealed`` word: written 0 by the node (claim granted), 1 or 2 by
@@ -202,11 +202,16 @@ class SealRecords(SideFile):
         words[DOORBELL_WORD] = 0
         return True
 
-    def answer(self, offset: int, alloc_id: int, state: int) -> None:
+    def answer(self, offset: int, alloc_id: int, epoch: int, state: int) -> None:
         """``VISIBLE`` or ``NOT_COMMITTED`` for the block of allocation ``alloc_id``
-        whose writer asked the node to commit it (a reused record is left alone)."""
+        of term ``epoch`` whose writer asked the node to commit it. A record reused
+        since is left alone: by another allocation, or by the same allocation id in
+        another term (ids are unique within a term; across terms only as likely as
+        two random 52-bit bases meeting, so the term is checked too)."""
         word, words = self._word(offset), self._words
-        if word is None or words is None or words[word + _ALLOC_WORD] != alloc_id:
+        if word is None or words is None:
+            return
+        if words[word + _ALLOC_WORD] != alloc_id or words[word + _EPOCH_WORD] != epoch:
             return
         if words[word] == NODE_COMMITS:
             words[word] = state

@@ -195,7 +195,7 @@ class SealCommitter:
     def _answer(self, entry: Entry, state: int) -> None:
         s = entry.stamp
         if not self.answers.answer(s.alloc_id, s.offset, s.epoch, state):  # not a TCP ask
-            self._records.answer(s.offset, s.alloc_id, state)
+            self._records.answer(s.offset, s.alloc_id, s.epoch, state)
         if state == VISIBLE:
             self.committed += 1
         else:
