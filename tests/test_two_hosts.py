@@ -16,6 +16,8 @@ from collections.abc import Iterator
 import pytest
 from clusterhelpers import spawn
 
+from kvpool.cluster.node_commits import IDLE_S
+
 ADDR_A, ADDR_B = "10.213.7.1", "10.213.7.2"
 
 
@@ -66,36 +68,108 @@ CLIENT = textwrap.dedent(
 )
 
 
-def test_node_and_client_on_different_hosts_use_tcp(two_hosts: tuple[str, str]) -> None:
+@pytest.fixture
+def cluster_on_a(two_hosts: tuple[str, str]) -> Iterator[tuple[str, list[str], list[str]]]:
+    """A master and a node in namespace A: (the pool's url, the prefix that runs
+    a command in A, the one that runs it in B)."""
     ns_a, ns_b = two_hosts
     in_a = ["ip", "netns", "exec", ns_a]
     token = ["--token", "two-hosts"]
     master = spawn(["master", "--host", ADDR_A, "--port", "0", *token], prefix=in_a)
-    node = spawn(
-        [
-            "node",
-            "--master",
-            master.address,
-            "--host",
-            ADDR_A,
-            "--dram",
-            "32MiB",
-            "--heartbeat",
-            "0.2",
-            *token,
-        ],
-        prefix=in_a,
+    node_args = ["--host", ADDR_A, "--dram", "32MiB", "--heartbeat", "0.2", *token]
+    node = spawn(["node", "--master", master.address, *node_args], prefix=in_a)
+    try:
+        yield f"kvpool://{master.address}", in_a, ["ip", "netns", "exec", ns_b]
+    finally:
+        node.stop()
+        master.stop()
+
+
+def test_node_and_client_on_different_hosts_use_tcp(
+    cluster_on_a: tuple[str, list[str], list[str]],
+) -> None:
+    url, _, in_b = cluster_on_a
+    script = CLIENT.format(tests=os.path.dirname(__file__), url=url)
+    done = subprocess.run(
+        [*in_b, sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["True", "24", "tcp"]
+
+
+NODE_COMMIT_WRITER = textwrap.dedent(
+    """
+    import sys, time, numpy as np
+    sys.path.insert(0, {tests!r})
+    from poolhelpers import BLOCK, make_keys, payload
+    from test_node_commits import stock_claimed_grants
+    import kvpool
+    keys = make_keys(9, seed=83)
+    with kvpool.connect({url!r}, token="two-hosts", timeout=10) as pool:
+        stock_claimed_grants(pool, keys[0], claimed=False)
+        commits = pool._putter.commits
+        sent, by_node = commits.sent, commits.by_node.count
+        assert all(pool.put(keys[i], payload(i)) for i in range(1, 9))
+        put_at = time.monotonic()
+        frames, asked = commits.sent - sent, commits.by_node.count - by_node
+        out = np.empty(BLOCK, np.uint8)
+        own = pool.get_into(keys[8], out) == BLOCK and np.array_equal(out, payload(8))
+        pool.flush()
+        print(put_at, frames, asked, own, commits.idle(), pool.stats()["transport"])
+    """
+)
+
+NODE_COMMIT_READER = textwrap.dedent(
+    """
+    import sys, time, numpy as np
+    sys.path.insert(0, {tests!r})
+    from poolhelpers import BLOCK, make_keys, payload
+    import kvpool
+    keys = make_keys(9, seed=83)
+    with kvpool.connect({url!r}, token="two-hosts", timeout=10) as pool:
+        deadline = time.monotonic() + 60
+        while pool.exists([keys[8]]) != [True] and time.monotonic() < deadline:
+            pass
+        seen_at = time.monotonic()
+        out = np.empty(BLOCK, np.uint8)
+        ok = all(pool.get_into(k, out) == BLOCK and np.array_equal(out, payload(i))
+                 for i, k in enumerate(keys))
+        print(seen_at, ok, pool.stats()["transport"])
+    """
+)
+
+
+def test_tcp_puts_the_node_commits_across_hosts_are_seen_by_both_hosts(
+    cluster_on_a: tuple[str, list[str], list[str]],
+) -> None:
+    """Issue 17's node commits over a real network path: a writer in namespace B
+    puts single blocks with ``WRITE_COMMIT`` (no COMMIT frame of its own), reads
+    its own put back at once, and a reader on the node's host (namespace A, so
+    same-host shared memory) sees the last put within the README's bound (0.5 s
+    plus one poll period of the node's commit thread) with every byte exact."""
+    url, in_a, in_b = cluster_on_a
+    args = {"tests": os.path.dirname(__file__), "url": url}
+    run = [sys.executable, "-c"]
+    reader = subprocess.Popen(
+        [*in_a, *run, NODE_COMMIT_READER.format(**args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
     )
     try:
-        script = CLIENT.format(tests=os.path.dirname(__file__), url=f"kvpool://{master.address}")
-        done = subprocess.run(
-            ["ip", "netns", "exec", ns_b, sys.executable, "-c", script],
+        writer = subprocess.run(
+            [*in_b, *run, NODE_COMMIT_WRITER.format(**args)],
             capture_output=True,
             text=True,
             timeout=120,
         )
-        assert done.returncode == 0, done.stderr[-2000:]
-        assert done.stdout.split() == ["True", "24", "tcp"]
+        seen, errors = reader.communicate(timeout=120)
     finally:
-        node.stop()
-        master.stop()
+        reader.kill()
+    assert writer.returncode == 0, writer.stderr[-2000:]
+    assert reader.returncode == 0, errors[-2000:]
+    put_at, frames, asked, own, idle, transport = writer.stdout.split()
+    assert (frames, asked, own, idle, transport) == ("0", "8", "True", "True", "tcp")
+    seen_at, ok, reader_transport = seen.split()
+    assert (ok, reader_transport) == ("True", "shm")
+    assert float(seen_at) - float(put_at) < 0.5 + IDLE_S
