@@ -7,7 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvpool.cluster.block_table import BlockTable
-from kvpool.transport.fencing import WriteStamp
+from kvpool.transport.fencing import FENCE_OK, WriteStamp
 from kvpool.transport.shm_seal import SealRecords
 
 PAGE = 4096
@@ -32,6 +32,13 @@ def ahead(alloc: int, offset: int = 0, epoch: int = 3) -> WriteStamp:
 def real(alloc: int, offset: int = 0, epoch: int = 3, key: bytes = K1) -> WriteStamp:
     """The stamp its writer seals: the real key and a parent."""
     return WriteStamp(epoch, alloc, offset, PAGE, key, P1)
+
+
+def sealed_by_tcp(t: BlockTable, *stamps: WriteStamp) -> None:
+    """Each block claimed and sealed by a final TCP write, as the data server does."""
+    for stamp in stamps:
+        assert t.claim(stamp, owner="conn") == FENCE_OK
+        assert t.finish(stamp, "conn", ok=True, seal=True) == FENCE_OK
 
 
 class Link:

@@ -22,15 +22,16 @@ import numpy as np
 import pytest
 from clusterhelpers import start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
-from sealhelpers import K2, P1, PAGE, Link, ahead, real, table
+from sealhelpers import K2, P1, PAGE, Link, ahead, real, sealed_by_tcp, table
 
 import kvpool
+from kvpool.cluster import node_commits
 from kvpool.cluster.block_entry import COMMITTED
 from kvpool.cluster.block_table import BlockTable
 from kvpool.cluster.client import node_watch
 from kvpool.cluster.client.acked import Acked
 from kvpool.cluster.client.node_watch import NodeWatch
-from kvpool.cluster.node_commits import IDLE_S, SealCommitter
+from kvpool.cluster.node_commits import BUSY_S, IDLE_S, QUIET_S, SealCommitter
 from kvpool.errors import MasterUnavailableError
 from kvpool.transport.fencing import FENCE_OK
 from kvpool.transport.shm_seal import (
@@ -174,6 +175,52 @@ def test_an_unreachable_master_is_retried_and_a_new_term_answers_by_state(tmp_pa
     assert [writer.outcome(0, 1), writer.outcome(PAGE, 2)] == [VISIBLE, VISIBLE]
     writer.close()
     node.close()
+
+
+class CountedPolls(SealRecords):
+    """The node's seal file, counting the commit thread's doorbell polls."""
+
+    polls = 0
+
+    def rung(self) -> bool:
+        self.polls += 1
+        return super().rung()
+
+
+def test_an_idle_committer_stops_polling_until_a_claim_or_an_owe_wakes_it(
+    tmp_path, monkeypatch
+) -> None:
+    """Nothing open, nothing owed: the thread waits (``DOZE_S``, made long here so
+    only a wake can explain a prompt commit) instead of polling every ``IDLE_S``;
+    a claim taken ahead, or a TCP write's owed commit, wakes it at once."""
+    monkeypatch.setattr(node_commits, "DOZE_S", 60.0)
+    path = str(tmp_path / "arena.seal")
+    node = CountedPolls(path, 16 * PAGE, create=True, node_commits=True)
+    writer = SealRecords(path, 16 * PAGE, create=False)
+    t = table(node)
+    link = Link([True], [True])
+    committer = SealCommitter(t, node, lambda: link)  # type: ignore[arg-type]
+    committer.start()
+    try:
+        time.sleep(0.2)
+        assert node.polls == 1  # one look, then it waits: ~100 polls at IDLE_S otherwise
+        assert t.claim(ahead(1), owner="claims") == FENCE_OK  # wakes it: it polls again
+        writer.write(real(1), node_commits=True)
+        assert wait_until(lambda: writer.outcome(0, 1) == VISIBLE, timeout=10, interval=0.001)
+        time.sleep(max(BUSY_S, QUIET_S) + 0.1)  # it polls a while after a block, then waits
+        polls = node.polls
+        time.sleep(0.2)
+        assert node.polls == polls
+        sealed_by_tcp(t, real(2, PAGE, key=K2))  # no claim taken ahead: it sleeps on
+        time.sleep(0.05)
+        assert node.polls == polls
+        committer.owe(real(2, PAGE, key=K2))  # that write's final frame asked: wakes it
+        assert wait_until(lambda: len(link.calls) == 2, timeout=10, interval=0.001)
+        assert committer.outcomes([(2, PAGE)], 0.0) == bytes([VISIBLE])
+    finally:
+        committer.close()
+        writer.close()
+        node.close()
 
 
 # -- the writer's watch --------------------------------------------------------------------

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 from clusterhelpers import start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
-from sealhelpers import K1, K2, P1, PAGE, Link, real, table
+from sealhelpers import K1, K2, P1, PAGE, Link, real, sealed_by_tcp, table
 from test_node_commits import reads_back, stock_claimed_grants
 
 import kvpool
@@ -100,13 +100,6 @@ def test_an_ask_hurries_the_commit_and_waits_for_its_answer() -> None:
 
 
 # -- the node: its table owes, its commit thread answers in the book -----------------------
-
-
-def sealed_by_tcp(t: BlockTable, *stamps: WriteStamp) -> None:
-    """Each block claimed and sealed by a final TCP write, as the data server does."""
-    for stamp in stamps:
-        assert t.claim(stamp, owner="conn") == FENCE_OK
-        assert t.finish(stamp, "conn", ok=True, seal=True) == FENCE_OK
 
 
 def test_a_final_tcp_write_that_asks_is_owed_once(tmp_path) -> None:

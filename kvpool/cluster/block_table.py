@@ -318,6 +318,13 @@ class BlockTable:
             entry = self._entries.get(stamp.offset)
             return entry is not None and self._claims is not None and self._claims.owe(entry, stamp)
 
+    def seal_work(self, wake: Callable[[], object] | None) -> bool:
+        """Claims taken ahead open or commits owed? ``wake()`` (under the lock) as one appears."""
+        with self._lock:
+            if self._claims is not None:
+                self._claims.wake = wake
+            return self._claims is not None and self._claims.pending()
+
     def adopt_owed(self) -> list[Entry]:
         """Adopt the records sealed for claims taken ahead; hand over the blocks whose
         writers asked the node to commit them (each once, in the order sealed)."""

@@ -15,7 +15,10 @@ Invariants:
   whole (adopted from its record, or sealed over TCP) and its record, naming
   its allocation, asks for one (``NODE_COMMITS``); or when its final TCP write
   asked for one (``owe``: its data server calls it once, right after the seal).
-  ``take_owed`` hands the owed entries over in the order they were owed.
+  ``take_owed`` hands the owed entries over in the order they were owed;
+- ``wake`` (when set) is called as a claim is taken ahead or a commit becomes
+  owed: the node's commit thread sets it before it stops polling (nothing open,
+  nothing owed) and clears it when it wakes, so a busy node pays no call per put.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ class SealedClaims:
         self._clock = clock  # CLOCK_MONOTONIC ns (injected by unit tests)
         self.open: dict[int, Entry] = {}
         self._owed: list[Entry] = []
+        self.wake: Callable[[], object] | None = None
+
+    def pending(self) -> bool:
+        """A claim taken ahead is open or a commit is owed: the commit thread polls."""
+        return bool(self.open or self._owed)
 
     def granted(self, entry: Entry) -> None:
         """A claim taken ahead is about to be answered: no seal recorded in its
@@ -43,6 +51,8 @@ class SealedClaims:
         entry.granted_ns = self._clock()
         if self.records.clear(offset):
             self.open[offset] = entry
+            if self.wake is not None:
+                self.wake()
 
     def find(self, entry: Entry) -> WriteStamp | None:
         """The stamp its writer sealed in ``entry``'s record (a claim taken ahead,
@@ -59,15 +69,20 @@ class SealedClaims:
         self.gone(entry)
         found = self.records.read(entry.stamp.offset) if entry.granted_ns else None
         if found is not None and found[1] and found[0].same_allocation(entry.stamp):
-            self._owed.append(entry)
+            self._owe(entry)
 
     def owe(self, entry: Entry, stamp: WriteStamp) -> bool:
         """``entry``'s final TCP write (``stamp``) asked for the node's commit: owed it
         if the entry is that allocation's and whole (False: replaced or aborted since)."""
         if entry.state == CLAIMED or entry.aborted or not entry.stamp.same_allocation(stamp):
             return False
-        self._owed.append(entry)
+        self._owe(entry)
         return True
+
+    def _owe(self, entry: Entry) -> None:
+        self._owed.append(entry)
+        if self.wake is not None:
+            self.wake()
 
     def gone(self, entry: Entry) -> None:
         if self.open.get(entry.stamp.offset) is entry:
