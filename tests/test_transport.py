@@ -20,6 +20,7 @@ from kvpool.errors import (
     TransportUnavailableError,
 )
 from kvpool.transport.base import RegionInfo, host_identity
+from kvpool.transport.peers import PeerTransports
 from kvpool.transport.select import candidates, select_transport
 from kvpool.transport.shm import ShmTransport
 from kvpool.transport.tcp import TcpTransport
@@ -223,6 +224,22 @@ def test_select_respects_env(node: RegionInfo, monkeypatch: pytest.MonkeyPatch) 
     except ImportError:
         with pytest.raises(TransportUnavailableError, match="ucxx is not installed"):
             select_transport(node)
+
+
+@pytest.mark.parametrize("bad", ["bogus", "tcp,auto", ",", " , "])
+def test_a_preference_naming_no_real_transport_is_refused_up_front(
+    bad: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A client refuses it when it is made (before any put allocates), from the
+    argument or from ``$KVPOOL_TRANSPORT``, naming the choices."""
+    monkeypatch.delenv("KVPOOL_TRANSPORT", raising=False)
+    with pytest.raises(TransportUnavailableError, match=r"choose from shm, ucx, tcp"):
+        PeerTransports(override=bad)
+    monkeypatch.setenv("KVPOOL_TRANSPORT", bad)
+    with pytest.raises(TransportUnavailableError, match=r"\$KVPOOL_TRANSPORT="):
+        PeerTransports()
+    for fine in ("TCP", "ucx, tcp", ""):  # any case, spaces; empty: automatic
+        PeerTransports(override=fine).close()
 
 
 def test_byte_counters(node: RegionInfo) -> None:

@@ -173,3 +173,47 @@ def test_tcp_puts_the_node_commits_across_hosts_are_seen_by_both_hosts(
     seen_at, ok, reader_transport = seen.split()
     assert (ok, reader_transport) == ("True", "shm")
     assert float(seen_at) - float(put_at) < 0.5 + IDLE_S
+
+
+NO_TRANSPORT_WRITER = textwrap.dedent(
+    """
+    import sys, numpy as np
+    sys.path.insert(0, {tests!r})
+    from poolhelpers import BLOCK, make_keys, payload
+    import kvpool
+    from kvpool.errors import TransportUnavailableError
+    keys = make_keys(6, seed=85)
+    refused = 0
+    with kvpool.connect({url!r}, token="two-hosts", timeout=10, transport="shm") as pool:
+        for attempt in (lambda: pool.put(keys[0], payload(0)),
+                        lambda: pool.put_batch(keys[1:3], [payload(1), payload(2)]),
+                        lambda: pool.put(keys[3], payload(3))):
+            try:
+                attempt()
+            except TransportUnavailableError as exc:
+                refused += "shm: node is not on this host" in str(exc)
+    with kvpool.connect({url!r}, token="two-hosts", timeout=10, transport="tcp") as pool:
+        stored = pool.put_batch(keys[:4], [payload(i) for i in range(4)])
+        out = np.empty(BLOCK, np.uint8)
+        exact = all(pool.get_into(k, out) == BLOCK and np.array_equal(out, payload(i))
+                    for i, k in enumerate(keys[:4]))
+        print(refused, stored, exact)
+    """
+)
+
+
+def test_a_put_no_transport_can_carry_raises_and_leaves_its_keys_free(
+    cluster_on_a: tuple[str, list[str], list[str]],
+) -> None:
+    """A client on host B that allows only shared memory cannot write to A's node:
+    each put raises ``TransportUnavailableError`` naming why, and gives back
+    what it allocated, so the next writer's puts of the same keys store them
+    (before, they answered False -- "stored already" -- until the master expired
+    the allocations, and nothing was stored)."""
+    url, _, in_b = cluster_on_a
+    script = NO_TRANSPORT_WRITER.format(tests=os.path.dirname(__file__), url=url)
+    done = subprocess.run(
+        [*in_b, sys.executable, "-c", script], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split() == ["3", "[True,", "True,", "True,", "True]", "True"]

@@ -32,7 +32,7 @@ from kvpool.bindings import stream_copy
 from kvpool.transport import shm_copy, tcp_recv
 from kvpool.transport.base import RegionInfo, Transport, host_identity
 from kvpool.transport.fencing import CommitDesk, WriteFence
-from kvpool.transport.select import select_transport
+from kvpool.transport.select import check_override, select_transport
 from kvpool.transport.tcp_server import TcpDataServer
 
 WILDCARDS = ("", "0.0.0.0", "::")
@@ -135,6 +135,7 @@ class PeerTransports:
     def __init__(
         self, *, token: str | None = None, timeout: float = 10.0, override: str | None = None
     ) -> None:
+        check_override(override)  # a misspelt name fails here, not at the first put
         self.token, self.timeout, self.override = token, timeout, override
         self._by_node: dict[str, Transport] = {}
         self._retired: dict[str, list[int]] = {}

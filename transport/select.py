@@ -8,7 +8,9 @@ than our socket path, and CUDA alone does not make it faster; else ``tcp``.
 
 ``override`` (default ``$KVPOOL_TRANSPORT``) is a comma-separated preference
 list, e.g. ``"tcp"`` or ``"ucx,tcp"``: the first that can reach the peer wins,
-and ``TransportUnavailableError`` names why none could.
+and ``TransportUnavailableError`` names why none could. A list naming a
+transport that does not exist is refused when the client connects
+(``check_override``), not at its first put.
 """
 
 from __future__ import annotations
@@ -38,13 +40,37 @@ def _why_not(name: str, peer: RegionInfo) -> str | None:
         if not ucx_available():
             return "ucxx is not installed (pip install 'kvpool[ucx]')"
         return None if peer.ucx is not None else "node has no UCX listener"
+    return _unknown(name)
+
+
+def _names(override: str) -> list[str]:
+    return [n.strip().lower() for n in override.split(",") if n.strip()]
+
+
+def check_override(override: str | None = None) -> None:
+    """Refuse, up front (a client checks at ``connect``, not at its first put), a
+    preference list (``override``, else ``$KVPOOL_TRANSPORT``) that names a
+    transport which does not exist, or names none: ``TransportUnavailableError``."""
+    source = "transport"
+    if override is None:
+        override, source = os.environ.get(TRANSPORT_ENV) or None, f"${TRANSPORT_ENV}"
+    if not override:
+        return  # automatic
+    names = _names(override)
+    unknown = [n for n in names if n not in NAMES]
+    if unknown or not names:
+        why = _unknown(unknown[0] if unknown else "")
+        raise TransportUnavailableError(f"{source}={override!r}: {why}")
+
+
+def _unknown(name: str) -> str:
     return f"unknown transport {name!r} (choose from {', '.join(NAMES)})"
 
 
 def candidates(peer: RegionInfo, override: str | None = None) -> list[str]:
     """Transport names to try, best first."""
     if override:
-        return [n.strip().lower() for n in override.split(",") if n.strip()]
+        return _names(override)
     names = ["shm"]
     if peer.ucx is not None and peer.ucx.rdma:
         from kvpool.transport.ucx import ucx_has_rdma

@@ -5,6 +5,7 @@ that a grant names), each stamped with its allocation and key (one pipelined
 exchange per node: kvpool.cluster.client.fenced). Same-host and UCX copies
 are sealed after the copy; those seals are left in flight so the caller can
 overlap them with the master's commit, and ``wait_for_seals`` collects them.
+``write_or_give_back`` is what a put calls: ``write_all``, then the revokes.
 
 Invariants:
 - a block is in ``written`` only if its node acknowledged the whole write
@@ -29,6 +30,7 @@ import numpy as np
 from kvpool.bindings.buffers import Region
 from kvpool.cluster.client import fenced
 from kvpool.cluster.client.acked import Acked
+from kvpool.cluster.client.grant_supply import GrantSupply
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.wire import EXISTS, KeysRequest
 from kvpool.errors import KVPoolError, PutFailedError
@@ -81,6 +83,11 @@ def write_all(
             done.lost += [item[0] for item in items]
             done.dead.append(node_id)
             continue
+        except BaseException:  # not a node failing: the put raises (write_or_give_back)
+            # Seals in flight on other nodes first: each holds a data connection lent
+            # out until they are collected (TcpTransport.stamped_later).
+            wait_for_seals(done.sealing, [False] * len(keys))
+            raise
         for item, status in zip(items, statuses, strict=True):
             if status == fenced.OK:
                 done.written.append((item, node_id))
@@ -90,6 +97,32 @@ def write_all(
         if seals is not None:
             done.sealing.append((node_id, [item[0] for item in items], seals))
     return done
+
+
+def write_or_give_back(
+    session: ClientSession,
+    supply: GrantSupply,
+    writes: Writes,
+    keys: Sequence[bytes],
+    regions: Sequence[Region],
+    parents: Sequence[bytes | None],
+    sizes: list[int],
+) -> tuple[list[Written], list[int], list[Sealing]]:
+    """``write_all``, then forget the nodes that failed and revoke what the nodes
+    refused: (what was written, indices to retry, seals still in flight). When it
+    raises instead (not a node failing: no transport reaches one from here, say),
+    every allocation and grant of ``writes`` is revoked first: nothing of the put
+    was acknowledged, and the keys it allocated would otherwise read as being
+    stored (a put of them answered False) until the master expired them."""
+    try:
+        done = write_all(session, writes, keys, regions, parents, sizes)
+    except BaseException:
+        supply.revoke([item[1] for items in writes.values() for item in items])
+        raise
+    for node_id in done.dead:
+        supply.forget_node(node_id)
+    supply.revoke(done.failed)
+    return done.written, done.lost, done.sealing
 
 
 def wait_for_seals(sealing: list[Sealing], stored: list[bool]) -> list[int]:

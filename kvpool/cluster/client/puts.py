@@ -50,7 +50,7 @@ from kvpool.cluster.client.put_writes import (
     Written,
     recover_puts,
     wait_for_seals,
-    write_all,
+    write_or_give_back,
 )
 from kvpool.cluster.client.sealed_put import SealedPutter
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
@@ -132,7 +132,11 @@ class RemotePutter:
             return None
         grant, claimed_at = taken
         node_id, session = grant.node_id, self._session
-        data, seals = session.transport(node_id), None
+        try:
+            data, seals = session.transport(node_id), None
+        except BaseException:  # no transport reaches that node from here: give it back
+            self.supply.revoke([grant.alloc_id])
+            raise
         if type(data) is ShmTransport and claimed_at > 1 and type(region) is np.ndarray:
             seals = session.seals(node_id)
         if seals is None and type(data) is not TcpTransport:
@@ -221,7 +225,9 @@ class RemotePutter:
                 for alloc_id, node_id, off in placements or ():
                     writes.setdefault(node_id, []).append((i, alloc_id, off, reply.epoch, False))
             full, error = [rest[j] for j in reply.full], reply.error
-        written, lost, sealing = self._write(writes, keys, regions, parents, sizes)
+        written, lost, sealing = write_or_give_back(
+            self._session, self.supply, writes, keys, regions, parents, sizes
+        )
         stored, retry = self._acknowledge(
             keys, parents, sizes, written, lost, sealing, granted, use_by, pipelined
         )
@@ -339,22 +345,6 @@ class RemotePutter:
             self.supply.close()
 
     # -- helpers --------------------------------------------------------------------
-
-    def _write(
-        self,
-        writes: Writes,
-        keys: Sequence[bytes],
-        regions: Sequence[Region],
-        parents: Sequence[bytes | None],
-        sizes: list[int],
-    ) -> tuple[list[Written], list[int], list[Sealing]]:
-        """``write_all``, then forget the nodes that failed and revoke what the nodes
-        refused: (what was written, indices to retry, seals still in flight)."""
-        done = write_all(self._session, writes, keys, regions, parents, sizes)
-        for node_id in done.dead:
-            self.supply.forget_node(node_id)
-        self.supply.revoke(done.failed)
-        return done.written, done.lost, done.sealing
 
     def _commit(
         self,

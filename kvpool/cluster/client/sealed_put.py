@@ -85,7 +85,11 @@ class SealedPutter:
         if taken is None:
             return self._put_tcp(key, region, parent, size)
         grant, claimed_at, low = taken
-        sealable = session.sealable(grant.node_id, grant.region)
+        try:
+            sealable = session.sealable(grant.node_id, grant.region)
+        except BaseException:  # no transport reaches that node from here: give it back
+            self._supply.revoke([grant.alloc_id])
+            raise
         if sealable is None:
             self._stock.put_back(grant, size, claimed_at)
             return False
