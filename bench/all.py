@@ -310,6 +310,10 @@ def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool
         f"{facts['cpuidle_driver']}, kernel {facts['kernel']}, Python {facts['python']}; "
         f"load {facts['load_before']} -> {facts['load_after']}; {facts['seconds']} s"
     )
+    if "tcp_congestion" in facts:  # (facts written before session 27 lack it)
+        cc = facts["tcp_congestion"]
+        print(f"TCP congestion control: host default {cc['host_default']}, data path and "
+              f"raw baselines {cc['data_path']}")  # fmt: skip
     for suite, ways in facts.get("copy", {}).items():  # each suite ran in its own process
         print(f"copy ({suite}): {ways}")
     steal = {k: v for k, v in facts.get("steal_pct", {}).items() if v is not None}

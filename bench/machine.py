@@ -23,13 +23,18 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.transport.tcp_congestion import CHOSEN
+
 #: Steal above this share of CPU time marks a suite's rows as measured on a
 #: contended machine (the report prints a note under the facts).
 STEAL_NOTE_PCT = 5.0
 
 
 def machine_facts() -> dict[str, Any]:
-    """CPU model, cores, cpuidle driver, kernel, Python: what the figures depend on."""
+    """CPU model, cores, cpuidle driver, kernel, Python, TCP congestion control (the
+    host's default and what kvpool's data path and the raw-socket baselines use:
+    kvpool.transport.tcp_congestion): what the figures depend on."""
+
     model = "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -52,6 +57,7 @@ def machine_facts() -> dict[str, Any]:
         "cpuidle_driver": idle,
         "kernel": platform.release(),
         "python": platform.python_version(),
+        "tcp_congestion": CHOSEN.status(),
     }
 
 

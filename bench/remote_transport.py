@@ -4,8 +4,10 @@ A node process (``python -m kvpool.bench.remote_transport --node BYTES``)
 creates a pre-faulted shared-memory arena and serves it twice: through the
 TCP data server, and through a minimal raw-socket server (request = op,
 offset, length; reply = the bytes by ``sendall``; puts = ``recv_into`` then a
-1-byte ack) -- the least a Python program can do per operation. The client
-(this process) measures, per size:
+1-byte ack) -- the least a Python program can do per operation. Its sockets
+are opened as kvpool's data path opens its own (kvpool.transport.tcp_congestion:
+the same congestion control), so the two differ in what they do, not in how
+the kernel paces them. The client (this process) measures, per size:
 
 - tcp get_into / put vs the raw socket doing the same request/response ops;
 - tcp get_batch (``read_many`` of 8 ranges) vs a raw back-to-back stream
@@ -43,6 +45,7 @@ from kvpool.bench.common import (
     print_table,
     write_json,
 )
+from kvpool.transport import tcp_congestion
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import RegionInfo, UcxInfo
 from kvpool.transport.shm import ShmTransport
@@ -87,7 +90,7 @@ def _node(size: int, with_ucx: bool) -> None:
     arena = SharedArena(size)
     arena.view[:] = np.resize(np.arange(251, dtype=np.uint8), size)
     tcp = TcpDataServer(arena.view, host="127.0.0.1", port=0)
-    raw = socket.create_server(("127.0.0.1", 0))
+    raw = tcp_congestion.listen("127.0.0.1", 0)  # as kvpool's data server: same algorithm
     region = memoryview(arena.view)  # type: ignore[arg-type]
 
     def accept() -> None:
@@ -117,7 +120,7 @@ def _node(size: int, with_ucx: bool) -> None:
 
 class RawClient:
     def __init__(self, port: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock = tcp_congestion.connect(("127.0.0.1", port), None)
         w.tune(self.sock)
         self.ack = bytearray(1)
 

@@ -19,7 +19,7 @@ KEYS = ["suite", "store", "op", "path", "size", "value", "unit", "baseline", "ba
         "ratio"]  # fmt: skip
 OPS = {"put", "get_into", "put_batch", "get_into_batch", "prefix_match", "store", "load"}
 FACTS = {"date_utc", "cpu_model", "cores", "cpuidle_driver", "kernel", "load_before",
-         "load_after", "seconds", "steal_pct"}  # fmt: skip
+         "load_after", "seconds", "steal_pct", "tcp_congestion"}  # fmt: skip
 
 
 def _bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -146,6 +146,8 @@ def test_machine_facts_are_written_and_printed(quick_run: tuple[list[dict], dict
     assert set(facts) >= FACTS
     assert len(facts["load_before"]) == 3 and len(facts["load_after"]) == 3
     assert facts["cpu_model"] in stdout and "load" in stdout
+    cc = facts["tcp_congestion"]  # the host's and the one kvpool's data path runs
+    assert f"host default {cc['host_default']}, data path and raw baselines" in stdout
     steal = facts["steal_pct"]  # every suite's share of CPU time stolen, and the whole run's
     assert set(steal) == {"local", "prefix", "remote", "layerwise", "all"}
     assert all(v is None or 0 <= v <= 100 for v in steal.values())

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from kvpool.storage.arena import SharedArena
-from kvpool.transport import tcp_recv
+from kvpool.transport import tcp_congestion, tcp_recv
 from kvpool.transport.base import RegionInfo
 from kvpool.transport.peers import PeerTransports, advertised_host, expose_region
 
@@ -28,6 +28,7 @@ def test_expose_and_peers() -> None:
         tcp_peers.get(info).read_into(100, out)  # reconnects
         tcp_stats = tcp_peers.stats()["tcp"]
         assert tcp_stats.pop("spin")["status"] == tcp_recv.STATUS  # how its receives wait
+        assert tcp_stats.pop("congestion") == tcp_congestion.CHOSEN.status()
         assert tcp_stats == {"bytes_read": 2000, "bytes_written": 0, "peers": 1}
         assert peers.stats()["shm"]["bytes_written"] == 1000
         moved = RegionInfo.from_dict({**info.to_dict(), "tcp_port": info.tcp_port})

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.bindings import stream_copy
-from kvpool.transport import shm_copy, tcp_recv
+from kvpool.transport import shm_copy, tcp_congestion, tcp_recv
 from kvpool.transport.base import RegionInfo, Transport, host_identity
 from kvpool.transport.fencing import CommitDesk, WriteFence
 from kvpool.transport.select import check_override, select_transport
@@ -175,7 +175,8 @@ class PeerTransports:
         (shm also: each node's arena mapping's CUDA page-lock status, the host
         copy large blocks take: kvpool.bindings.stream_copy, and whether a read's
         checks and a put's seal go with the copy: kvpool.transport.shm_copy; tcp also: how its
-        receives wait, kvpool.transport.tcp_recv)."""
+        receives wait, kvpool.transport.tcp_recv, and the congestion control its
+        connections run, kvpool.transport.tcp_congestion)."""
         with self._lock:
             out: dict[str, dict[str, Any]] = {
                 k: {"bytes_read": v[0], "bytes_written": v[1]} for k, v in self._retired.items()
@@ -190,8 +191,9 @@ class PeerTransports:
                 if t.name == "shm":  # the copy its large blocks take, and its checks
                     acc["copy"] = stream_copy.status()
                     acc["checked_copy"] = shm_copy.STATUS
-                elif t.name == "tcp":  # how its receives wait
+                elif t.name == "tcp":  # how its receives wait, its congestion control
                     acc["spin"] = {"status": tcp_recv.STATUS, **tcp_recv.counters()}
+                    acc["congestion"] = tcp_congestion.CHOSEN.status()
             return out
 
     def close(self) -> None:

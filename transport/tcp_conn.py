@@ -23,14 +23,13 @@ kernel timeout 7 recv. A kernel timeout surfaces as ``BlockingIOError``
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import numpy as np
 
 from kvpool.errors import CallTimeoutError, ConnectionLostError, HandshakeRefusedError, RemoteError
 from kvpool.rpc.frame import set_io_timeout
-from kvpool.transport import tcp_recv
+from kvpool.transport import tcp_congestion, tcp_recv
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.tcp_recv import spin
 
@@ -47,7 +46,7 @@ class DataConn:
     ) -> None:
         addr = (host, port)
         try:
-            sock = socket.create_connection(addr, timeout=timeout)
+            sock = tcp_congestion.connect(addr, timeout)
         except TimeoutError as exc:
             raise CallTimeoutError(f"data connect to {addr} timed out") from exc
         except OSError as exc:

@@ -26,7 +26,8 @@ from typing import Any
 from kvpool.bindings.buffers import host_view
 from kvpool.errors import ConnectionLostError
 from kvpool.rpc.auth import check_bind, resolve_token
-from kvpool.rpc.frame import linger_close, listen, set_io_timeout
+from kvpool.rpc.frame import linger_close, set_io_timeout
+from kvpool.transport import tcp_congestion
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.fencing import (
     FENCE_BUSY,
@@ -71,7 +72,7 @@ class TcpDataServer:
         self.fence, self.write_timeout = fence, write_timeout
         self.commits = commits  # takes OP_WRITE_COMMIT and OP_COMMITS (None: refused)
         self.max_connections = max_connections
-        self._listener = listen(host, port)
+        self._listener = tcp_congestion.listen(host, port)
         self._conns: set[socket.socket] = set()
         self._lock = threading.Lock()
         self._closed = False
