@@ -166,6 +166,8 @@ def listen(host: str, port: int) -> socket.socket:
         if os.name == "posix":  # as socket.create_server: rebind a port in TIME_WAIT
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6:  # as socket.create_server: IPv6 only
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         CHOSEN.apply(sock)
         sock.bind((host, port))
         sock.listen(LISTEN_BACKLOG)
