@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kvpool.cluster.block_table import COMMITTED, WRITTEN, BlockTable
+from kvpool.errors import BufferSpecError, RemoteError
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import RegionInfo
 from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, FENCE_STALE, WriteStamp
@@ -150,6 +151,30 @@ def test_tcp_stamped_writes_are_fenced(fenced_server) -> None:
     out = np.empty(4096, np.uint8)
     tcp.read_into(0, out)
     assert np.array_equal(out, new)
+
+
+def test_a_single_stamped_write_answers_as_a_pipeline_of_one(fenced_server) -> None:
+    """``stamped_one`` (a single put's fast path) answers what ``stamped`` would, refused
+    writes included, and leaves the stream in sync for the ops after it (every pad);
+    what the server cannot take raises and the next op gets a fresh connection."""
+    region, _, tcp = fenced_server
+    for i, size in enumerate([4096, 100, 4096 + 7]):  # payloads that move the stream's pads
+        block = np.full(size, i + 1, np.uint8)
+        off = 16384 * (i + 1)
+        fresh = WriteStamp(3, 100 + i, off, size, K1)
+        assert tcp.stamped_one(w.OP_WRITE_FINAL, fresh.pack(), off, block) == w.ST_OK
+        older = WriteStamp(3, 50 + i, off, size, K2)  # an older allocation of that range
+        assert tcp.stamped_one(w.OP_WRITE_FINAL, older.pack(), off, block + 1) == w.ST_STALE
+        assert np.array_equal(region[off : off + size], block)
+        out = np.zeros(size, np.uint8)
+        tcp.read_into(off, out)  # still in sync after the refusal's message
+        assert np.array_equal(out, block)
+    with pytest.raises(BufferSpecError):  # outside the region: refused before anything moves
+        tcp.stamped_one(w.OP_WRITE_FINAL, fresh.pack(), region.nbytes - 10, np.zeros(20, np.uint8))
+    commit = WriteStamp(3, 200, 0, 4096, K1)  # this server commits nothing: refused, raises
+    with pytest.raises(RemoteError, match="no such stamped writes"):
+        tcp.stamped_one(w.OP_WRITE_COMMIT, commit.pack(), 0, np.zeros(4096, np.uint8))
+    assert tcp.stamped_one(w.OP_WRITE_FINAL, commit.pack(), 0, np.ones(4096, np.uint8)) == w.ST_OK
 
 
 def test_a_stale_checked_read_in_a_pipeline_keeps_the_stream_in_sync(fenced_server) -> None:

@@ -510,16 +510,16 @@ def test_a_failed_straight_tcp_write_is_put_again_by_the_general_path(monkeypatc
         keys = make_keys(2, seed=98)
         with tcp_writer(cluster.url) as writer:
             stock_claimed_grants(writer, keys[0], claimed=False)
-            stamped = TcpTransport.stamped
+            stamped_one = TcpTransport.stamped_one  # the straight path's write
             failed: list[int] = []
 
-            def fail_once(self: TcpTransport, items: Any) -> list[int]:
-                if not failed and items[0][0] == w.OP_WRITE_COMMIT:
+            def fail_once(self: TcpTransport, op: int, stamp: bytes, off: int, data: Any) -> int:
+                if not failed and op == w.OP_WRITE_COMMIT:
                     failed.append(1)
                     raise ConnectionLostError("dropped (test)")
-                return stamped(self, items)
+                return stamped_one(self, op, stamp, off, data)
 
-            monkeypatch.setattr(TcpTransport, "stamped", fail_once)
+            monkeypatch.setattr(TcpTransport, "stamped_one", fail_once)
             assert writer.put(keys[1], payload(1)) and failed == [1]
             writer.flush()
         assert reads_back(cluster.url, keys[1], 1)

@@ -265,6 +265,25 @@ class TcpTransport(Transport):
         self.bytes_written += sum(r.nbytes for _, _, _, r in plan if r is not None)
         return out
 
+    def stamped_one(self, op: int, stamp: bytes, offset: int, data: np.ndarray) -> int:
+        """``stamped`` of one payload-carrying op from a flat host array (``plain_host``):
+        the single put's fast path, one borrowed connection and no lists."""
+        n = data.nbytes
+        if offset < 0 or offset + n > self.info.size:
+            check_range(offset, n, self.info.size)  # raises the usual error
+        try:  # _io, inline (as read_block)
+            conn = self._idle.pop()
+        except IndexError:
+            conn = self._acquire()
+        try:
+            status = conn.stamped_one(op, stamp, offset, data)
+        except BaseException as exc:
+            self._release(conn, False)
+            _raise_transfer_error(self.info.node_id, exc)
+        self._release(conn, True)
+        self.bytes_written += n
+        return status
+
     def stamped_later(
         self, items: Sequence[tuple[int, bytes, int, None]]
     ) -> Callable[[], list[int]]:

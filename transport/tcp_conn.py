@@ -34,6 +34,7 @@ from kvpool.transport import tcp_wire as w
 from kvpool.transport.tcp_recv import spin
 
 _ZEROS = bytes(w.ALIGN)
+_FENCE_STATUSES = (w.ST_OK, w.ST_STALE, w.ST_BUSY)  # a fenced op's answers (others raise)
 ASK_MARGIN_S = 0.25  # a ``COMMITS`` answer's allowance past the wait it asked for
 #: Replies one scatter receive takes at most (two iovecs each, far below IOV_MAX).
 SCATTER_REPLIES = 64
@@ -238,6 +239,26 @@ class DataConn:
             for i, (host, pad) in enumerate(zip(hosts, pads, strict=True))
         ]
 
+    def stamped_one(self, op: int, stamp: bytes, off: int, data: np.ndarray) -> int:
+        """``stamped_many`` of one payload-carrying op (a put's final write) from a flat
+        host array, without its lists: one gather send, then the status reply read
+        into the connection's header buffer (its message, if any, after it)."""
+        self._rid = rid = (self._rid + 1) & 0xFFFFFFFF  # _next_rid, inline: the hot path
+        self._send_request(op, rid, off, data, stamp)
+        h = w.RESP.size
+        spin(self._fd)
+        w.recv_into_exact(self.sock, self._resp_mv[:h])
+        status, got_rid, length = w.RESP.unpack_from(self._resp)
+        msg = bytearray(length)
+        if length:
+            w.recv_into_exact(self.sock, memoryview(msg))
+        self._received += h + length
+        if status not in _FENCE_STATUSES:
+            raise RemoteError("data", msg.decode(errors="replace"))
+        if got_rid != rid:
+            raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")
+        return int(status)
+
     def stamped_many(self, plan: list[tuple[int, bytes, int, Any]]) -> list[int]:
         """Fenced ops (op, packed stamp, offset, payload or None), pipelined; the
         status of each (ST_OK, ST_STALE or ST_BUSY; others raise)."""
@@ -295,7 +316,7 @@ class DataConn:
             msg = bytes(pending[h : h + length])
             del pending[: h + length]
             self._received += h + length
-            if status not in (w.ST_OK, w.ST_STALE, w.ST_BUSY):
+            if status not in _FENCE_STATUSES:
                 raise RemoteError("data", msg.decode(errors="replace"))
             if got_rid != rid:
                 raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")

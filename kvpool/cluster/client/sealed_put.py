@@ -130,7 +130,7 @@ class SealedPutter:
             return False
         stamp = WriteStamp(grant.epoch, grant.alloc_id, grant.offset, size, key, parent)
         try:
-            status = data.stamped([(w.OP_WRITE_COMMIT, stamp.pack(), grant.offset, region)])[0]
+            status = data.stamped_one(w.OP_WRITE_COMMIT, stamp.pack(), grant.offset, region)
         except TRANSFER_ERRORS:
             status = None
             supply.forget_node(grant.node_id)
