@@ -34,7 +34,6 @@ def machine_facts() -> dict[str, Any]:
     """CPU model, cores, cpuidle driver, kernel, Python, TCP congestion control (the
     host's default and what kvpool's data path and the raw-socket baselines use:
     kvpool.transport.tcp_congestion): what the figures depend on."""
-
     model = "unknown"
     try:
         with open("/proc/cpuinfo") as f:

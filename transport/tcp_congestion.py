@@ -41,6 +41,7 @@ import logging
 import os
 import re
 import socket
+from dataclasses import dataclass
 
 from kvpool.errors import TransportUnavailableError
 
@@ -90,13 +91,15 @@ def _read_proc(which: str) -> str | None:
         return None
 
 
+@dataclass
 class Congestion:
     """One choice of algorithm (``name``; None: the host's default) and how a refusal
-    ends: an ``explicit`` choice raises, the default is best effort."""
+    ends: an ``explicit`` choice raises, the default is best effort (``refused`` says
+    why the kernel refused it; its sockets then keep the host's default)."""
 
-    def __init__(self, name: str | None, explicit: bool) -> None:
-        self.name, self.explicit = name, explicit
-        self.refused = ""  # why the kernel refused the default (then: the host's default)
+    name: str | None
+    explicit: bool
+    refused: str = ""
 
     @classmethod
     def from_env(cls) -> Congestion:
