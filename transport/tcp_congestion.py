@@ -3,8 +3,8 @@
 The data path (``kvpool.transport.tcp``: client connections, the node's data
 server) opens its sockets here: ``connect`` sets the algorithm on a client's
 socket before it connects, ``listen`` on the data server's listener before it
-listens, so every connection starts under it (an accepted connection takes
-its listener's). Set after the handshake it would come too late: a connection
+accepts, so every connection starts under it (an accepted connection takes
+its listener's at its handshake). Set after the handshake it would come too late: a connection
 that started under BBR kept BBR's packet pacing when switched to cubic, and
 its 4 MiB reads over loopback ran at 3.0-3.7 GB/s with 156 retransmissions
 against 5.1-5.3 GB/s and none when cubic was set before connect.
@@ -36,7 +36,6 @@ RPC connections (master, small messages) keep the host's default.
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import os
 import re
@@ -44,6 +43,7 @@ import socket
 from dataclasses import dataclass
 
 from kvpool.errors import TransportUnavailableError
+from kvpool.rpc import frame
 
 log = logging.getLogger("kvpool.transport")
 
@@ -53,7 +53,6 @@ SYSTEM = "system"
 _NAME = re.compile(r"^[a-z0-9_]{1,15}$")  # the kernel's names: at most 15 bytes
 _OPTION: int | None = getattr(socket, "TCP_CONGESTION", None)  # Linux only
 _PROC = "/proc/sys/net/ipv4/tcp_{}congestion_control"
-LISTEN_BACKLOG = 128
 
 
 def parse(text: str | None) -> str | None:
@@ -161,19 +160,12 @@ def connect(address: tuple[str, int], timeout: float | None) -> socket.socket:
 
 
 def listen(host: str, port: int) -> socket.socket:
-    """A listening socket on host:port (IPv6 when the host is an IPv6 literal) whose
-    accepted connections run under the chosen algorithm."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    """A listening socket on host:port (``kvpool.rpc.frame.listen``) whose accepted
+    connections run under the chosen algorithm: set on the listener, which every
+    connection it accepts takes at its handshake."""
+    sock = frame.listen(host, port)
     try:
-        if os.name == "posix":  # as socket.create_server: rebind a port in TIME_WAIT
-            with contextlib.suppress(OSError):
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if family == socket.AF_INET6:  # as socket.create_server: IPv6 only
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
         CHOSEN.apply(sock)
-        sock.bind((host, port))
-        sock.listen(LISTEN_BACKLOG)
     except BaseException:
         sock.close()
         raise

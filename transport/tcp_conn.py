@@ -253,11 +253,7 @@ class DataConn:
         if length:
             w.recv_into_exact(self.sock, memoryview(msg))
         self._received += h + length
-        if status not in _FENCE_STATUSES:
-            raise RemoteError("data", msg.decode(errors="replace"))
-        if got_rid != rid:
-            raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")
-        return int(status)
+        return _fence_status(status, got_rid, rid, msg)
 
     def stamped_many(self, plan: list[tuple[int, bytes, int, Any]]) -> list[int]:
         """Fenced ops (op, packed stamp, offset, payload or None), pipelined; the
@@ -316,11 +312,7 @@ class DataConn:
             msg = bytes(pending[h : h + length])
             del pending[: h + length]
             self._received += h + length
-            if status not in _FENCE_STATUSES:
-                raise RemoteError("data", msg.decode(errors="replace"))
-            if got_rid != rid:
-                raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")
-            out.append(int(status))
+            out.append(_fence_status(status, got_rid, rid, msg))
         return out
 
     def _recv_owed(self, pending: bytearray, need: int, owed: int) -> None:
@@ -360,6 +352,17 @@ class DataConn:
             self._send_request(w.OP_WRITE, rid, off, data, b"")
         for rid in rids:
             self._read_resp(rid)
+
+
+def _fence_status(status: int, got_rid: int, rid: int, msg: bytes | bytearray) -> int:
+    """A fenced op's reply to request ``rid``, read whole (its message ``msg`` too):
+    ST_OK, ST_STALE or ST_BUSY; another status raises ``RemoteError`` (the stream
+    stays in sync), a reply to another request ``ConnectionLostError``."""
+    if status not in _FENCE_STATUSES:
+        raise RemoteError("data", msg.decode(errors="replace"))
+    if got_rid != rid:
+        raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")
+    return int(status)
 
 
 def _pads(received: int, hosts: list[Any]) -> list[int]:
