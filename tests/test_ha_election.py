@@ -87,3 +87,25 @@ def test_master_addresses_and_terms_seen_by_a_link() -> None:
     link.saw_epoch(7)
     with pytest.raises(StaleEpochError):
         link.saw_epoch(6)  # a deposed master's reply
+
+
+def test_a_term_is_served_only_after_it_was_set_up() -> None:
+    """``serving()`` is False while ``on_elected`` runs (the master resets its catalog
+    for the term there): a call that passed the gate earlier would have allocated on
+    an empty catalog past its start-up grace and answered "pool full" (seen in CI
+    under a leader-kill storm)."""
+    seen: list[bool] = []
+    holder: list[Election] = []
+
+    def elected(epoch: int) -> None:
+        seen.append(holder[0].serving())
+
+    election = Election(MemoryCoordinator(MemoryStore()), "m:1", CFG, elected, lambda: None)
+    holder.append(election)
+    election.start()
+    try:
+        assert wait_until(election.serving, 5)
+        assert seen == [False]
+        assert election.leader == "m:1"
+    finally:
+        election.close()

@@ -14,6 +14,7 @@ from poolhelpers import make_keys
 
 from kvpool.cluster.master import Master, MasterConfig
 from kvpool.cluster.master.nodes import event_wire
+from kvpool.cluster.master.puts import PutHandlers
 from kvpool.cluster.wire import (
     ALLOCATE,
     COMMIT,
@@ -28,6 +29,7 @@ from kvpool.cluster.wire import (
     KeysRequest,
     RegisterNode,
 )
+from kvpool.errors import NotLeaderError
 from kvpool.index.catalog import BlockCommitted, RangeFreed, SsdCopyDropped
 from kvpool.rpc.client import RpcClient
 from kvpool.transport.base import RegionInfo
@@ -75,3 +77,15 @@ def test_heartbeats_replay_commits_and_frees_once_in_order(master: Master) -> No
         assert again.known and again.events == []
         stranger = rpc.call(HEARTBEAT, Heartbeat("n2"), response_type=HeartbeatReply)
         assert not stranger.known
+
+
+def test_an_allocation_after_its_term_ended_is_sent_to_the_leader(master: Master) -> None:
+    """A call that passed the term's gate just before the term ended (the master was
+    deposed: no epoch, an empty catalog) is answered NotLeaderError, which callers
+    follow to the leader, never "pool full" from the emptied catalog."""
+    keys = make_keys(1)
+    with RpcClient(master.address, timeout=5, name="kvpool-node n1") as rpc:
+        rpc.call(REGISTER, RegisterNode(RegionInfo(node_id="n1", size=4 * PAGE)))
+    master.state.epoch = 0  # what the master's deposal leaves (Master._begin_term(0))
+    with pytest.raises(NotLeaderError):
+        PutHandlers(master.state).allocate(AllocateRequest(keys, [PAGE], [None]))

@@ -16,7 +16,10 @@ has stopped serving.
 Invariants:
 - ``serving()`` is True only while leading and before the fencing deadline;
 - ``on_elected(epoch)`` and ``on_deposed()`` alternate, never overlap, and
-  run on the election thread; epochs passed to ``on_elected`` only grow.
+  run on the election thread; epochs passed to ``on_elected`` only grow;
+- ``serving()`` turns True only after ``on_elected`` returned, and False
+  before ``on_deposed`` is called: no call is served on a term's state
+  before it is set up or after it is torn down.
 """
 
 from __future__ import annotations
@@ -123,12 +126,16 @@ class Election:
         if epoch <= self.epoch:  # never serve a lower term than one we served
             self.coordinator.resign(cfg.key)
             return
+        self.epoch = epoch
+        # The term's state first, serving after: a call that passed ``serving()``
+        # before ``on_elected`` ran would act on the state of no term (an empty
+        # catalog past its start-up grace answers "pool full").
+        self._on_elected(epoch)
         with self._lock:
-            self.epoch, self.leader = epoch, self.me
+            self.leader = self.me
             self._valid_until = sent + cfg.fence_fraction * cfg.ttl
             self.leading = True
         log.info("elected leader of %s in term %d", cfg.cluster, epoch)
-        self._on_elected(epoch)
 
     def _renew(self) -> None:
         sent = time.monotonic()

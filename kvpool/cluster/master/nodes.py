@@ -108,18 +108,18 @@ class NodeMembership:
                 state.catalog.pin([b[0] for b in blocks], state.config.rejoin_grace_s)
             restored += state.catalog.ssd_tier.restore(region.node_id, ssd_blocks)
             state.refresh_gauges()
+            epoch = state.epoch  # the term this node joined (a later one swaps the catalog)
         log.info(
             "node %s registered: %d bytes, %d blocks restored",
             region.node_id,
             region.size,
             restored,
         )
-        return {"restored": restored, "epoch": state.epoch}
+        return {"restored": restored, "epoch": epoch}
 
     def heartbeat(self, msg: Heartbeat) -> HeartbeatReply:
-        catalog = self.state.catalog
-        epoch = self.state.epoch
-        with self.state.lock:
+        with self.state.lock:  # the catalog and epoch of one term (a new term swaps both)
+            catalog, epoch = self.state.catalog, self.state.epoch
             stale = msg.epoch and msg.epoch != epoch  # 0: a node that does not say
             if stale or not catalog.touch_node(msg.node_id):
                 return HeartbeatReply(known=False, epoch=epoch)

@@ -19,7 +19,7 @@ from kvpool.args import check_keys
 from kvpool.cluster.master.config import MAX_GRANTS
 from kvpool.cluster.master.state import MasterState
 from kvpool.cluster.wire import AllocateReply, AllocateRequest, CommitRequest, IdsRequest
-from kvpool.errors import MasterNotReadyError
+from kvpool.errors import MasterNotReadyError, NotLeaderError
 from kvpool.index.catalog import CatalogFullError
 
 
@@ -37,16 +37,21 @@ class PutHandlers:
             raise ValueError("spare and spare_size must be integers")
         if msg.spare < 0 or (msg.spare and msg.spare_size <= 0):
             raise ValueError("spare must be >= 0, and spare_size > 0 when spare > 0")
-        state, catalog = self.state, self.state.catalog
+        state = self.state
+        placements: list[list[list[Any]] | None] = []
+        error, full = "", []
+        # One critical section, the catalog read inside it: a term that ends or
+        # begins meanwhile swaps the catalog, and "no node" must be judged on the
+        # catalog the allocation then uses.
         with state.lock:
+            catalog, epoch = state.catalog, state.epoch
+            if not epoch:  # the term ended after this call passed the gate
+                raise NotLeaderError("")
             if not catalog.has_usable_node():
                 young = time.monotonic() - state.started < state.config.startup_grace_s
                 if young or catalog.grace_left():
                     # A new term: nodes are (re-)registering. Never block the connection.
                     raise MasterNotReadyError("nodes are re-registering with a new master")
-        placements: list[list[list[Any]] | None] = []
-        error, full = "", []
-        with state.lock:
             evictions = catalog.evictions
             for i, (key, size, parent) in enumerate(
                 zip(msg.keys, msg.sizes, msg.parents, strict=True)
@@ -78,7 +83,7 @@ class PutHandlers:
             ttl=state.config.alloc_ttl,
             spares=spares,
             spare_ttl=self.grant_window(),
-            epoch=state.epoch,
+            epoch=epoch,
         )
 
     def grant_window(self) -> float:
@@ -107,9 +112,10 @@ class PutHandlers:
             [k for k in keys if k is not None],
             [p for k, p in zip(keys, parents, strict=True) if k is not None],
         )
-        state, catalog = self.state, self.state.catalog
+        state = self.state
         done: list[bool | None] = []
         with state.lock:
+            catalog = state.catalog  # this term's (read under the lock: terms swap it)
             for i, alloc_id in enumerate(ids):
                 key = keys[i] if keys else None
                 if key is None:

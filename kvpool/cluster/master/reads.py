@@ -38,9 +38,10 @@ class ReadHandlers:
 
     def lease(self, msg: LeaseRequest) -> LeaseReply | Deferred:
         check_keys(msg.keys)
-        state, catalog = self.state, self.state.catalog
-        ssd_tier = catalog.ssd_tier
+        state = self.state
         with state.lock:
+            catalog = state.catalog  # this term's (read under the lock: terms swap it)
+            ssd_tier = catalog.ssd_tier
             lease_id, found = catalog.lease(msg.keys, prefix=msg.prefix)
             promotions = [
                 (b, ssd_tier.reserve_promotion(b))
@@ -124,8 +125,8 @@ class ReadHandlers:
         return ReplicateReply(allocations, nodes, state.epoch)
 
     def release(self, msg: ReleaseRequest) -> None:
-        catalog = self.state.catalog
         with self.state.lock:
+            catalog = self.state.catalog  # this term's (read under the lock: terms swap it)
             for lease_id in msg.ids:
                 catalog.release(lease_id)
             for key, reads in msg.reads:
