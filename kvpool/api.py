@@ -137,6 +137,12 @@ class KVStore(Protocol):
         Either way the key then holds exactly one immutable block. A cluster
         client with pipelined commits answers False only for keys it put
         itself; another client's earlier block answers True (and is kept).
+        True always leaves a block the writer reads at once. With another
+        writer's reservation or put of the key in flight, a put either commits
+        first (a cluster client's pipelined put: the master's first commit
+        wins, the other becomes a no-op) or defers to it and answers False
+        (the embedded store; a cluster client's first put), leaving the key
+        absent if that writer aborts.
         """
         ...
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -157,9 +159,13 @@ def test_node_events_and_restore_after_master_restart() -> None:
             del held[event.offset]
     # A fresh master learns the node's blocks back from the node.
     fresh, _ = catalog({"a": 4})
-    restored = [(e.key, e.offset, e.size, 123, e.parent) for e in held.values()]
-    restored.append((make_keys(9, seed=5)[0], next(iter(held)), PAGE, None, None))
-    assert fresh.restore_blocks("a", restored) == 2  # the overlapping one is refused
+    restored = [(e.key, e.offset, e.size, 123, e.parent, True) for e in held.values()]
+    overlapping = next(iter(held))
+    restored.append((make_keys(9, seed=5)[0], overlapping, PAGE, None, None, True))
+    restored.append((keys[0], 3 * PAGE, PAGE, None, None, False))  # a second block of one key
+    assert fresh.restore_blocks("a", restored) == [overlapping, 3 * PAGE]
+    fresh.nodes["a"].allocator.check()
+    assert fresh.nodes["a"].allocator.used_bytes == 2 * PAGE and len(fresh.nodes["a"].policy) == 2
     assert fresh.exists(keys) == [True, False, True]
     assert fresh.blocks[keys[0]].checksum == 123
     assert fresh.drain_events("a") == []
@@ -209,9 +215,37 @@ def test_binding_a_stored_key_frees_the_grant() -> None:
     assert cat.nodes["a"].allocator.used_bytes == PAGE and cat.granted_bytes == 0
     allocs = cat.allocate(make_keys(2)[1], PAGE, None)
     assert allocs is not None
+    assert cat.commit_grant(allocs[0].alloc_id, key, None) is None  # not a grant of key
+
+
+def test_a_grant_committed_first_supersedes_the_puts_of_its_key_in_flight() -> None:
+    """First commit wins: a grant's put (its writer already told it succeeded) is not
+    dropped for a put of the same key still in flight, which may yet fail. The
+    superseded allocations keep their ranges until their commit (which frees them and
+    answers None) or expiry, and no longer hold the key in flight."""
+    cat, clock = catalog({"a": 8}, alloc_ttl=30, grant_ttl=5)
+    key, other = make_keys(2)
+    first = cat.allocate(key, PAGE, None)
+    second = cat.allocate(key, PAGE, None)
+    assert second is None  # the key is in flight: a put by allocation defers to it
+    other_put = cat.allocate(other, PAGE, None)
+    assert first is not None and other_put is not None
     grant = cat.grant(PAGE, 1)[0]
-    assert cat.commit_grant(grant.alloc_id, make_keys(2)[1], None) is False  # in flight
-    assert cat.commit_grant(allocs[0].alloc_id, key, None) is None  # not a grant
+    assert cat.commit_grant(grant.alloc_id, key, None) is True
+    assert cat.blocks[key].replicas[0].offset == grant.offset
+    assert key not in cat.keys_in_flight and cat.nodes["a"].allocator.used_bytes == 3 * PAGE
+    cat.drain_events("a")
+    assert cat.commit(first[0].alloc_id) is None  # superseded: freed, never a replica
+    assert cat.drain_events("a") == [RangeFreed(first[0].offset, first[0].alloc_id)]
+    assert [r.offset for r in cat.blocks[key].replicas] == [grant.offset]
+    assert cat.nodes["a"].allocator.used_bytes == 2 * PAGE
+    # a superseded allocation that is never committed expires like any other
+    late = cat.grant(PAGE, 1)[0]
+    assert cat.commit_grant(late.alloc_id, other, None) is True
+    clock.now = 31
+    assert cat.expire() == (1, 0)
+    assert cat.nodes["a"].allocator.used_bytes == 2 * PAGE and not cat.keys_in_flight
+    cat.nodes["a"].allocator.check()
 
 
 def test_grants_expire_sooner_than_allocations_and_leave_with_their_node() -> None:
@@ -289,10 +323,14 @@ class CatalogMachine(RuleBasedStateMachine):
         self.keys = make_keys(12)
         self.leases: list[int] = []
         self.grants: list[int] = []
+        self.in_flight: list[int] = []
+        self.put_of: dict[int, int] = {}  # allocation id -> the put (or grant) it serves
 
     @rule(pages=st.integers(1, 2), count=st.integers(1, 3))
     def grant(self, pages: int, count: int) -> None:
-        self.grants += [g.alloc_id for g in self.cat.grant(pages * PAGE, count)]
+        for g in self.cat.grant(pages * PAGE, count):
+            self.grants.append(g.alloc_id)
+            self.put_of[g.alloc_id] = len(self.put_of)
 
     @precondition(lambda self: self.grants)
     @rule(i=st.integers(0, 11))
@@ -307,6 +345,22 @@ class CatalogMachine(RuleBasedStateMachine):
             return
         for alloc in allocs or []:
             self.cat.commit(alloc.alloc_id)
+
+    @rule(i=st.integers(0, 11), pages=st.integers(1, 3), replicas=st.integers(1, 2))
+    def begin_put(self, i: int, pages: int, replicas: int) -> None:
+        """A put whose commit comes later (a grant may bind its key meanwhile)."""
+        try:
+            allocs = self.cat.allocate(self.keys[i], pages * PAGE, None, replicas)
+        except CatalogFullError:
+            return
+        self.in_flight += [a.alloc_id for a in allocs or []]
+        put = -len(self.put_of) - 1  # one id for the put's replicas
+        self.put_of.update((a.alloc_id, put) for a in allocs or [])
+
+    @precondition(lambda self: self.in_flight)
+    @rule()
+    def finish_put(self) -> None:
+        self.cat.commit(self.in_flight.pop(0))
 
     @rule(i=st.integers(0, 11))
     def lease(self, i: int) -> None:
@@ -375,6 +429,12 @@ class CatalogMachine(RuleBasedStateMachine):
             assert len(node.extras) == sum(not r.primary for r in mine)
         for block in self.cat.blocks.values():
             assert len({r.node_id for r in block.replicas}) == len(block.replicas)
+            puts = {self.put_of[r.alloc_id] for r in block.replicas if r.alloc_id in self.put_of}
+            assert len(puts) <= 1  # every replica holds the bytes of the one put committed
+        keyed = Counter(
+            a.key for a in self.cat.pending.values() if a.key is not None and not a.superseded
+        )
+        assert self.cat.keys_in_flight == dict(keyed)
         grants = [a for a in self.cat.pending.values() if a.key is None]
         assert self.cat.granted_bytes == sum(a.size for a in grants)
 
@@ -559,11 +619,48 @@ def test_ssd_loss_and_remove() -> None:
     assert cat.drain_events("a")[-2:] == [SsdCopyDropped(keys[2]), RangeFreed(0, filled_by)]
 
 
+def test_restored_blocks_keep_one_put_per_key_whatever_order_nodes_register_in() -> None:
+    """A put that lost the race for its key left a whole, never confirmed block on
+    its node (``supersede``); the winner's is confirmed. After a master restart the
+    new master keeps the winner's whichever node registers first, refuses a second
+    block of a key on one node, keeps confirmed replicas of one block on two nodes,
+    and an unconfirmed block alone (an acknowledged put whose commit never arrived)."""
+    winner, replicated, alone = make_keys(3)
+    for first in ("a", "b"):
+        cat, _ = catalog({"a": 8, "b": 8})
+        reports = {
+            "a": [(winner, 0, PAGE, 1, None, True), (replicated, PAGE, PAGE, 3, None, True)],
+            "b": [
+                (winner, 0, PAGE, 2, None, False),  # the loser's bytes under the winner's key
+                (replicated, PAGE, PAGE, 3, None, True),
+                (alone, 2 * PAGE, PAGE, 4, None, False),
+                (alone, 3 * PAGE, PAGE, 5, None, False),  # a second block of one key
+            ],
+        }
+        second = "b" if first == "a" else "a"
+        refused = {n: cat.restore_blocks(n, reports[n]) for n in (first, second)}
+        assert refused["a"] == []
+        assert refused["b"] == ([0, 3 * PAGE] if first == "a" else [3 * PAGE])
+        assert [(r.node_id, r.offset) for r in cat.blocks[winner].replicas] == [("a", 0)]
+        assert cat.blocks[winner].checksum == 1
+        assert {r.node_id for r in cat.blocks[replicated].replicas} == {"a", "b"}
+        assert [(r.node_id, r.offset) for r in cat.blocks[alone].replicas] == [("b", 2 * PAGE)]
+        # the loser's range on b is free again, and b is told so when it was restored
+        assert cat.nodes["b"].allocator.used_bytes == 2 * PAGE
+        freed = [e for e in cat.drain_events("b") if isinstance(e, RangeFreed)]
+        assert freed == ([RangeFreed(0, 0)] if first == "b" else [])
+        for node in cat.nodes.values():
+            node.allocator.check()
+            assert len(node.policy) == sum(
+                r.node_id == node.node_id for b in cat.blocks.values() for r in b.replicas
+            )
+
+
 def test_restore_ssd_blocks_after_a_master_restart() -> None:
     cat = BlockCatalog(clock=Clock())
     cat.add_node("a", 2 * PAGE, {}, has_ssd=True)
     keys = make_keys(3)
-    cat.restore_blocks("a", [(keys[0], 0, PAGE, 1, None)])
+    assert cat.restore_blocks("a", [(keys[0], 0, PAGE, 1, None, True)]) == []
     assert cat.ssd_tier.restore("a", [(keys[0], PAGE, None), (keys[1], PAGE, keys[0])]) == 2
     assert cat.exists(keys) == [True, True, False]
     assert not cat.ssd_tier.ssd_only(cat.blocks[keys[0]]) and cat.ssd_tier.ssd_only(

@@ -245,3 +245,40 @@ def test_remove_and_re_put_into_the_same_ranges_keeps_every_block(transport: str
                 assert np.array_equal(out, payload(100 * round_ + i, size))
     finally:
         cluster.stop()
+
+
+@pytest.mark.parametrize("transport", [None, "tcp"])
+def test_two_writers_of_one_key_after_a_master_restart(
+    cluster: Cluster, transport: str | None
+) -> None:
+    """A put that won the race for its key (its writer was told True, its commit
+    reached the master first) keeps the key across a master restart. The loser's
+    block is whole on its node, never committed: the master's free of it is either
+    applied by then (the node dropped it) or not (the node lists it unconfirmed,
+    after its confirmed blocks, and the new master refuses a second block of a key
+    unless confirmed, and replaces an unconfirmed one by a confirmed one)."""
+    key = bytes([77]) * 16
+    ours, theirs = payload(1), payload(2)
+    with (
+        kvpool.connect(cluster.url, timeout=5, transport=transport) as winner,
+        kvpool.connect(cluster.url, timeout=5, transport=transport) as loser,
+    ):
+
+        def nodes_caught_up() -> bool:  # they applied every commit and free so far
+            return not any(n["events_queued"] for n in winner.stats()["nodes"].values())
+
+        winner.put(bytes([78]) * 16, payload(3))  # grants: the next put commits pipelined
+        writer = loser.reserve(key, MIB)
+        assert writer is not None
+        writer.write(0, theirs)
+        assert winner.put(key, ours)
+        assert winner.exists([key]) == [True]  # committed first
+        assert wait_until(nodes_caught_up, timeout=10)  # the winner's is confirmed there
+        writer.commit()  # sealed on its node, its commit superseded
+        cluster.master.kill()  # most often before the node heard of the free
+        cluster.master = cluster.restart_master_process()
+        assert wait_until(lambda: winner.exists([key]) == [True], timeout=15)
+        assert wait_until(lambda: len(winner.stats()["nodes"]) == 2, timeout=15)
+        assert len(winner.locate([key])[0]) == 1  # one block: the loser's was refused
+        for _ in range(8):  # every replica the new master knows holds the winner's bytes
+            assert all_back(winner, [key], [ours]) and all_back(loser, [key], [ours])

@@ -106,6 +106,18 @@ def test_free_events_drop_only_the_committed_block_they_name() -> None:
     assert t.state_of(0) is None
 
 
+def test_listing_puts_confirmed_blocks_before_those_written_only() -> None:
+    """Two whole blocks of one key (a writer's put lost the race for its key: its
+    range is written, never committed): the one the master confirmed is listed first,
+    and a new master restoring the listing keeps the first of a key (BlockCatalog)."""
+    t = table()
+    for alloc, offset in ((3, 0), (4, 200)):
+        assert t.claim(stamp(alloc, offset=offset), "a") == FENCE_OK
+        t.finish(stamp(alloc, offset=offset), "a", ok=True, seal=True)
+    assert t.committed(K1, 200, 100, None, 4) is not None  # the block the master kept
+    assert [(row[0], row[1]) for row in t.listing()] == [(K1, 200), (K1, 0)]
+
+
 def test_listing_drops_blocks_whose_bytes_changed() -> None:
     sums = {"v": 1}
     t = BlockTable(lambda offset, size: sums["v"])

@@ -272,6 +272,41 @@ def test_abort_and_exceptions_leave_nothing(store: KVStore, keys: list[bytes]) -
     assert store.get(keys[0]) == payload(1).tobytes()
 
 
+@pytest.mark.parametrize("warm", [False, True], ids=["first-put", "later-puts"])
+def test_a_put_racing_a_reservation_of_its_key(
+    new_store: Callable[[], KVStore], keys: list[bytes], kind: str, warm: bool
+) -> None:
+    """Two writers of one key. ``put`` answers True only if its writer then reads its
+    own bytes, whether the other writer's reservation later commits or aborts; False
+    leaves the key to the reservation (absent again if that one aborts). The embedded
+    store and a cluster client's first put defer to the reservation; a cluster
+    client's later puts (keyless grants, commits pipelined) commit first and win,
+    since their writer was told True before the master saw the key."""
+    reserver = new_store()
+    putter = new_store() if kind.startswith("cluster") else reserver
+    if warm:
+        putter.put(keys[10], payload(10))  # a cluster client then holds grants
+    answers = []
+    for key, ending in ((keys[0], "commit"), (keys[1], "abort")):
+        writer = reserver.reserve(key, BLOCK)
+        assert writer is not None
+        writer.write(0, payload(1))
+        stored = putter.put(key, payload(2))
+        answers.append(stored)
+        assert putter.exists([key]) == [stored]
+        if stored:
+            assert putter.get(key) == payload(2).tobytes()
+        if ending == "commit":
+            writer.commit()
+        else:
+            writer.abort()
+        held = payload(2) if stored else payload(1) if ending == "commit" else None
+        for store in (putter, reserver):
+            assert store.get(key) == (None if held is None else held.tobytes())
+    if kind.startswith("cluster"):  # each path was taken, as described above
+        assert answers == [warm, True]  # a first put lends the client grants
+
+
 def test_out_of_range_writes_are_refused(store: KVStore, keys: list[bytes]) -> None:
     with store.reserve(keys[0], 1000) as writer:  # type: ignore[union-attr]
         for offset, data in ((900, np.zeros(101, np.uint8)), (-1, b"x"), (1000, b"x")):

@@ -36,7 +36,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvpool.eviction import make_policy
-from kvpool.index.catalog.events import SsdCopyDropped
+from kvpool.index.catalog.events import RangeFreed, SsdCopyDropped
 from kvpool.index.catalog.records import (
     Allocation,
     BlockMeta,
@@ -105,24 +105,41 @@ class BlockCatalog(CatalogState):
         )
 
     def restore_blocks(
-        self, node_id: str, blocks: Sequence[tuple[bytes, int, int, int | None, bytes | None]]
-    ) -> int:
-        """Re-admit blocks a node still holds (after a master restart); returns how many.
+        self,
+        node_id: str,
+        blocks: Sequence[tuple[bytes, int, int, int | None, bytes | None, bool]],
+    ) -> list[int]:
+        """Re-admit blocks a node still holds (after a master restart); returns the
+        offsets refused (the node drops those blocks: nobody will read them).
 
-        Each item is (key, offset, size, checksum, parent); overlapping or
-        out-of-range extents are skipped.
+        Each item is (key, offset, size, checksum, parent, confirmed): ``confirmed``
+        when a master made it visible, else it was written whole and its commit
+        never reached a master (an acknowledged put it must not lose, or the loser
+        of a race for its key: kvpool.index.catalog.state ``supersede``). One put's
+        bytes per key: a block of a key already restored is refused unless it is
+        confirmed and on another node (a replica); a confirmed block replaces one
+        that was restored unconfirmed (nodes register in any order; a node lists
+        its confirmed blocks first). Overlapping or out-of-range extents are refused.
         """
         node = self.nodes[node_id]
-        accepted = 0
-        for key, offset, size, checksum, parent in blocks:
+        refused: list[int] = []
+        for key, offset, size, checksum, parent, confirmed in blocks:
+            known = self.blocks.get(key)
+            if known is not None:
+                here = any(r.node_id == node_id for r in known.replicas)
+                if here or not confirmed:
+                    refused.append(offset)
+                    continue
+                if all(r.unconfirmed for r in known.replicas):
+                    self.remove(key)  # guessed: a lease taken since keeps its bytes
             try:
                 node.allocator.reserve(offset, size)
             except ValueError:
+                refused.append(offset)
                 continue
-            replica = Replica(node_id, offset, size)
+            replica = Replica(node_id, offset, size, unconfirmed=not confirmed)
             self.add_replica(key, size, parent, replica, checksum, tell_node=False)
-            accepted += 1
-        return accepted
+        return refused
 
     def remove_node(self, node_id: str) -> list[bytes]:
         """Forget a node: its replicas and pending allocations. Returns keys now gone."""
@@ -226,6 +243,10 @@ class BlockCatalog(CatalogState):
         pending = self.pending.get(alloc_id)
         if pending is None or pending.key is None:
             return None
+        if pending.superseded:  # another put of its key was committed first
+            if self.forget_pending(alloc_id) is not None:  # written whole: the node drops it
+                self.nodes[pending.node_id].events.append(RangeFreed(pending.offset, alloc_id))
+            return None
         alloc = self.forget_pending(alloc_id, free=False)
         if alloc is None or alloc.key is None:
             return None
@@ -241,9 +262,15 @@ class BlockCatalog(CatalogState):
     def commit_grant(self, alloc_id: int, key: bytes, parent: bytes | None) -> bool | None:
         """Bind a filled grant to ``key`` and make it visible.
 
-        True: committed. False: ``key`` is already stored or being put (the
-        grant's space is freed; the caller's bytes were simply not needed).
-        None: no such grant (expired, its node left, or not a grant).
+        True: committed. False: ``key`` is already stored (the grant's space is
+        freed; the caller's bytes were simply not needed). None: no such grant
+        (expired, its node left, or not a grant).
+
+        A put of ``key`` still in flight (allocated with its key, or reserved)
+        does not stop this one: the first commit wins, so a put its writer was
+        already told succeeded (pipelined commits) is never dropped for a put
+        that may yet fail. The put in flight is superseded: its commit frees
+        its range and answers None (its writer then finds the key stored).
 
         An allocation made with its key (not a grant) is committed here too when
         ``key`` is that key: a node commits blocks whose writer sealed them and
@@ -258,9 +285,10 @@ class BlockCatalog(CatalogState):
         if self.forget_pending(alloc_id, free=False) is None:
             return None  # its node left
         node = self.nodes[alloc.node_id]
-        if key in self.blocks or key in self.keys_in_flight:
+        if key in self.blocks:
             node.allocator.free(alloc.offset)
             return False
+        self.supersede(key)
         alloc.key, alloc.parent = key, parent
         replica = Replica(alloc.node_id, alloc.offset, alloc.size, alloc_id=alloc_id)
         self.add_replica(key, alloc.size, parent, replica)

@@ -32,6 +32,9 @@ class Replica:
     # a block the node re-registered). Events about the range name it, so a node
     # never applies a late event to a newer allocation of the same range.
     alloc_id: int = 0
+    # Restored from a node that never heard its commit confirmed (a block that
+    # another node reports confirmed replaces it: BlockCatalog.restore_blocks).
+    unconfirmed: bool = False
 
 
 @dataclass(eq=False)
@@ -59,6 +62,9 @@ class Allocation:
     parent: bytes | None
     deadline: float
     extra: bool = False  # an extra replica of an already stored block
+    # Another put of its key committed first (a grant: ``commit_grant``): it can
+    # never become that key's block; its commit frees it and answers None.
+    superseded: bool = False
 
 
 @dataclass

@@ -51,7 +51,7 @@ class CatalogState:
         self.blocks: dict[bytes, BlockMeta] = {}
         self.pending: dict[int, Allocation] = {}
         self.leases: dict[int, LeaseRecord] = {}
-        self.keys_in_flight: dict[bytes, int] = {}  # key -> allocations in flight
+        self.keys_in_flight: dict[bytes, int] = {}  # key -> allocations in flight (not superseded)
         self.granted_bytes = 0  # space held by grants (pending allocations with no key)
         self.with_extras: set[bytes] = set()  # blocks that have extra replicas
         self.evictions = 0
@@ -146,6 +146,17 @@ class CatalogState:
             self.granted_bytes += size
         return alloc
 
+    def supersede(self, key: bytes) -> None:
+        """Every allocation in flight for ``key`` can no longer become its block
+        (another put of it is being committed): each stays pending, its range
+        held until its writer commits (the commit frees it) or it expires, but
+        it stops counting in ``keys_in_flight``."""
+        if self.keys_in_flight.pop(key, None) is None:
+            return
+        for alloc in self.pending.values():
+            if alloc.key == key:
+                alloc.superseded = True
+
     def forget_pending(self, alloc_id: int, free: bool = True) -> Allocation | None:
         """Stop tracking an allocation (freeing its range unless ``free`` is False).
 
@@ -157,7 +168,7 @@ class CatalogState:
             return None
         if alloc.key is None:
             self.granted_bytes -= alloc.size
-        else:
+        elif not alloc.superseded:  # a superseded one left keys_in_flight already
             count = self.keys_in_flight[alloc.key] - 1
             if count:
                 self.keys_in_flight[alloc.key] = count

@@ -53,9 +53,10 @@ class Entry:
         return alloc_id == 0 or self.stamp.alloc_id == 0 or self.is_allocation(alloc_id, epoch)
 
     def wire(self) -> list[Any]:
-        """As a registration reports it: [key, offset, size, checksum, parent]."""
+        """As a registration reports it: [key, offset, size, checksum, parent, confirmed]
+        (confirmed: a master made it visible; else only written whole)."""
         s = self.stamp
-        return [s.key, s.offset, s.size, self.checksum, s.parent]
+        return [s.key, s.offset, s.size, self.checksum, s.parent, self.state == COMMITTED]
 
 
 class EntriesByOffset(dict[int, Entry]):

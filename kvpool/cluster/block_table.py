@@ -9,7 +9,7 @@ overlapping, each in one of three states:
   the bytes are whole, so the block is reported at the next registration even if the master that
   allocated it crashed before it heard of it;
 - ``COMMITTED``: the master told the node (heartbeat event) that the block is visible, or the
-  node re-registered it with a master.
+  node re-registered it with a master (a master refusing it has the node drop it: ``freed``).
 
 Invariants (all under one lock):
 - the table accepts claims only for its master's epoch (``new_term`` sets it; before the first
@@ -201,17 +201,18 @@ class BlockTable:
             self._waits.notify_all()
 
     def listing(self) -> list[list[Any]]:
-        """Every whole block, checksummed (bytes that changed since are left out)."""
+        """Every whole block, checksummed (changed bytes left out), confirmed ones first."""
         with self._lock:
             report = []
-            for entry in [e for e in self._adopt_all() if e.state != CLAIMED and not e.aborted]:
-                s = entry.stamp
-                actual = self._checksum(s.offset, s.size)
+            whole = [e for e in self._adopt_all() if e.state != CLAIMED and not e.aborted]
+            for entry in sorted(whole, key=lambda e: e.state != COMMITTED):
+                actual = self._checksum(entry.stamp.offset, entry.stamp.size)
                 if entry.checksum and actual != entry.checksum:
                     self._remove(entry)
                     continue
-                entry.checksum, entry.state = actual, COMMITTED
+                entry.checksum = actual
                 report.append(entry.wire())
+                entry.state = COMMITTED
             return report
 
     def committed(

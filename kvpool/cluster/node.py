@@ -278,6 +278,8 @@ class StorageNode:
         if epoch < table.highest:
             raise StaleEpochError(f"master term {epoch} is older than {table.highest}")
         table.new_term(epoch)
+        for offset in reply.get("refused", []):  # nobody will read them: drop them
+            table.freed(offset)
         self._checksums.clear()
         self._joined_before = True
         self.registered.set()

@@ -48,7 +48,9 @@ class RegisterNode(WireMessage):
     """A node joining (or re-joining after a master restart) with the blocks it holds."""
 
     region: RegionInfo
-    # [key, offset, size, checksum, parent] for every block the node verified
+    # [key, offset, size, checksum, parent, confirmed] for every block the node verified
+    # (confirmed: a master made it visible; else written whole, its commit unheard).
+    # The reply: {"restored": n, "epoch": e, "refused": [offsets the node drops]}
     blocks: list[list[Any]] = field(default_factory=list)
     ssd_blocks: list[list[Any]] = field(default_factory=list)  # [key, size, parent] on its SSD
     rejoin: bool = False  # registered with a master before (which may have leased its ranges)

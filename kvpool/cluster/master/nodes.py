@@ -89,7 +89,11 @@ class NodeMembership:
                 f"node {region.node_id} serves master term {msg.epoch}, newer than this "
                 f"master's {state.epoch}: another master leads this cluster"
             )
-        blocks = [(b[0], b[1], b[2], b[3], b[4]) for b in msg.blocks]
+        # [key, offset, size, checksum, parent, confirmed]; nodes of older releases
+        # send no ``confirmed``: taken as confirmed (their blocks were all restored).
+        blocks = [
+            (b[0], b[1], b[2], b[3], b[4], bool(b[5]) if len(b) > 5 else True) for b in msg.blocks
+        ]
         ssd_blocks = [(b[0], b[1], b[2]) for b in msg.ssd_blocks]
         with state.lock:
             state.catalog.add_node(
@@ -101,7 +105,8 @@ class NodeMembership:
             )
             state.regions[region.node_id] = region
             self.links.drop(region.node_id)
-            restored = state.catalog.restore_blocks(region.node_id, blocks)
+            refused = state.catalog.restore_blocks(region.node_id, blocks)
+            restored = len(blocks) - len(refused)
             if msg.rejoin:
                 # Readers may still copy these under the previous term's leases: keep
                 # them (not the node's free space: allocations go on at once).
@@ -115,7 +120,7 @@ class NodeMembership:
             region.size,
             restored,
         )
-        return {"restored": restored, "epoch": epoch}
+        return {"restored": restored, "epoch": epoch, "refused": refused}
 
     def heartbeat(self, msg: Heartbeat) -> HeartbeatReply:
         with self.state.lock:  # the catalog and epoch of one term (a new term swaps both)

@@ -173,6 +173,8 @@ class ReadHandlers:
                         "blocks": len(node.policy) + len(node.extras),
                         "ssd_blocks": len(node.ssd) if node.ssd is not None else None,
                         "host_id": node.host_id,
+                        # commits and frees its next heartbeat reply carries
+                        "events_queued": len(node.events),
                     }
                     for node_id, node in cat.nodes.items()
                 },
