@@ -79,8 +79,7 @@ class BlockTable:
     ) -> None:
         self._checksum = checksum  # (offset, size) -> xxh3_64 of those arena bytes
         self._idents = idents  # same-host readers check these (None: not published)
-        # same-host writers seal claims taken ahead here (None: TCP seals only)
-        self._claims = None if seals is None else SealedClaims(seals, clock)
+        self._claims = None if seals is None else SealedClaims(seals, clock)  # same-host seals
         self.claim_wait = claim_wait
         self.epoch = 0  # the term served now (0: none, every claim is stale)
         self.highest = 0  # the highest term ever served (a lower master is stale)
