@@ -11,6 +11,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from poolhelpers import make_keys
 
 from kvpool.index.catalog import (
+    Allocation,
     BlockCatalog,
     BlockCommitted,
     BlockMeta,
@@ -337,25 +338,33 @@ class CatalogMachine(RuleBasedStateMachine):
     def bind_grant(self, i: int) -> None:
         self.cat.commit_grant(self.grants.pop(0), self.keys[i], None)
 
+    def _allocate(self, i: int, pages: int, replicas: int) -> list[Allocation]:
+        """A put's allocations, recorded as one put (none: stored, in flight, or full)."""
+        try:
+            allocs = self.cat.allocate(self.keys[i], pages * PAGE, None, replicas) or []
+        except CatalogFullError:
+            return []
+        put = -len(self.put_of) - 1  # one id for the put's replicas
+        self.put_of.update((a.alloc_id, put) for a in allocs)
+        return allocs
+
     @rule(i=st.integers(0, 11), pages=st.integers(1, 3), replicas=st.integers(1, 2))
     def put(self, i: int, pages: int, replicas: int) -> None:
-        try:
-            allocs = self.cat.allocate(self.keys[i], pages * PAGE, None, replicas)
-        except CatalogFullError:
-            return
-        for alloc in allocs or []:
+        for alloc in self._allocate(i, pages, replicas):
             self.cat.commit(alloc.alloc_id)
 
     @rule(i=st.integers(0, 11), pages=st.integers(1, 3), replicas=st.integers(1, 2))
     def begin_put(self, i: int, pages: int, replicas: int) -> None:
         """A put whose commit comes later (a grant may bind its key meanwhile)."""
-        try:
-            allocs = self.cat.allocate(self.keys[i], pages * PAGE, None, replicas)
-        except CatalogFullError:
-            return
-        self.in_flight += [a.alloc_id for a in allocs or []]
-        put = -len(self.put_of) - 1  # one id for the put's replicas
-        self.put_of.update((a.alloc_id, put) for a in allocs or [])
+        self.in_flight += [a.alloc_id for a in self._allocate(i, pages, replicas)]
+
+    @precondition(lambda self: self.grants and self.in_flight)
+    @rule()
+    def bind_grant_to_a_key_in_flight(self) -> None:
+        """Another writer's put of a key being put: the race ``supersede`` settles."""
+        pending = self.cat.pending.get(self.in_flight[0])  # the next one finish_put commits
+        if pending is not None and pending.key is not None:
+            self.cat.commit_grant(self.grants.pop(0), pending.key, None)
 
     @precondition(lambda self: self.in_flight)
     @rule()

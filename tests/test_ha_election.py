@@ -95,13 +95,11 @@ def test_a_term_is_served_only_after_it_was_set_up() -> None:
     an empty catalog past its start-up grace and answered "pool full" (seen in CI
     under a leader-kill storm)."""
     seen: list[bool] = []
-    holder: list[Election] = []
 
     def elected(epoch: int) -> None:
-        seen.append(holder[0].serving())
+        seen.append(election.serving())  # bound by the time the election thread calls
 
     election = Election(MemoryCoordinator(MemoryStore()), "m:1", CFG, elected, lambda: None)
-    holder.append(election)
     election.start()
     try:
         assert wait_until(election.serving, 5)

@@ -4,10 +4,11 @@ The data path (``kvpool.transport.tcp``: client connections, the node's data
 server) opens its sockets here: ``connect`` sets the algorithm on a client's
 socket before it connects, ``listen`` on the data server's listener before it
 accepts, so every connection starts under it (an accepted connection takes
-its listener's at its handshake). Set after the handshake it would come too late: a connection
-that started under BBR kept BBR's packet pacing when switched to cubic, and
-its 4 MiB reads over loopback ran at 3.0-3.7 GB/s with 156 retransmissions
-against 5.1-5.3 GB/s and none when cubic was set before connect.
+its listener's at its handshake). Set after the handshake it would come too
+late: a connection that started under BBR kept BBR's packet pacing when
+switched to cubic, and its 4 MiB reads over loopback ran at 3.0-3.7 GB/s with
+156 retransmissions against 5.1-5.3 GB/s and none when cubic was set before
+connect.
 
 Why choose at all (issue 17, session 27): these machines' default is BBR.
 Over loopback BBR paces a reply's packets from timers that fire on either
