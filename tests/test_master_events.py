@@ -89,3 +89,16 @@ def test_an_allocation_after_its_term_ended_is_sent_to_the_leader(master: Master
     master.state.epoch = 0  # what the master's deposal leaves (Master._begin_term(0))
     with pytest.raises(NotLeaderError):
         PutHandlers(master.state).allocate(AllocateRequest(keys, [PAGE], [None]))
+
+
+def test_a_node_of_an_older_release_registers_its_blocks_as_confirmed(master: Master) -> None:
+    """Rows without the ``confirmed`` flag (older nodes) are restored as before: every
+    block, none refused; a second block of a key on the node is still refused."""
+    keys = make_keys(2)
+    rows = [[keys[0], 0, PAGE, None, None], [keys[1], PAGE, PAGE, None, None]]
+    rows.append([keys[0], 2 * PAGE, PAGE, None, None])
+    with RpcClient(master.address, timeout=5, name="kvpool-node n1") as rpc:
+        region = RegionInfo(node_id="n1", size=4 * PAGE)
+        reply = rpc.call(REGISTER, RegisterNode(region, rows, rejoin=True))
+    assert reply["restored"] == 2 and reply["refused"] == [2 * PAGE]
+    assert master.state.catalog.exists(keys) == [True, True]
