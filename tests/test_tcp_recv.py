@@ -96,6 +96,31 @@ def test_no_budget_means_no_spin_and_bad_arguments_are_refused(pair) -> None:
         native.set_max_spinners(-1)
 
 
+def test_a_writes_answer_waits_longer_by_its_payload(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``spin_ack``: the plain budget plus 1 ns per 2 payload bytes, capped; nothing
+    at all while spinning is off."""
+    budgets: list[int] = []
+    monkeypatch.setattr(tcp_recv, "_wait", lambda fd, budget: budgets.append(budget))
+    plain = tcp_recv.SPIN_US * 1000 if tcp_recv.SPINNERS else 0
+    for sent in (0, 64 << 10, 1 << 20, 1 << 40):
+        tcp_recv.spin_ack(3, sent)
+    cap = tcp_recv.ACK_EXTRA_MAX_US * 1000
+    assert budgets == [plain, plain + (32 << 10), plain + (1 << 19), plain + cap]
+    monkeypatch.setattr(tcp_recv, "_wait", None)
+    tcp_recv.spin_ack(3, 1 << 20)  # off: returns at once, nothing called
+    assert len(budgets) == 4
+
+
+@needs_native
+def test_a_writes_answer_that_does_not_come_is_spun_for_the_longer_budget(pair) -> None:
+    if not tcp_recv.active():
+        pytest.skip(f"spinning is {tcp_recv.STATUS}")
+    started = time.monotonic()
+    tcp_recv.spin_ack(pair[0].fileno(), 1 << 20)  # nothing comes: the whole budget
+    took = time.monotonic() - started
+    assert tcp_recv.SPIN_US * 1e-6 + (1 << 19) * 1e-9 <= took < 1.0
+
+
 @needs_native
 def test_past_max_spinners_a_caller_blocks_at_once(pair) -> None:
     a = pair[0]
@@ -283,7 +308,10 @@ def test_the_settings_reach_the_native_wait() -> None:
     out = _module_in({"KVPOOL_TCP_SPIN_US": "250", "KVPOOL_TCP_SPINNERS": "3"})
     assert out.returncode == 0, out.stderr
     status, state = out.stdout.splitlines()
-    assert status == "up to 250 us before each blocking receive, 3 thread(s) at a time"
+    assert status == (
+        "up to 250 us before each blocking receive (a write's acknowledgement: up to 1000 us"
+        " more, by its payload), 3 thread(s) at a time"
+    )
     assert state.startswith("True {'waits': 0") and "'max_spinners': 3" in state
 
 
@@ -357,5 +385,31 @@ def test_tcp_puts_and_reads_are_exact_with_spinning_on_and_off(spin_us: str) -> 
                 out = np.zeros(size, np.uint8)
                 assert pool.get_into(key, out) == size
                 assert np.array_equal(out, payload(i + 11, size))
+    finally:
+        cluster.stop()
+
+
+def test_a_tcp_put_waits_for_its_answer_by_its_payload(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put's write over TCP (the straight path's and the batch's) receives its
+    answer through ``spin_ack`` with what it sent; a read's reply does not."""
+    from kvpool.transport import tcp_conn
+
+    seen: list[int] = []
+    real = tcp_conn.spin_ack
+    monkeypatch.setattr(tcp_conn, "spin_ack", lambda fd, sent: (seen.append(sent), real(fd, sent)))
+    cluster = start_cluster(["64MiB"])
+    try:
+        with kvpool.connect(cluster.url, transport="tcp") as pool:
+            assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
+            a, b, c = make_keys(3, seed=61)
+            assert pool.put(a, payload(1, 1 << 20))
+            assert max(seen) >= 1 << 20
+            seen.clear()
+            assert pool.put_batch([b, c], [payload(2, 1 << 20), payload(3, 1 << 20)]) == [True] * 2
+            assert max(seen) >= 2 << 20  # the batch's answers: both payloads before them
+            seen.clear()
+            out = np.zeros(1 << 20, np.uint8)
+            assert pool.get_into(c, out) == 1 << 20 and np.array_equal(out, payload(3, 1 << 20))
+            assert max(seen, default=0) < 1 << 20  # a read waits with the plain budget
     finally:
         cluster.stop()

@@ -8,8 +8,8 @@ see ``tcp_wire``); writes leave through a gather ``sendmsg`` (request header,
 its alignment pad + payload; the connection counts the bytes it sent, which
 fixes each write's pad). Any exception leaves the stream position unknown: the owner must
 close the connection. Before each receive of a reply the connection spins on its
-socket for a bounded time instead of sleeping at once (``kvpool.transport.tcp_recv``:
-why, what it costs, how to turn it off).
+socket for a bounded time instead of sleeping at once, longer for a write's answer
+(``kvpool.transport.tcp_recv``: why, what it costs, how to turn it off).
 
 The socket stays in blocking mode and the inactivity timeout is the kernel's
 (``SO_RCVTIMEO``/``SO_SNDTIMEO``), not Python's ``settimeout``: a Python
@@ -31,7 +31,7 @@ from kvpool.errors import CallTimeoutError, ConnectionLostError, HandshakeRefuse
 from kvpool.rpc.frame import set_io_timeout
 from kvpool.transport import tcp_congestion, tcp_recv
 from kvpool.transport import tcp_wire as w
-from kvpool.transport.tcp_recv import spin
+from kvpool.transport.tcp_recv import spin, spin_ack
 
 _ZEROS = bytes(w.ALIGN)
 _FENCE_STATUSES = (w.ST_OK, w.ST_STALE, w.ST_BUSY)  # a fenced op's answers (others raise)
@@ -93,8 +93,8 @@ class DataConn:
         self._rid = (first + n) & 0xFFFFFFFF
         return [(first + i) & 0xFFFFFFFF for i in range(1, n + 1)]
 
-    def _read_resp(self, rid: int) -> int:
-        spin(self._fd)
+    def _read_resp(self, rid: int, payload: int = 0) -> int:
+        spin_ack(self._fd, payload)
         w.recv_into_exact(self.sock, self._resp_mv[: w.RESP.size])
         status, got_rid, length = w.RESP.unpack_from(self._resp)
         self._received += w.RESP.size
@@ -246,7 +246,7 @@ class DataConn:
         self._rid = rid = (self._rid + 1) & 0xFFFFFFFF  # _next_rid, inline: the hot path
         self._send_request(op, rid, off, data, stamp)
         h = w.RESP.size
-        spin(self._fd)
+        spin_ack(self._fd, data.nbytes)
         w.recv_into_exact(self.sock, self._resp_mv[:h])
         status, got_rid, length = w.RESP.unpack_from(self._resp)
         msg = bytearray(length)
@@ -258,7 +258,8 @@ class DataConn:
     def stamped_many(self, plan: list[tuple[int, bytes, int, Any]]) -> list[int]:
         """Fenced ops (op, packed stamp, offset, payload or None), pipelined; the
         status of each (ST_OK, ST_STALE or ST_BUSY; others raise)."""
-        return self.stamped_statuses(self.stamped_send(plan))
+        sent = self._sent  # the sends run first: arguments are evaluated left to right
+        return self.stamped_statuses(self.stamped_send(plan), self._sent - sent)
 
     def stamped_send(self, plan: list[tuple[int, bytes, int, Any]]) -> list[int]:
         """Send fenced ops; their request ids, for ``stamped_statuses``. Payload-less
@@ -294,9 +295,10 @@ class DataConn:
         w.send_parts(self.sock, head, payload)
         self._sent += len(head) + n
 
-    def stamped_statuses(self, rids: list[int]) -> list[int]:
-        """The status replies to ``rids``, in as few receives as they arrive in (the
-        node answers a pipelined batch of payload-less ops with one send).
+    def stamped_statuses(self, rids: list[int], payload: int = 0) -> list[int]:
+        """The status replies to ``rids`` (``payload``: the bytes their requests sent),
+        in as few receives as they arrive in (the node answers a pipelined batch of
+        payload-less ops with one send).
 
         A receive never asks for more than the replies still owed hold at the least
         (a header each, plus the message of one whose header is in), so it never
@@ -305,21 +307,22 @@ class DataConn:
         pending = bytearray()  # received, not parsed yet
         out: list[int] = []
         for rid, left in zip(rids, range(len(rids), 0, -1), strict=True):
-            self._recv_owed(pending, h, h * left)
+            self._recv_owed(pending, h, h * left, payload)
             status, got_rid, length = w.RESP.unpack_from(pending)
             if length:
-                self._recv_owed(pending, h + length, h * left + length)
+                self._recv_owed(pending, h + length, h * left + length, payload)
             msg = bytes(pending[h : h + length])
             del pending[: h + length]
             self._received += h + length
             out.append(_fence_status(status, got_rid, rid, msg))
         return out
 
-    def _recv_owed(self, pending: bytearray, need: int, owed: int) -> None:
+    def _recv_owed(self, pending: bytearray, need: int, owed: int, payload: int) -> None:
         """Receive until ``pending`` holds ``need`` bytes, asking each time for at most
-        the ``owed`` bytes (counted from ``pending``'s start) known to be on their way."""
+        the ``owed`` bytes (counted from ``pending``'s start) known to be on their way
+        (answers to writes that sent ``payload`` bytes: ``spin_ack``)."""
         while len(pending) < need:
-            spin(self._fd)
+            spin_ack(self._fd, payload)
             chunk = self.sock.recv(owed - len(pending))
             if not chunk:
                 raise ConnectionLostError("peer closed the data connection")
@@ -347,11 +350,11 @@ class DataConn:
         return bytes(states)
 
     def write_many(self, plan: list[tuple[int, np.ndarray]]) -> None:
-        rids = self._next_rids(len(plan))
+        rids, sent = self._next_rids(len(plan)), self._sent
         for rid, (off, data) in zip(rids, plan, strict=True):
             self._send_request(w.OP_WRITE, rid, off, data, b"")
         for rid in rids:
-            self._read_resp(rid)
+            self._read_resp(rid, self._sent - sent)
 
 
 def _fence_status(status: int, got_rid: int, rid: int, msg: bytes | bytearray) -> int:
