@@ -1,5 +1,6 @@
 """The single same-host put's short path (``RemotePutter._put_one``, issue 17), with
-real master and node processes.
+real master and node processes; the end of the file: ``put_batch``'s leading blocks
+on the same path (``SealedPutter.put_batch``).
 
 A single put of a new key with a grant in stock takes the short path when its
 write is a TCP one (the stamp rides in it), or a same-host one whose grant
@@ -24,6 +25,7 @@ from clusterhelpers import Cluster, start_cluster, wait_until
 import kvpool
 import kvpool.cluster.client.puts as puts_module
 from kvpool.cluster.client import fenced
+from kvpool.cluster.wire import COMMIT
 
 BLOCK = 256 << 10
 
@@ -237,3 +239,102 @@ def test_a_short_path_put_cut_by_a_master_restart_after_its_copy_is_stored(
         with kvpool.connect(cluster.url, timeout=10) as probe:
             assert wait_until(lambda: probe.exists([key(3)]) == [True], timeout=15)
         assert reads_back(cluster, key(3), payload(3))
+
+
+# -- put_batch: its leading blocks take the same straight path -----------------------
+
+
+class Recorder:
+    """Counts the writer's calls to the general path and its master methods."""
+
+    def __init__(self, pool: kvpool.RemotePool, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.general = 0
+        self.methods: list[str] = []
+        putter, rpc = pool._putter, pool._session.rpc
+        real_put_once, real_call, real_submit = putter.put_once, rpc.call, rpc.submit
+
+        def put_once(*args: Any, **kwargs: Any) -> Any:
+            self.general += 1
+            return real_put_once(*args, **kwargs)
+
+        def call(method: str, *args: Any, **kwargs: Any) -> Any:
+            self.methods.append(method)
+            return real_call(method, *args, **kwargs)
+
+        def submit(method: str, *args: Any, **kwargs: Any) -> Any:
+            self.methods.append(method)
+            return real_submit(method, *args, **kwargs)
+
+        monkeypatch.setattr(putter, "put_once", put_once)
+        monkeypatch.setattr(rpc, "call", call)
+        monkeypatch.setattr(rpc, "submit", submit)
+
+
+def test_a_same_host_batch_takes_the_single_puts_straight_path(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each block whose grant holds its claim: a copy and a seal record, its node
+    commits it; the writer sends no COMMIT and the general path is not taken."""
+    with writer_with_grants(cluster) as pool:
+        session = pool._session
+        n = min(4, pool._putter.grants.claimed_in_stock())
+        assert n >= 3
+        seals = session.counts["seals_shm"]
+        keys, datas = [key(30 + i) for i in range(n)], [payload(30 + i) for i in range(n)]
+        seen = Recorder(pool, monkeypatch)
+        assert pool.put_batch(keys, datas) == [True] * n
+        monkeypatch.undo()
+        assert seen.general == 0 and COMMIT not in seen.methods
+        assert session.counts["seals_shm"] == seals + n
+        pool.flush()
+        for k, data in zip(keys, datas, strict=True):
+            assert reads_back(cluster, k, data)
+
+
+def test_a_batch_goes_the_general_way_from_the_first_block_the_straight_path_declines(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The writer's own duplicate in the middle: the blocks before it went straight,
+    it and those after it go together the general way (which flushes, then answers
+    False for the duplicate); every stored key reads back its own bytes."""
+    with writer_with_grants(cluster) as pool:
+        assert pool.put(key(40), payload(40))
+        seals = pool._session.counts["seals_shm"]
+        keys = [key(41), key(40), key(42)]
+        datas = [payload(41), payload(0), payload(42)]
+        seen = Recorder(pool, monkeypatch)
+        assert pool.put_batch(keys, datas) == [True, False, True]
+        monkeypatch.undo()
+        assert seen.general == 1
+        assert pool._session.counts["seals_shm"] >= seals + 1  # key 41 at least
+        pool.flush()
+        for i in (41, 40, 42):
+            assert reads_back(cluster, key(i), payload(i))
+
+
+@pytest.mark.parametrize(("transport", "replicas"), [("tcp", 1), ("shm", 2)])
+def test_a_batch_the_straight_path_does_not_take_goes_the_general_way_whole(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch, transport: str, replicas: int
+) -> None:
+    """Over TCP the general path pipelines the batch's writes (the straight path
+    would wait a round trip per block: no ``stamped_one``); replicas > 1 commit
+    synchronously. One general put for the whole batch, every block reads back."""
+    with writer_with_grants(cluster, transport) as pool:
+        stamped_one: list[int] = []
+        if transport == "tcp":
+            node_id = next(iter(pool._session.regions))
+            data = pool._session.transport(node_id)
+            real_one = data.stamped_one
+            monkeypatch.setattr(
+                data, "stamped_one", lambda *a: stamped_one.append(1) or real_one(*a)
+            )
+        seals = pool._session.counts["seals_shm"]
+        keys, datas = [key(50 + i) for i in range(3)], [payload(50 + i) for i in range(3)]
+        seen = Recorder(pool, monkeypatch)
+        assert pool.put_batch(keys, datas, replicas=replicas) == [True] * 3
+        monkeypatch.undo()
+        assert seen.general == 1 and stamped_one == []
+        assert pool._session.counts["seals_shm"] == seals
+        pool.flush()
+        for k, d in zip(keys, datas, strict=True):
+            assert reads_back(cluster, k, d)

@@ -145,20 +145,20 @@ class RemotePool(LayerwiseMethods):
         *,
         replicas: int = 1,
     ) -> list[bool]:
-        """Store each block; one commit round trip for the whole batch, plus one
-        allocation round trip for blocks that found no grant (kvpool.cluster.client.puts).
-
-        ``replicas`` > 1 places copies on distinct nodes (best effort).
-        """
+        """Store each block. Same host, blocks whose grants hold their claims go the
+        single put's straight path (kvpool.cluster.client.sealed_put); the rest share
+        one commit round trip, plus one allocation round trip for blocks that found no
+        grant (kvpool.cluster.client.puts). ``replicas`` > 1 places copies on distinct
+        nodes (best effort)."""
         filled = check_batch(keys, datas, parents)
         regions = [data_region(d) for d in datas]
-        return self._put_regions(keys, regions, filled, replicas)
+        return self._putter.sealed.put_batch(keys, regions, filled, replicas, self._put_regions)
 
     def _put_regions(
         self,
         keys: Sequence[bytes],
-        regions: list[Any],
-        parents: list[bytes | None],
+        regions: Sequence[Any],
+        parents: Sequence[bytes | None],
         replicas: int,
     ) -> list[bool]:
         self._session.check_open()

@@ -8,14 +8,18 @@ the claim's deadline (kvpool.transport.shm_seal) the put is acknowledged,
 and watched until its node answers (kvpool.cluster.client.node_watch).
 
 ``SealedPutter.put`` is that path alone, in a straight line, called by
-``RemotePool.put`` before anything else. What it skips was measured (issue 17,
-bench/RESULTS.md): the batch bookkeeping of ``fenced.write_blocks_begin`` and
+``RemotePool.put`` before anything else; ``SealedPutter.put_batch`` sends a
+same-host batch's leading blocks down it (a batch of 8 x 64 KiB went from twice
+the time of 8 single puts to ~1.07x; bench/RESULTS.md, session 30).
+
+What the straight path skips was measured (issue 17, bench/RESULTS.md): the
+batch bookkeeping of ``fenced.write_blocks_begin`` and
 ``RemotePutter._acknowledge`` cost a 1 MiB put ~16 us (session 8); the
 single-key dispatch of ``RemotePool._put_regions`` and ``RemotePutter.put``,
-and a grant taken and its claim looked up in two lock sections, ~1.7 us of a
-64 KiB put and ~1 us of a 1 MiB one (session 20). What is left (~6 us over
-the copy at 64 KiB, ~10 us at 1 MiB) is this function's own Python, slower
-after a large copy has pushed the interpreter's state out of the CPU caches.
+and a grant taken and its claim looked up in two lock sections, ~1.7 us of a 64
+KiB put and ~1 us of a 1 MiB one (session 20). What is left (~6 us over the
+copy at 64 KiB, ~10 us at 1 MiB) is this function's own Python, slower after a
+large copy has pushed the interpreter's state out of the CPU caches.
 
 Over TCP (``_put_tcp``), when the next grant in stock is on a node that commits
 the TCP writes asking it to (kvpool.cluster.node_commits): one ``WRITE_COMMIT``
@@ -36,10 +40,11 @@ False: the general path puts the block again on another.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from kvpool.bindings.buffers import Region, plain_host
 from kvpool.cluster.client.acked import Acked
 from kvpool.cluster.client.commits import CommitPipe
 from kvpool.cluster.client.grant_supply import GrantSupply
@@ -47,6 +52,9 @@ from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.shm_seal import now_ns
+
+# ``RemotePool``'s general put of (keys, regions, parents, replicas): stored per key
+PutRest = Callable[[Sequence[bytes], Sequence[Region], Sequence[bytes | None], int], list[bool]]
 
 
 class SealedPutter:
@@ -71,11 +79,13 @@ class SealedPutter:
         self._commit_late = commit_late
         self.enabled = enabled
 
-    def put(self, key: bytes, region: np.ndarray, parent: bytes | None) -> bool:
+    def put(
+        self, key: bytes, region: np.ndarray, parent: bytes | None, *, tcp: bool = True
+    ) -> bool:
         """Store ``region`` (a plain host array, ``buffers.plain_host``) under the new
         ``key``: True once acknowledged; False if nothing was done (the caller
-        takes the general path). Raises ``PutCommitError`` first for earlier puts
-        known lost, as every put does."""
+        takes the general path). ``tcp`` False: the same-host path alone. Raises
+        ``PutCommitError`` first for earlier puts known lost, as every put does."""
         session, commits = self._session, self._commits
         if not self.enabled or session.closed or key in self._mine:
             return False
@@ -83,7 +93,7 @@ class SealedPutter:
         size = region.nbytes
         taken = self._stock.take_claimed(size)
         if taken is None:
-            return self._put_tcp(key, region, parent, size)
+            return tcp and self._put_tcp(key, region, parent, size)
         grant, claimed_at, low = taken
         try:
             sealable = session.sealable(grant.node_id, grant.region)
@@ -115,6 +125,34 @@ class SealedPutter:
         if time.monotonic() > grant.expires:  # as ``RemotePutter._acknowledge``
             self._commit_late()
         return True
+
+    def put_batch(
+        self,
+        keys: Sequence[bytes],
+        regions: Sequence[Region],
+        parents: Sequence[bytes | None],
+        replicas: int,
+        put_rest: PutRest,
+    ) -> list[bool]:
+        """``RemotePool.put_batch``: the leading blocks go ``put``'s same-host path one
+        by one while it takes them (a grant whose claim was taken ahead in stock; no
+        master frame, the node commits them); from the first it declines, the rest go
+        to ``put_rest`` together (the general path: one commit round trip; over TCP
+        its writes pipeline, where the straight path would wait a round trip per
+        block). A batch that found no grant costs one declined look-up. Raises what
+        ``put_rest`` raises; the blocks acknowledged before it stay stored."""
+        stored: list[bool] = []
+        if replicas == 1:
+            for key, region, parent in zip(keys, regions, parents, strict=True):
+                if not (plain_host(region) and self.put(key, region, parent, tcp=False)):
+                    break
+                stored.append(True)
+        if not stored:
+            return put_rest(keys, regions, parents, replicas)
+        n = len(stored)
+        if n < len(keys):
+            stored += put_rest(keys[n:], regions[n:], parents[n:], replicas)
+        return stored
 
     def _put_tcp(self, key: bytes, region: np.ndarray, parent: bytes | None, size: int) -> bool:
         """The TCP straight path: the next grant of ``size`` bytes is on a node that
