@@ -24,12 +24,13 @@ import sys
 import textwrap
 import threading
 import time
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from clusterhelpers import start_cluster, wait_until
 from poolhelpers import make_keys, payload
-from tcprecvhelpers import native, needs_native, send_in_pieces
+from tcprecvhelpers import native, needs_native, pause_rule, send_in_pieces
 
 import kvpool
 from kvpool.errors import ConnectionLostError
@@ -39,6 +40,14 @@ from kvpool.transport import tcp_recv, tcp_wire
 if not tcp_recv.active() and os.environ.get("KVPOOL_REQUIRE_TCP_RECV") == "1":
     pytest.fail(f"KVPOOL_REQUIRE_TCP_RECV=1 but spinning is {tcp_recv.STATUS}", pytrace=False)
 MS = 1_000_000  # ns
+
+
+@pytest.fixture(autouse=True)
+def no_spin_pause() -> Iterator[None]:
+    """These tests time whole budgets: no pause after a long yield (another
+    process's turn on this CPU) may cut one short (test_tcp_spin_pause.py)."""
+    with pause_rule(10**9, 10, 1000):
+        yield
 
 
 def _timed(fd: int, budget_ns: int) -> tuple[bool, float]:
@@ -310,7 +319,8 @@ def test_the_settings_reach_the_native_wait() -> None:
     status, state = out.stdout.splitlines()
     assert status == (
         "up to 250 us before each blocking receive (a write's acknowledgement: up to 1000 us"
-        " more, by its payload), 3 thread(s) at a time"
+        " more, by its payload), 3 thread(s) at a time, paused 10-1000 ms after a yield of"
+        " 500 us"
     )
     assert state.startswith("True {'waits': 0") and "'max_spinners': 3" in state
 

@@ -4,7 +4,8 @@
  * released, until the socket is readable (True: data, EOF or an error is there, so
  * a receive will not sleep) or budget_ns passed (False: a receive would wait). At
  * most max_spinners threads of the process spin at once; a caller over that limit
- * returns False at once ("crowded").
+ * returns False at once ("crowded"), as does every caller while spinning is paused
+ * after a long yield (see "Why spinning pauses" below).
  *
  * recv_all(fd, views, flags, budget_ns) -> int: fill every writable buffer of the
  * list views, in order, from the socket: recvmsg calls on the part not filled yet,
@@ -28,6 +29,18 @@
  * per receive, on at most max_spinners threads. The spin yields the CPU between
  * polls (sched_yield), so a thread that is ready to run on it is not held up: the
  * spinner only keeps a CPU that nothing else wants.
+ * Why spinning pauses after a long yield (issue 17, session 30): beside a busy
+ * co-runner on the same CPU (another process, a thread of the engine), a yield hands
+ * that task the CPU for its whole scheduler slice, ~4 ms on the Intel VM, while a
+ * sleeper's wake-up would preempt it: TCP puts and reads of 64 KiB-1 MiB took
+ * 4.0-4.3 ms each against 0.18-1.3 ms with no spinning at all. A peer answering
+ * on the same CPU gives the CPU back far sooner. So a yield that kept the spinner
+ * off its CPU for long_yield_ns (500 us) ends the spin and pauses every spin of
+ * the process: they return False at once, and the receive sleeps. The pause is
+ * first_pause_ns (10 ms), doubled by each long yield that follows one, up to
+ * max_pause_ns (1 s), and back to the first once a spin ends without one: a lasting
+ * co-runner costs one slice per second, a one-off (a kernel thread's turn, a peer's
+ * long answer on the same CPU) 10 ms of receives that sleep.
  * Why fill the whole list here: a pipelined batch's replies land in up to 128
  * buffers; a Python loop of recvmsg_into calls rebuilt that list and re-acquired
  * every buffer on each call, per chunk the kernel had ready. The node takes a
@@ -44,7 +57,8 @@
  * Invariants: wait_readable never reads a byte (poll only looks); recv_all and
  * read_blocks never read past the last buffer (they ask for exactly what is left); the
  * active-spinner count returns to where it was on every path; the counters only
- * grow (relaxed atomics: statistics, not synchronisation).
+ * grow (relaxed atomics: statistics, not synchronisation), and each wait adds one
+ * to exactly one of ready, timeouts, crowded, long_yields and paused.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -64,7 +78,11 @@
 
 static atomic_int active; /* threads spinning now */
 static atomic_int max_spinners = 1;
-static atomic_llong n_waits, n_ready, n_timeouts, n_crowded;
+static atomic_llong long_yield_ns = 500000LL; /* a yield this long: a co-runner held the CPU */
+static atomic_llong first_pause_ns = 10000000LL, max_pause_ns = 1000000000LL;
+static atomic_llong next_pause_ns = 10000000LL; /* the pause a long yield starts now */
+static atomic_llong paused_until;               /* now_ns() before which spins return at once */
+static atomic_llong n_waits, n_ready, n_timeouts, n_crowded, n_long_yields, n_paused;
 
 static long long now_ns(void) {
     struct timespec t;
@@ -72,31 +90,50 @@ static long long now_ns(void) {
     return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
-/* The spin itself; call without the GIL. 1: readable, 0: budget passed or crowded. */
+/* The spin itself; call without the GIL. 1: readable, 0: budget passed, crowded,
+ * a long yield (spinning paused from then on) or paused. */
 static int spin(int fd, long long budget_ns) {
     if (budget_ns <= 0)
         return 0;
     atomic_fetch_add_explicit(&n_waits, 1, memory_order_relaxed);
+    long long now = now_ns();
+    if (now < atomic_load_explicit(&paused_until, memory_order_relaxed)) {
+        atomic_fetch_add_explicit(&n_paused, 1, memory_order_relaxed);
+        return 0;
+    }
     if (atomic_fetch_add(&active, 1) >= atomic_load(&max_spinners)) {
         atomic_fetch_sub(&active, 1);
         atomic_fetch_add_explicit(&n_crowded, 1, memory_order_relaxed);
         return 0;
     }
-    int ready = 0;
-    long long end = now_ns() + budget_ns;
+    atomic_llong *outcome = &n_timeouts;
+    long long end = now + budget_ns, long_yield = atomic_load(&long_yield_ns);
     struct pollfd p = {.fd = fd, .events = POLLIN};
-    do {
+    for (;;) {
         /* > 0: readable, or POLLHUP / POLLERR / POLLNVAL: a receive will not sleep
          * either (it returns EOF or fails) */
         if (poll(&p, 1, 0) > 0) {
-            ready = 1;
+            outcome = &n_ready;
             break;
         }
+        long long before = now_ns();
         sched_yield(); /* a thread waiting for this CPU (a commit sender, a peer) runs */
-    } while (now_ns() < end);
+        now = now_ns();
+        if (now - before >= long_yield) { /* a co-runner's slice: see the header */
+            long long pause = atomic_load(&next_pause_ns), most = atomic_load(&max_pause_ns);
+            atomic_store(&paused_until, now + pause);
+            atomic_store(&next_pause_ns, pause < most / 2 ? 2 * pause : most);
+            outcome = &n_long_yields;
+            break;
+        }
+        if (now >= end)
+            break;
+    }
+    if (outcome != &n_long_yields)
+        atomic_store(&next_pause_ns, atomic_load(&first_pause_ns));
     atomic_fetch_sub(&active, 1);
-    atomic_fetch_add_explicit(ready ? &n_ready : &n_timeouts, 1, memory_order_relaxed);
-    return ready;
+    atomic_fetch_add_explicit(outcome, 1, memory_order_relaxed);
+    return outcome == &n_ready;
 }
 
 static PyObject *wait_readable(PyObject *self, PyObject *args) {
@@ -428,12 +465,31 @@ static PyObject *set_max_spinners(PyObject *self, PyObject *arg) {
     Py_RETURN_NONE;
 }
 
+static PyObject *set_pause(PyObject *self, PyObject *args) {
+    long long long_yield, first, most;
+    if (!PyArg_ParseTuple(args, "LLL:set_pause", &long_yield, &first, &most))
+        return NULL;
+    if (long_yield <= 0 || first < 0 || most < first) {
+        PyErr_SetString(PyExc_ValueError,
+                        "set_pause: need long_yield_ns > 0 and 0 <= first_pause_ns <= max_pause_ns");
+        return NULL;
+    }
+    atomic_store(&long_yield_ns, long_yield);
+    atomic_store(&first_pause_ns, first);
+    atomic_store(&max_pause_ns, most);
+    atomic_store(&next_pause_ns, first);
+    atomic_store(&paused_until, 0); /* a pause in force ends: the new rule applies from now */
+    Py_RETURN_NONE;
+}
+
 static PyObject *counters(PyObject *self, PyObject *unused) {
-    return Py_BuildValue("{sLsLsLsLsi}", "waits", (long long)atomic_load(&n_waits), "ready",
-                         (long long)atomic_load(&n_ready), "timeouts",
-                         (long long)atomic_load(&n_timeouts), "crowded",
-                         (long long)atomic_load(&n_crowded), "max_spinners",
-                         atomic_load(&max_spinners));
+    return Py_BuildValue(
+        "{sLsLsLsLsLsLsisL}", "waits", (long long)atomic_load(&n_waits), "ready",
+        (long long)atomic_load(&n_ready), "timeouts", (long long)atomic_load(&n_timeouts),
+        "crowded", (long long)atomic_load(&n_crowded), "long_yields",
+        (long long)atomic_load(&n_long_yields), "paused", (long long)atomic_load(&n_paused),
+        "max_spinners", atomic_load(&max_spinners), "next_pause_us",
+        (long long)(atomic_load(&next_pause_ns) / 1000));
 }
 
 static PyMethodDef methods[] = {
@@ -449,8 +505,13 @@ static PyMethodDef methods[] = {
      "received): a pipelined exchange of checked reads (see the source's comment)."},
     {"set_max_spinners", set_max_spinners, METH_O,
      "set_max_spinners(n): at most n threads of this process spin at once (0: none)."},
+    {"set_pause", set_pause, METH_VARARGS,
+     "set_pause(long_yield_ns, first_pause_ns, max_pause_ns): a yield at least long_yield_ns "
+     "long pauses every spin, first_pause_ns, doubling up to max_pause_ns while long yields "
+     "follow (defaults 500 us, 10 ms, 1 s); ends a pause in force."},
     {"counters", counters, METH_NOARGS,
-     "counters() -> dict: waits, ready, timeouts, crowded (since import), max_spinners."},
+     "counters() -> dict: waits, ready, timeouts, crowded, long_yields, paused (since "
+     "import); max_spinners, next_pause_us (the pause a long yield starts now)."},
     {NULL, NULL, 0, NULL},
 };
 

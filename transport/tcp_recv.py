@@ -22,6 +22,11 @@ What it costs: the CPU time of the spin, at most ``SPIN_US`` per receive (plus
 the extra of a write's answer), on at most ``SPINNERS`` threads of the process
 at once (the others block at once). The spin yields between polls, so a thread
 that is ready to run on its CPU (a commit sender, another process) still runs.
+Beside a busy co-runner that yield costs the co-runner's whole scheduler slice
+(~4 ms a receive on the Intel VM, issue 17 session 30), so a yield that kept the
+spinner off its CPU for ``LONG_YIELD_US`` pauses every spin of the process
+(they sleep at once): ``FIRST_PAUSE_MS``, doubled while long yields follow, up
+to ``MAX_PAUSE_MS`` (the C source's header says why; ``set_pause`` changes them).
 Both limits come from the environment, read once at import:
 
 - ``KVPOOL_TCP_SPIN_US`` (default 100; 0 turns spinning off);
@@ -48,6 +53,8 @@ MAX_SPIN_US = 1_000_000  # a budget past a second is a typo, not a tuning
 
 SPIN_US = env_int("KVPOOL_TCP_SPIN_US", DEFAULT_SPIN_US, MAX_SPIN_US)
 SPINNERS = env_int("KVPOOL_TCP_SPINNERS", DEFAULT_SPINNERS, 1 << 20)
+#: The spin's pause after a long yield (defaults of the compiled module: ``set_pause``).
+LONG_YIELD_US, FIRST_PAUSE_MS, MAX_PAUSE_MS = 500, 10, 1000
 #: A write's acknowledgement leaves the peer once it has taken the payload in, which
 #: for a large payload outlasts ``SPIN_US`` (``spin_ack``): its wait spins longer by
 #: the payload's bytes at 2 GB/s (1 ns per 2 bytes), this much longer at most.
@@ -72,7 +79,8 @@ else:
     _module.set_max_spinners(SPINNERS)
     STATUS = (
         f"up to {SPIN_US} us before each blocking receive (a write's acknowledgement: up to"
-        f" {ACK_EXTRA_MAX_US} us more, by its payload), {SPINNERS} thread(s) at a time"
+        f" {ACK_EXTRA_MAX_US} us more, by its payload), {SPINNERS} thread(s) at a time,"
+        f" paused {FIRST_PAUSE_MS}-{MAX_PAUSE_MS} ms after a yield of {LONG_YIELD_US} us"
     )
 _wait = _module.wait_readable if _module is not None and _BUDGET_NS else None
 _ACK_EXTRA_MAX_NS = ACK_EXTRA_MAX_US * 1000
@@ -136,7 +144,18 @@ def active() -> bool:
 
 
 def counters() -> dict[str, int]:
-    """Spins since import: ``waits`` (calls), ``ready`` (the socket became readable),
-    ``timeouts`` (the budget passed), ``crowded`` (``SPINNERS`` threads already
-    spun); empty when spinning is off."""
+    """Spins since import: ``waits`` (calls), each ended one way: ``ready`` (the
+    socket became readable), ``timeouts`` (the budget passed), ``crowded``
+    (``SPINNERS`` threads already spun), ``long_yields`` (a yield kept the CPU
+    away ``LONG_YIELD_US``: spinning paused), ``paused`` (none while paused); and
+    ``max_spinners``, ``next_pause_us`` (the pause a long yield starts now); empty
+    when spinning is off."""
     return {} if _wait is None else dict(_module.counters())
+
+
+def set_pause(long_yield_us: int, first_pause_ms: float, max_pause_ms: float) -> None:
+    """Change the pause rule (tests; ``LONG_YIELD_US`` etc. are the defaults) and
+    end a pause in force; no-op when spinning is off."""
+    if _module is not None:
+        ms = 1_000_000
+        _module.set_pause(long_yield_us * 1000, int(first_pause_ms * ms), int(max_pause_ms * ms))
