@@ -46,6 +46,7 @@ from kvpool.bench.common import write_json
 from kvpool.bench.machine import STEAL_NOTE_PCT, CpuTimes, load_average, machine_facts, steal_since
 from kvpool.bindings import stream_copy
 from kvpool.config import format_size
+from kvpool.transport import tcp_recv
 
 if TYPE_CHECKING:
     from kvpool.bench.common import Row
@@ -218,9 +219,12 @@ def _mooncake_importable() -> bool:
 SUITES = ("local", "prefix", "remote", "layerwise")
 
 
-def suite_rows(suite: str, plan: Plan, ssd_dir: str | None) -> tuple[list[BenchRow], str]:
-    """One suite's rows, and the way each copy size class settled on while it ran
-    (``STATUS`` where none learns)."""
+def suite_rows(
+    suite: str, plan: Plan, ssd_dir: str | None
+) -> tuple[list[BenchRow], str, dict[str, int]]:
+    """One suite's rows, the way each copy size class settled on while it ran
+    (``STATUS`` where none learns), and how the process's TCP spins ended
+    (``tcp_recv.counters``: a pause after a long yield makes TCP rows sleep)."""
     if suite == "local":
         rows = local_rows(plan, ssd_dir)
     elif suite == "prefix":
@@ -231,7 +235,7 @@ def suite_rows(suite: str, plan: Plan, ssd_dir: str | None) -> tuple[list[BenchR
         rows = layerwise_rows(plan)
     else:
         raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
-    return rows, stream_copy.learned() or stream_copy.STATUS
+    return rows, stream_copy.learned() or stream_copy.STATUS, tcp_recv.counters()
 
 
 def run_all(
@@ -244,7 +248,7 @@ def run_all(
     facts["steal_pct"] = {}
     start, started = time.monotonic(), CpuTimes.now()
     rows: list[BenchRow] = []
-    facts["copy"] = {}
+    facts["copy"], facts["tcp_spins"] = {}, {}
     # Each suite in a fresh process, as ``kvpool bench SUITE`` runs it: what one suite
     # leaves in a process (copy ways learned on its memory, threads, a big catalog)
     # must not measure the next (issue 17, session 20: the 4 MiB class settled on
@@ -253,8 +257,12 @@ def run_all(
     for suite in suites:
         before = CpuTimes.now()
         with ProcessPoolExecutor(1, mp_context=spawn) as fresh:
-            got, facts["copy"][suite] = fresh.submit(suite_rows, suite, plan, ssd_dir).result()
+            got, facts["copy"][suite], spins = fresh.submit(
+                suite_rows, suite, plan, ssd_dir
+            ).result()
         rows += got
+        if spins.get("waits"):
+            facts["tcp_spins"][suite] = spins
         facts["steal_pct"][suite] = steal_since(before)
     facts["steal_pct"]["all"] = steal_since(started)
     facts["load_after"] = load_average()
@@ -316,6 +324,9 @@ def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool
               f"raw baselines {cc['data_path']}")  # fmt: skip
     for suite, ways in facts.get("copy", {}).items():  # each suite ran in its own process
         print(f"copy ({suite}): {ways}")
+    for suite, spins in facts.get("tcp_spins", {}).items():
+        ends = ", ".join(f"{k} {v}" for k, v in spins.items() if k not in ("waits", "max_spinners"))
+        print(f"TCP spins ({suite}, the client): {spins['waits']} waits: {ends}")
     steal = {k: v for k, v in facts.get("steal_pct", {}).items() if v is not None}
     if steal:
         print("CPU steal: " + ", ".join(f"{k} {v}%" for k, v in steal.items()))

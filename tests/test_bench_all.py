@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from kvpool.transport import tcp_recv
+
 KEYS = ["suite", "store", "op", "path", "size", "value", "unit", "baseline", "baseline_value",
         "ratio"]  # fmt: skip
 OPS = {"put", "get_into", "put_batch", "get_into_batch", "prefix_match", "store", "load"}
@@ -156,6 +158,13 @@ def test_machine_facts_are_written_and_printed(quick_run: tuple[list[dict], dict
     # each suite ran in a fresh process: the way each copy size class settled on in it
     assert set(facts["copy"]) == set(steal) - {"all"}
     assert all(facts["copy"][s] and f"copy ({s}): " in stdout for s in steal if s != "all")
+    # how the client's TCP spins ended in each suite that spun (a pause sleeps them)
+    spins = facts["tcp_spins"]
+    assert ("remote" in spins) == tcp_recv.active() and set(spins) <= {"remote", "layerwise"}
+    for suite, ends in spins.items():
+        outcomes = ("ready", "timeouts", "crowded", "long_yields", "paused")
+        assert ends["waits"] == sum(ends[k] for k in outcomes)
+        assert f"TCP spins ({suite}, the client): {ends['waits']} waits: ready" in stdout
 
 
 def test_cpu_steal_is_read_from_the_kernels_accounting(
