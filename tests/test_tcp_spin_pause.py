@@ -1,8 +1,8 @@
 """The TCP client's spin pauses beside a busy co-runner (kvpool.transport.tcp_recv, issue 17).
 
 A yield that keeps the spinner off its CPU for long means a busy task shares
-that CPU, and each yield would hand it a whole scheduler slice: spinning then
-pauses (every receive sleeps at once), for longer while long yields follow,
+that CPU, and each yield would hand it a whole scheduler slice: the thread's
+spinning then pauses (its receives sleep at once), for longer while long yields follow,
 and the pause shrinks back once a spin ends without one. Real processes: a CPU
 hog pinned to the spinner's CPU; end to end, TCP puts and reads of a real
 cluster beside one, byte-exact and without paying the hog's slice per receive.
@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import os
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 
@@ -50,7 +51,7 @@ def spin_until_a_long_yield(fd: int) -> None:
 
 
 @needs_native
-def test_a_long_yield_pauses_every_spin_longer_while_they_follow(pair) -> None:
+def test_a_long_yield_pauses_the_threads_spins_longer_while_they_follow(pair) -> None:
     fd = pair[0].fileno()
     with pause_rule(500, 200, 500), on_one_cpu() as cpu:
         assert native.counters()["next_pause_us"] == 200_000
@@ -75,6 +76,36 @@ def test_a_long_yield_pauses_every_spin_longer_while_they_follow(pair) -> None:
                 break
             assert time.monotonic() < deadline, "no spin ran its budget without a long yield"
         assert native.counters()["next_pause_us"] == 200_000  # back to the first
+
+
+@needs_native
+def test_one_threads_pause_leaves_the_others_spinning(pair) -> None:
+    """A thread that yielded to its own process's busy thread (a client's claim
+    thread beside its main thread's copies) pauses alone: the others' spins run."""
+    fd = pair[0].fileno()
+    with pause_rule(500, 10_000, 10_000), on_one_cpu() as cpu:
+        failed: list[BaseException] = []
+
+        def yield_to_the_hog() -> None:  # on this thread's CPU: a new thread inherits it
+            try:
+                spin_until_a_long_yield(fd)
+            except BaseException as exc:
+                failed.append(exc)
+
+        with busy_co_runner(cpu):
+            other = threading.Thread(target=yield_to_the_hog)
+            other.start()
+            other.join()
+        assert not failed, failed
+        paused = native.counters()["paused"]
+        deadline = time.monotonic() + 10
+        while True:  # this thread's spin runs its budget (another task's turn may cut one)
+            started = time.monotonic()
+            assert native.wait_readable(fd, 20 * MS) is False
+            if time.monotonic() - started >= 0.02:
+                break
+            assert time.monotonic() < deadline, "this thread's spins were paused too"
+        assert native.counters()["paused"] == paused
 
 
 @needs_native

@@ -4,7 +4,7 @@
  * released, until the socket is readable (True: data, EOF or an error is there, so
  * a receive will not sleep) or budget_ns passed (False: a receive would wait). At
  * most max_spinners threads of the process spin at once; a caller over that limit
- * returns False at once ("crowded"), as does every caller while spinning is paused
+ * returns False at once ("crowded"), as does a thread whose spinning is paused
  * after a long yield (see "Why spinning pauses" below).
  *
  * recv_all(fd, views, flags, budget_ns) -> int: fill every writable buffer of the
@@ -35,12 +35,15 @@
  * sleeper's wake-up would preempt it: TCP puts and reads of 64 KiB-1 MiB took
  * 4.0-4.3 ms each against 0.18-1.3 ms with no spinning at all. A peer answering
  * on the same CPU gives the CPU back far sooner. So a yield that kept the spinner
- * off its CPU for long_yield_ns (500 us) ends the spin and pauses every spin of
- * the process: they return False at once, and the receive sleeps. The pause is
+ * off its CPU for long_yield_ns (500 us) ends the spin and pauses that thread's
+ * spins: they return False at once, and the receive sleeps. The pause is
  * first_pause_ns (10 ms), doubled by each long yield that follows one, up to
  * max_pause_ns (1 s), and back to the first once a spin ends without one: a lasting
  * co-runner costs one slice per second, a one-off (a kernel thread's turn, a peer's
- * long answer on the same CPU) 10 ms of receives that sleep.
+ * long answer on the same CPU) 10 ms of receives that sleep. Per thread, because a
+ * thread's co-runner may be its own process's busy thread: a client's background
+ * claim thread yielded to its main thread's copies, and the pause it took made the
+ * main thread's TCP puts that followed sleep (bench all, 1 MiB put 0.86 -> 0.78).
  * Why fill the whole list here: a pipelined batch's replies land in up to 128
  * buffers; a Python loop of recvmsg_into calls rebuilt that list and re-acquired
  * every buffer on each call, per chunk the kernel had ready. The node takes a
@@ -80,8 +83,9 @@ static atomic_int active; /* threads spinning now */
 static atomic_int max_spinners = 1;
 static atomic_llong long_yield_ns = 500000LL; /* a yield this long: a co-runner held the CPU */
 static atomic_llong first_pause_ns = 10000000LL, max_pause_ns = 1000000000LL;
-static atomic_llong next_pause_ns = 10000000LL; /* the pause a long yield starts now */
-static atomic_llong paused_until;               /* now_ns() before which spins return at once */
+/* this thread's pause: now_ns() before which its spins return at once, and the pause its
+ * next long yield starts (0: first_pause_ns) */
+static _Thread_local long long paused_until, next_pause_ns;
 static atomic_llong n_waits, n_ready, n_timeouts, n_crowded, n_long_yields, n_paused;
 
 static long long now_ns(void) {
@@ -97,7 +101,7 @@ static int spin(int fd, long long budget_ns) {
         return 0;
     atomic_fetch_add_explicit(&n_waits, 1, memory_order_relaxed);
     long long now = now_ns();
-    if (now < atomic_load_explicit(&paused_until, memory_order_relaxed)) {
+    if (now < paused_until) {
         atomic_fetch_add_explicit(&n_paused, 1, memory_order_relaxed);
         return 0;
     }
@@ -120,9 +124,10 @@ static int spin(int fd, long long budget_ns) {
         sched_yield(); /* a thread waiting for this CPU (a commit sender, a peer) runs */
         now = now_ns();
         if (now - before >= long_yield) { /* a co-runner's slice: see the header */
-            long long pause = atomic_load(&next_pause_ns), most = atomic_load(&max_pause_ns);
-            atomic_store(&paused_until, now + pause);
-            atomic_store(&next_pause_ns, pause < most / 2 ? 2 * pause : most);
+            long long pause = next_pause_ns ? next_pause_ns : atomic_load(&first_pause_ns);
+            long long most = atomic_load(&max_pause_ns);
+            paused_until = now + pause;
+            next_pause_ns = pause < most / 2 ? 2 * pause : most;
             outcome = &n_long_yields;
             break;
         }
@@ -130,7 +135,7 @@ static int spin(int fd, long long budget_ns) {
             break;
     }
     if (outcome != &n_long_yields)
-        atomic_store(&next_pause_ns, atomic_load(&first_pause_ns));
+        next_pause_ns = 0;
     atomic_fetch_sub(&active, 1);
     atomic_fetch_add_explicit(outcome, 1, memory_order_relaxed);
     return outcome == &n_ready;
@@ -477,8 +482,8 @@ static PyObject *set_pause(PyObject *self, PyObject *args) {
     atomic_store(&long_yield_ns, long_yield);
     atomic_store(&first_pause_ns, first);
     atomic_store(&max_pause_ns, most);
-    atomic_store(&next_pause_ns, first);
-    atomic_store(&paused_until, 0); /* a pause in force ends: the new rule applies from now */
+    next_pause_ns = 0; /* this thread's pause in force ends: the new rule applies from now */
+    paused_until = 0;
     Py_RETURN_NONE;
 }
 
@@ -489,7 +494,7 @@ static PyObject *counters(PyObject *self, PyObject *unused) {
         "crowded", (long long)atomic_load(&n_crowded), "long_yields",
         (long long)atomic_load(&n_long_yields), "paused", (long long)atomic_load(&n_paused),
         "max_spinners", atomic_load(&max_spinners), "next_pause_us",
-        (long long)(atomic_load(&next_pause_ns) / 1000));
+        (next_pause_ns ? next_pause_ns : atomic_load(&first_pause_ns)) / 1000);
 }
 
 static PyMethodDef methods[] = {
@@ -507,11 +512,12 @@ static PyMethodDef methods[] = {
      "set_max_spinners(n): at most n threads of this process spin at once (0: none)."},
     {"set_pause", set_pause, METH_VARARGS,
      "set_pause(long_yield_ns, first_pause_ns, max_pause_ns): a yield at least long_yield_ns "
-     "long pauses every spin, first_pause_ns, doubling up to max_pause_ns while long yields "
-     "follow (defaults 500 us, 10 ms, 1 s); ends a pause in force."},
+     "long pauses the thread's spins, first_pause_ns, doubling up to max_pause_ns while long "
+     "yields follow (defaults 500 us, 10 ms, 1 s); ends the calling thread's pause in force."},
     {"counters", counters, METH_NOARGS,
      "counters() -> dict: waits, ready, timeouts, crowded, long_yields, paused (since "
-     "import); max_spinners, next_pause_us (the pause a long yield starts now)."},
+     "import); max_spinners, next_pause_us (the pause a long yield of this thread starts "
+     "now)."},
     {NULL, NULL, 0, NULL},
 };
 

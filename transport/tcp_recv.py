@@ -24,9 +24,9 @@ at once (the others block at once). The spin yields between polls, so a thread
 that is ready to run on its CPU (a commit sender, another process) still runs.
 Beside a busy co-runner that yield costs the co-runner's whole scheduler slice
 (~4 ms a receive on the Intel VM, issue 17 session 30), so a yield that kept the
-spinner off its CPU for ``LONG_YIELD_US`` pauses every spin of the process
-(they sleep at once): ``FIRST_PAUSE_MS``, doubled while long yields follow, up
-to ``MAX_PAUSE_MS`` (the C source's header says why; ``set_pause`` changes them).
+spinner off its CPU for ``LONG_YIELD_US`` pauses that thread's spins (its
+receives sleep at once): ``FIRST_PAUSE_MS``, doubled while long yields follow,
+up to ``MAX_PAUSE_MS`` (the C source's header says why; ``set_pause`` changes them).
 Both limits come from the environment, read once at import:
 
 - ``KVPOOL_TCP_SPIN_US`` (default 100; 0 turns spinning off);
@@ -147,15 +147,15 @@ def counters() -> dict[str, int]:
     """Spins since import: ``waits`` (calls), each ended one way: ``ready`` (the
     socket became readable), ``timeouts`` (the budget passed), ``crowded``
     (``SPINNERS`` threads already spun), ``long_yields`` (a yield kept the CPU
-    away ``LONG_YIELD_US``: spinning paused), ``paused`` (none while paused); and
-    ``max_spinners``, ``next_pause_us`` (the pause a long yield starts now); empty
-    when spinning is off."""
+    away ``LONG_YIELD_US``: the thread's spinning paused), ``paused`` (none while
+    paused); and ``max_spinners``, ``next_pause_us`` (the pause a long yield of the
+    calling thread starts now); empty when spinning is off."""
     return {} if _wait is None else dict(_module.counters())
 
 
 def set_pause(long_yield_us: int, first_pause_ms: float, max_pause_ms: float) -> None:
     """Change the pause rule (tests; ``LONG_YIELD_US`` etc. are the defaults) and
-    end a pause in force; no-op when spinning is off."""
+    end the calling thread's pause in force; no-op when spinning is off."""
     if _module is not None:
         ms = 1_000_000
         _module.set_pause(long_yield_us * 1000, int(first_pause_ms * ms), int(max_pause_ms * ms))
