@@ -97,15 +97,19 @@ def test_one_threads_pause_leaves_the_others_spinning(pair) -> None:
             other.start()
             other.join()
         assert not failed, failed
-        paused = native.counters()["paused"]
         deadline = time.monotonic() + 10
-        while True:  # this thread's spin runs its budget (another task's turn may cut one)
+        while True:  # this thread's spin runs its budget: never paused by the other's
+            before = native.counters()
             started = time.monotonic()
             assert native.wait_readable(fd, 20 * MS) is False
-            if time.monotonic() - started >= 0.02:
+            after = native.counters()
+            assert after["paused"] == before["paused"], "this thread was paused by the other's"
+            if after["timeouts"] == before["timeouts"] + 1:
+                assert time.monotonic() - started >= 0.02
                 break
-            assert time.monotonic() < deadline, "this thread's spins were paused too"
-        assert native.counters()["paused"] == paused
+            # another task's turn cut this spin (its own long yield): end its pause, again
+            assert time.monotonic() < deadline, "no spin ran its budget without a long yield"
+            native.set_pause(500_000, 10_000 * MS, 10_000 * MS)
 
 
 @needs_native
