@@ -81,6 +81,7 @@
 
 static atomic_int active; /* threads spinning now */
 static atomic_int max_spinners = 1;
+/* the pause rule (kvpool.transport.tcp_recv sets its own at import: set_pause) */
 static atomic_llong long_yield_ns = 500000LL; /* a yield this long: a co-runner held the CPU */
 static atomic_llong first_pause_ns = 10000000LL, max_pause_ns = 1000000000LL;
 /* this thread's pause: now_ns() before which its spins return at once, and the pause its

@@ -53,7 +53,8 @@ MAX_SPIN_US = 1_000_000  # a budget past a second is a typo, not a tuning
 
 SPIN_US = env_int("KVPOOL_TCP_SPIN_US", DEFAULT_SPIN_US, MAX_SPIN_US)
 SPINNERS = env_int("KVPOOL_TCP_SPINNERS", DEFAULT_SPINNERS, 1 << 20)
-#: The spin's pause after a long yield (defaults of the compiled module: ``set_pause``).
+#: The spin's pause after a long yield, given to the compiled module at import
+#: (``set_pause`` changes them; the C source's header says why these).
 LONG_YIELD_US, FIRST_PAUSE_MS, MAX_PAUSE_MS = 500, 10, 1000
 #: A write's acknowledgement leaves the peer once it has taken the payload in, which
 #: for a large payload outlasts ``SPIN_US`` (``spin_ack``): its wait spins longer by
@@ -77,6 +78,7 @@ elif _module is None:
     STATUS = f"off ({_missing})"
 else:
     _module.set_max_spinners(SPINNERS)
+    _module.set_pause(LONG_YIELD_US * 1000, FIRST_PAUSE_MS * 1_000_000, MAX_PAUSE_MS * 1_000_000)
     STATUS = (
         f"up to {SPIN_US} us before each blocking receive (a write's acknowledgement: up to"
         f" {ACK_EXTRA_MAX_US} us more, by its payload), {SPINNERS} thread(s) at a time,"
