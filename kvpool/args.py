@@ -20,7 +20,7 @@ import argparse
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from kvpool.bindings.buffers import Region, as_region, region_nbytes
+from kvpool.bindings.buffers import Region, as_region, plain_host, region_nbytes
 from kvpool.config import parse_size
 from kvpool.errors import BufferSpecError, InvalidKeyError
 from kvpool.index.keys import KEY_BYTES
@@ -52,7 +52,11 @@ def check_keys(keys: Sequence[bytes], parents: Sequence[bytes | None] | None = N
 
 
 def data_region(data: Any) -> Region:
-    """The readable region of a value to store; a block has at least one byte."""
+    """The readable region of a value to store; a block has at least one byte. A
+    non-empty plain host array (``buffers.plain_host``) is one as it is (~0.16 us
+    against ~1 us for the general view: a batch pays it per block)."""
+    if plain_host(data) and data.nbytes:
+        return data
     src = as_region(data, what="data")
     if region_nbytes(src) == 0:
         raise BufferSpecError("data is empty; a block must have at least one byte")

@@ -151,7 +151,7 @@ class RemotePool(LayerwiseMethods):
         grant (kvpool.cluster.client.puts). ``replicas`` > 1 places copies on distinct
         nodes (best effort)."""
         filled = check_batch(keys, datas, parents)
-        regions = [d if plain_host(d) and d.nbytes else data_region(d) for d in datas]
+        regions = [data_region(d) for d in datas]
         return self._putter.sealed.put_batch(keys, regions, filled, replicas, self._put_regions)
 
     def _put_regions(
