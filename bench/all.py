@@ -325,7 +325,8 @@ def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool
     for suite, ways in facts.get("copy", {}).items():  # each suite ran in its own process
         print(f"copy ({suite}): {ways}")
     for suite, spins in facts.get("tcp_spins", {}).items():
-        ends = ", ".join(f"{k} {v}" for k, v in spins.items() if k not in ("waits", "max_spinners"))
+        state = ("waits", "max_spinners", "next_pause_us")  # the rest: how the waits ended
+        ends = ", ".join(f"{k} {v}" for k, v in spins.items() if k not in state)
         print(f"TCP spins ({suite}, the client): {spins['waits']} waits: {ends}")
     steal = {k: v for k, v in facts.get("steal_pct", {}).items() if v is not None}
     if steal:

@@ -27,7 +27,7 @@ Beside a busy co-runner that yield costs the co-runner's whole scheduler slice
 spinner off its CPU for ``LONG_YIELD_US`` pauses that thread's spins (its
 receives sleep at once): ``FIRST_PAUSE_MS``, doubled while long yields follow,
 up to ``MAX_PAUSE_MS`` (the C source's header says why; ``set_pause`` changes them).
-Both limits come from the environment, read once at import:
+The budget and the spinner limit come from the environment, read once at import:
 
 - ``KVPOOL_TCP_SPIN_US`` (default 100; 0 turns spinning off);
 - ``KVPOOL_TCP_SPINNERS`` (default 1).
@@ -78,7 +78,6 @@ elif _module is None:
     STATUS = f"off ({_missing})"
 else:
     _module.set_max_spinners(SPINNERS)
-    _module.set_pause(LONG_YIELD_US * 1000, FIRST_PAUSE_MS * 1_000_000, MAX_PAUSE_MS * 1_000_000)
     STATUS = (
         f"up to {SPIN_US} us before each blocking receive (a write's acknowledgement: up to"
         f" {ACK_EXTRA_MAX_US} us more, by its payload), {SPINNERS} thread(s) at a time,"
@@ -159,5 +158,10 @@ def set_pause(long_yield_us: int, first_pause_ms: float, max_pause_ms: float) ->
     """Change the pause rule (tests; ``LONG_YIELD_US`` etc. are the defaults) and
     end the calling thread's pause in force; no-op when spinning is off."""
     if _module is not None:
-        ms = 1_000_000
-        _module.set_pause(long_yield_us * 1000, int(first_pause_ms * ms), int(max_pause_ms * ms))
+        ns_per_ms = 1_000_000
+        _module.set_pause(
+            long_yield_us * 1000, int(first_pause_ms * ns_per_ms), int(max_pause_ms * ns_per_ms)
+        )
+
+
+set_pause(LONG_YIELD_US, FIRST_PAUSE_MS, MAX_PAUSE_MS)  # the module's rule, from here on

@@ -10,7 +10,7 @@ and watched until its node answers (kvpool.cluster.client.node_watch).
 ``SealedPutter.put`` is that path alone, in a straight line, called by
 ``RemotePool.put`` before anything else; ``SealedPutter.put_batch`` sends a
 same-host batch's leading blocks down it (a batch of 8 x 64 KiB went from twice
-the time of 8 single puts to ~1.07x; bench/RESULTS.md, session 30).
+the time of 8 single puts to 1.02-1.07x; bench/RESULTS.md, session 30).
 
 What the straight path skips was measured (issue 17, bench/RESULTS.md): the
 batch bookkeeping of ``fenced.write_blocks_begin`` and
