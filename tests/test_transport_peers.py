@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
-import numpy as np
+import threading
+import time
 
+import numpy as np
+import pytest
+
+from kvpool.errors import TransportUnavailableError
 from kvpool.storage.arena import SharedArena
+from kvpool.transport import peers as peers_module
 from kvpool.transport import tcp_congestion, tcp_recv
 from kvpool.transport.base import RegionInfo
 from kvpool.transport.peers import PeerTransports, advertised_host, expose_region
@@ -45,3 +51,61 @@ def test_expose_and_peers() -> None:
 def test_advertised_host() -> None:
     assert advertised_host("127.0.0.1") == "127.0.0.1"
     assert advertised_host("0.0.0.0") not in ("", "0.0.0.0")
+
+
+class _Built:
+    """A stand-in transport: what ``select_transport`` returns in the tests below."""
+
+    name = "fake"
+    bytes_read = bytes_written = 0
+
+    def __init__(self, info: RegionInfo) -> None:
+        self.info = info
+        self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_one_thread_builds_a_nodes_transport(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Threads asking for a node's transport at once share one build (a client's
+    first put and its claim thread each mapped and pre-faulted the whole arena)."""
+    builds: list[_Built] = []
+    release = threading.Event()
+
+    def build(info: RegionInfo, *args: object, **kwargs: object) -> _Built:
+        release.wait(5)
+        builds.append(_Built(info))
+        return builds[-1]
+
+    monkeypatch.setattr(peers_module, "select_transport", build)
+    info = RegionInfo(node_id="n1", size=1 << 20, host_id="h", tcp_host="127.0.0.1", tcp_port=1)
+    peers = PeerTransports()
+    got: list[object] = []
+    threads = [threading.Thread(target=lambda: got.append(peers.get(info))) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.1)  # all four are asking now
+    release.set()
+    for t in threads:
+        t.join(5)
+    assert len(builds) == 1 and got == [builds[0]] * 4 and not builds[0].closed
+    moved = RegionInfo.from_dict({**info.to_dict(), "tcp_port": 2})  # the node restarted
+    assert peers.get(moved) is builds[1] and builds[0].closed  # the old one retired
+
+
+def test_a_failed_build_leaves_the_next_ask_to_build(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[int] = []
+
+    def build(info: RegionInfo, *args: object, **kwargs: object) -> _Built:
+        calls.append(1)
+        if len(calls) == 1:
+            raise TransportUnavailableError("node not reachable yet")
+        return _Built(info)
+
+    monkeypatch.setattr(peers_module, "select_transport", build)
+    info = RegionInfo(node_id="n1", size=1 << 20, host_id="h", tcp_host="127.0.0.1", tcp_port=1)
+    peers = PeerTransports()
+    with pytest.raises(TransportUnavailableError):
+        peers.get(info)
+    assert peers.get(info) is peers.get(info) and len(calls) == 2

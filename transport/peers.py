@@ -17,8 +17,8 @@ Client side::
 
 Invariants: ``PeerTransports`` holds at most one transport per node id and
 replaces it when the node re-registers with different ``RegionInfo`` (a
-restarted node has a new arena and port); byte counters of dropped
-transports are kept in ``stats()``.
+restarted node has a new arena and port); at most one thread builds a node's
+transport at a time; byte counters of dropped transports are kept in ``stats()``.
 """
 
 from __future__ import annotations
@@ -138,21 +138,32 @@ class PeerTransports:
         check_override(override)  # a misspelt name fails here, not at the first put
         self.token, self.timeout, self.override = token, timeout, override
         self._by_node: dict[str, Transport] = {}
+        self._building: dict[str, threading.Lock] = {}  # per node: held while one is built
         self._retired: dict[str, list[int]] = {}
         self._lock = threading.Lock()
 
     def get(self, info: RegionInfo) -> Transport:
+        """The node's transport, built on first use (or when its ``RegionInfo``
+        changed). One thread builds a node's transport while the others asking for
+        it wait and take it: building one maps and pre-faults the node's whole arena
+        (same host) or connects; two threads building at once (a client's first put
+        and its claim thread) each did that, on one CPU at twice the time, and one
+        threw its copy away (first same-host put beside a 2 GiB arena: 0.41 s)."""
+        node_id = info.node_id
         with self._lock:
-            t = self._by_node.get(info.node_id)
+            t = self._by_node.get(node_id)
             if t is not None and t.info == info:
                 return t
-        fresh = select_transport(info, self.override, token=self.token, timeout=self.timeout)
-        with self._lock:
-            old = self._by_node.get(info.node_id)
-            if old is not None and old.info == info:  # another thread won the race
-                fresh.close()
-                return old
-            self._by_node[info.node_id] = fresh
+            building = self._building.setdefault(node_id, threading.Lock())
+        with building:
+            with self._lock:  # built while this thread waited?
+                old = self._by_node.get(node_id)
+                if old is not None and old.info == info:
+                    return old
+            fresh = select_transport(info, self.override, token=self.token, timeout=self.timeout)
+            with self._lock:
+                old = self._by_node.get(node_id)
+                self._by_node[node_id] = fresh
         if old is not None:
             self._retire(old)
         return fresh
