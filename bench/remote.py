@@ -26,7 +26,7 @@ them back to back (put_batch), or one request streaming ``--batch`` blocks
 latencies. The client runs on one half of the CPUs and master, node and
 baseline server on the other (when there are two or more CPUs), as in
 ``remote_transport``. Keys rotate over ``--working-set`` bytes per size (at
-least two batches, at most 512 blocks), every buffer is pre-faulted, and puts
+least two batches, at most 2048 blocks), every buffer is pre-faulted, and puts
 are timed into freshly freed ranges (the keys are removed, untimed, before
 every round).
 
@@ -370,7 +370,7 @@ def register_remote(suites: Any) -> None:
         "--working-set",
         type=size_arg,
         default="64MiB",
-        help="bytes of distinct blocks per size (8-512 blocks)",
+        help="bytes of distinct blocks per size (8-2048 blocks)",
     )
     parser.add_argument("--no-pin", action="store_true", help="do not split CPUs between sides")
     parser.add_argument(
