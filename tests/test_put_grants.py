@@ -16,7 +16,13 @@ from clusterhelpers import Cluster, start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool
-from kvpool.cluster.client.grants import MAX_STOCK, Grant, GrantStock, grant_budget
+from kvpool.cluster.client.grants import (
+    BASE_STOCK,
+    MAX_STOCK,
+    Grant,
+    GrantStock,
+    grant_budget,
+)
 from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.cluster.master import MasterConfig
 from kvpool.cluster.wire import ALLOCATE, COMMIT, REVOKE, AllocateRequest, CommitRequest, IdsRequest
@@ -32,7 +38,7 @@ def grant(alloc_id: int, node: str = "n1", expires_in: float = 10.0) -> Grant:
 
 def test_stock_hands_out_fresh_grants_once_in_order() -> None:
     stock = GrantStock(budget_bytes=4 * BLOCK)
-    assert stock.target(BLOCK) == 4 and stock.target(1) == MAX_STOCK
+    assert stock.target(BLOCK) == 4 and stock.target(1) == BASE_STOCK
     stock.add(BLOCK, [grant(1, expires_in=-1), grant(2), grant(3)])
     assert stock.take(2 * BLOCK) is None  # another size
     assert [stock.take(BLOCK).alloc_id, stock.take(BLOCK).alloc_id] == [2, 3]  # type: ignore[union-attr]
@@ -52,6 +58,68 @@ def test_stock_refills_at_half_and_only_once_at_a_time() -> None:
     stock.take(BLOCK)
     assert stock.wants_refill(BLOCK) == 3
     assert GrantStock(0).wants_refill(BLOCK) == 0  # grants off
+
+
+def test_a_stock_deepens_when_its_refill_comes_too_late_once_per_refill() -> None:
+    """A put that finds no grant while the refill meant for it is on its way doubles
+    the size's depth (the refill came too late at this client's pace); the puts after
+    it until that refill lands do not; the next late refill doubles it again."""
+    stock = GrantStock()
+    assert stock.target(BLOCK) == BASE_STOCK and stock.depths() == {}
+    stock.add(BLOCK, [grant(1)])
+    fut: Future[object] = Future()
+    stock.refilling(BLOCK, fut, lambda f: stock.add(BLOCK, [grant(i) for i in range(2, 9)], f))
+    assert stock.take(BLOCK) is not None
+    assert stock.take(BLOCK) is None and stock.target(BLOCK) == 2 * BASE_STOCK
+    assert stock.take_claimed(BLOCK) is None and stock.oldest(BLOCK) is None
+    assert stock.target(BLOCK) == 2 * BASE_STOCK  # once per refill
+    fut.set_result(None)  # lands: the next late one may deepen again
+    while stock.take(BLOCK) is not None:
+        pass
+    later: Future[object] = Future()
+    stock.refilling(BLOCK, later, lambda f: stock.add(BLOCK, [], f))
+    assert stock.oldest(BLOCK) is None and stock.depths() == {BLOCK: 4 * BASE_STOCK}
+
+
+def test_a_stock_deepens_when_its_oldest_grants_claim_is_on_its_way() -> None:
+    stock = GrantStock()
+    stock.add(BLOCK, [grant(1), grant(2)])
+    assert stock.take_claimed(BLOCK) is None  # not claimed, nor being claimed: no signal
+    assert stock.target(BLOCK) == BASE_STOCK
+    claiming = stock.to_claim()  # the claim thread sends them now
+    assert stock.take_claimed(BLOCK) is None and stock.target(BLOCK) == 2 * BASE_STOCK
+    assert stock.claimed(claiming, [True, True]) == []
+    assert stock.take_claimed(BLOCK) is not None
+
+
+def test_a_stock_does_not_deepen_when_nothing_was_on_its_way() -> None:
+    """An empty stock with no refill coming (the master lent none, or grants are off
+    at this size) is not a pace problem: deeper would not help."""
+    stock = GrantStock()
+    assert stock.take(BLOCK) is None and stock.take_claimed(BLOCK) is None
+    assert stock.oldest(BLOCK) is None and stock.depths() == {}
+
+
+def test_a_stock_depth_stays_within_its_cap_and_budget_and_halves_when_grants_expire() -> None:
+    stock = GrantStock()
+    for _ in range(10):  # ten late refills
+        fut: Future[object] = Future()
+        stock.refilling(BLOCK, fut, lambda f: stock.add(BLOCK, [], f))
+        assert stock.take(BLOCK) is None
+        fut.set_result(None)
+    assert stock.target(BLOCK) == MAX_STOCK
+    small = GrantStock(budget_bytes=100 * BLOCK)
+    fut = Future()
+    small.refilling(BLOCK, fut, lambda f: small.add(BLOCK, [], f))
+    small.take(BLOCK)
+    assert small.target(BLOCK) == 100  # the budget holds (128 asked)
+    stock.add(BLOCK, [grant(1, expires_in=-1), grant(2)])
+    assert stock.stale() == [1] and stock.target(BLOCK) == MAX_STOCK // 2  # a slower client
+    assert stock.take(BLOCK) is not None  # grant 2
+    for alloc_id in range(3, 10):
+        stock.add(BLOCK, [grant(alloc_id, expires_in=-1)])
+        stock.stale()
+    assert stock.target(BLOCK) == BASE_STOCK  # never below where it started
 
 
 def test_stock_gives_back_dropped_stale_and_remaining_grants() -> None:

@@ -17,7 +17,11 @@ Invariants:
 - grants on a node are dropped as soon as the client learns that node's region
   changed (a restarted node) or a write to it failed;
 - ``stale``/``drain`` return every grant that will never be used, so the
-  caller can revoke them (they would expire anyway).
+  caller can revoke them (they would expire anyway);
+- a size's stock depth (``target``) stays within ``BASE_STOCK``..``MAX_STOCK`` and
+  the budget: it doubles only when a put found no grant while the refill or the
+  claims meant for it were on their way (once per refill), and halves when grants
+  of that size expire unused.
 Thread-safe: one lock guards the stock.
 """
 
@@ -34,12 +38,20 @@ from dataclasses import dataclass
 from typing import Any
 
 DEFAULT_GRANT_BYTES = 64 << 20  # per client and block size
-#: grants per block size where the budget allows: a refill (asked for at half) lasts
-#: 32 puts. Each refill costs the putting client an ALLOCATE sent and a claim exchange
-#: (same host); 32 grants at 1 MiB instead of 64 left a tight loop's p90 at 91-105 us
-#: against 67-74 us, and 3% of its same-host puts without a claimed grant against
-#: 0.3-1% (bench/RESULTS.md, issue 17 session 20; 16 -> 32 in session 6).
-MAX_STOCK = 64
+#: grants per block size a client starts with, where the budget allows: a refill
+#: (asked for at half) lasts 32 puts. Each refill costs the putting client an ALLOCATE
+#: sent and a claim exchange (same host); 32 grants at 1 MiB instead of 64 left a tight
+#: loop's p90 at 91-105 us against 67-74 us, and 3% of its same-host puts without a
+#: claimed grant against 0.3-1% (bench/RESULTS.md, issue 17 session 20; 16 -> 32 in
+#: session 6).
+BASE_STOCK = 64
+#: the deepest a stock grows (within the budget): doubled from ``BASE_STOCK`` each time
+#: a put found it empty while its refill, or the claims of its grants, were still on
+#: their way -- 32 puts of 64 KiB take ~0.5 ms here, a refill and its claims 1-3 ms
+#: beside them, and each put that found no grant went the general way (~1 ms: 15-19
+#: per 512 puts, two thirds of a burst's time); halved back when grants expire unused
+#: (a slower client), so an idle one holds few (issue 17, session 31).
+MAX_STOCK = 512
 MAX_USE_S = 1.0  # below the master's default re-join grace (2 s)
 
 
@@ -65,6 +77,8 @@ class GrantStock:
         self._refills: dict[int, Future[Any]] = {}
         self._dead: list[int] = []  # dropped before use, not yet revoked
         self._reached: dict[int, int] = {}  # size -> stock level after the last refill
+        self._depth: dict[int, int] = {}  # size -> grants to keep (BASE_STOCK if absent)
+        self._deepened: set[int] = set()  # sizes deepened since their last refill landed
         self.used = self.refills = 0
         # Grants already claimed on their node (kvpool.cluster.client.fenced): a
         # same-host put then skips the claim round trip. alloc id -> (grant, size,
@@ -74,10 +88,26 @@ class GrantStock:
         self._taken_while_claiming: set[int] = set()  # their put claims them itself
 
     def target(self, size: int) -> int:
-        """How many grants of ``size`` bytes to keep in stock (0: grants off)."""
+        """How many grants of ``size`` bytes to keep in stock (0: grants off): the
+        size's depth, ``BASE_STOCK`` to ``MAX_STOCK``, within the budget."""
         if size <= 0:
             return 0
-        return min(MAX_STOCK, self.budget_bytes // size)
+        return min(self._depth.get(size, BASE_STOCK), self.budget_bytes // size)
+
+    def depths(self) -> dict[int, int]:
+        """The sizes whose stock was deepened, and their depth now."""
+        with self._lock:
+            return dict(self._depth)
+
+    def _found_none(self, size: int, oldest: Grant | None) -> None:
+        """(Under the lock.) A put found no grant of ``size`` bytes it could use. If
+        the refill of that size, or the claim of its ``oldest`` grant, was still on
+        its way, the stock ran out faster than it is refilled at this client's pace:
+        double its depth (once per refill, up to ``MAX_STOCK``)."""
+        late = size in self._refills or (oldest is not None and oldest.alloc_id in self._claiming)
+        if late and size not in self._deepened:
+            self._deepened.add(size)
+            self._depth[size] = min(2 * self._depth.get(size, BASE_STOCK), MAX_STOCK)
 
     def take(self, size: int) -> Grant | None:
         """A fresh grant for a block of ``size`` bytes, or None."""
@@ -96,13 +126,17 @@ class GrantStock:
                 # held the range for ever: every later claim there failed BUSY, seen
                 # after a master restart made puts wait past their grants' window).
                 self._dead.append(grant.alloc_id)
+            self._found_none(size, None)
         return None
 
     def oldest(self, size: int) -> Grant | None:
         """The grant of ``size`` bytes ``take`` tries first (not taken), or None."""
         with self._lock:
             stock = self._stock.get(size)
-            return stock[0] if stock else None
+            if stock:
+                return stock[0]
+            self._found_none(size, None)
+            return None
 
     def take_this(self, size: int, grant: Grant) -> bool:
         """Take ``grant`` if it is still the oldest of ``size`` bytes and fresh: a put
@@ -129,10 +163,12 @@ class GrantStock:
         try:
             stock = self._stock.get(size)
             if not stock:
+                self._found_none(size, None)
                 return None
             grant = stock[0]
             claim = self._claimed.pop(grant.alloc_id, None)
             if claim is None:
+                self._found_none(size, grant)
                 return None
             if grant.expires <= now:
                 self._claimed[grant.alloc_id] = claim
@@ -193,6 +229,7 @@ class GrantStock:
         with self._lock:
             if refill is not None and self._refills.get(size) is refill:
                 del self._refills[size]
+                self._deepened.discard(size)
             stock = self._stock.setdefault(size, deque())
             stock.extend(grants)
             if refill is not None or grants:
@@ -264,13 +301,17 @@ class GrantStock:
                 stock.extend(keep)
 
     def stale(self) -> list[int]:
-        """Remove and return the ids of grants dropped or too old to use."""
+        """Remove and return the ids of grants dropped or too old to use; a size
+        whose grants expired unused has its depth halved (``BASE_STOCK`` at least)."""
         now = time.monotonic()
         with self._lock:
             gone, self._dead = self._dead, []
-            for stock in self._stock.values():
+            for size, stock in self._stock.items():
+                expired = len(gone)
                 while stock and stock[0].expires <= now:
                     gone.append(stock.popleft().alloc_id)
+                if len(gone) > expired and size in self._depth:
+                    self._depth[size] = max(BASE_STOCK, self._depth[size] // 2)
         return gone
 
     def drain(self) -> list[int]:

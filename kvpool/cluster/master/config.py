@@ -9,7 +9,10 @@ from kvpool.config import DEFAULT_PORT
 from kvpool.index.heat import ReplicationConfig
 
 SSD_CLEAN_BATCH = 256 << 20  # bytes per node per reaper pass
-MAX_GRANTS = 64  # keyless allocations one allocate call may hand out
+#: keyless allocations one allocate call may hand out: a client's stock of small
+#: blocks deepens up to 512 (kvpool.cluster.client.grants.MAX_STOCK), refilled at half;
+#: 256 grants cost the master ~1 ms of one call (64: 0.6 ms, 1024: 3.7 ms round trip).
+MAX_GRANTS = 256
 
 
 @dataclass(frozen=True)
