@@ -35,7 +35,7 @@ def count_for(size: int, working_set: int = 128 << 20, lo: int = 8, hi: int = 20
     rotated over 32 MiB, which a host's shared last-level cache (480 MiB on the Intel
     class of session 31) partly holds, by an amount its other tenants decide. There two
     identical 64 KiB copies from two buffer sets of 32 MiB, paired op by op, read
-    0.83-0.99x each other run to run; of 64 or 128 MiB, 0.98-1.01x (bench/RESULTS.md,
+    0.70-0.99x each other run to run; of 64 or 128 MiB, 0.98-1.01x (bench/RESULTS.md,
     "Session 31")."""
     return int(min(hi, max(lo, working_set // size)))
 

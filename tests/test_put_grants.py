@@ -65,7 +65,7 @@ def test_a_stock_deepens_when_its_refill_comes_too_late_once_per_refill() -> Non
     the size's depth (the refill came too late at this client's pace); the puts after
     it until that refill lands do not; the next late refill doubles it again."""
     stock = GrantStock()
-    assert stock.target(BLOCK) == BASE_STOCK and stock.depths() == {}
+    assert stock.target(BLOCK) == BASE_STOCK and stock.counters()["put_grant_depths"] == {}
     stock.add(BLOCK, [grant(1)])
     fut: Future[object] = Future()
     stock.refilling(BLOCK, fut, lambda f: stock.add(BLOCK, [grant(i) for i in range(2, 9)], f))
@@ -78,7 +78,8 @@ def test_a_stock_deepens_when_its_refill_comes_too_late_once_per_refill() -> Non
         pass
     later: Future[object] = Future()
     stock.refilling(BLOCK, later, lambda f: stock.add(BLOCK, [], f))
-    assert stock.oldest(BLOCK) is None and stock.depths() == {BLOCK: 4 * BASE_STOCK}
+    assert stock.oldest(BLOCK) is None
+    assert stock.counters()["put_grant_depths"] == {BLOCK: 4 * BASE_STOCK}
 
 
 def test_a_stock_deepens_when_its_oldest_grants_claim_is_on_its_way() -> None:
@@ -97,7 +98,7 @@ def test_a_stock_does_not_deepen_when_nothing_was_on_its_way() -> None:
     at this size) is not a pace problem: deeper would not help."""
     stock = GrantStock()
     assert stock.take(BLOCK) is None and stock.take_claimed(BLOCK) is None
-    assert stock.oldest(BLOCK) is None and stock.depths() == {}
+    assert stock.oldest(BLOCK) is None and stock.counters()["put_grant_depths"] == {}
 
 
 def test_a_stock_depth_stays_within_its_cap_and_budget_and_halves_when_grants_expire() -> None:
@@ -252,6 +253,8 @@ def test_puts_after_the_first_ride_on_grants(pool: RemotePool) -> None:
     assert put_all(pool, keys) == [True] * 40
     client = pool.stats()["client"]
     assert client["put_grants_used"] >= 30 and client["put_grant_refills"] >= 1
+    depths = client["put_grant_depths"]  # deepened only if a refill came late here
+    assert set(depths) <= {BLOCK} and all(BASE_STOCK < d <= MAX_STOCK for d in depths.values())
     assert 0 < granted(pool) <= 2 * DRAM // 16  # the master's cap on all grants
     assert pool.exists(keys) == [True] * 40 and pool.prefix_match(keys) == 40
     check_bytes(pool, keys)

@@ -94,10 +94,15 @@ class GrantStock:
             return 0
         return min(self._depth.get(size, BASE_STOCK), self.budget_bytes // size)
 
-    def depths(self) -> dict[int, int]:
-        """The sizes whose stock was deepened, and their depth now."""
+    def counters(self) -> dict[str, Any]:
+        """For ``stats()``: grants used, refills that brought some, and the sizes
+        whose stock was deepened with their depth now."""
         with self._lock:
-            return dict(self._depth)
+            return {
+                "put_grants_used": self.used,
+                "put_grant_refills": self.refills,
+                "put_grant_depths": dict(self._depth),
+            }
 
     def _found_none(self, size: int, oldest: Grant | None) -> None:
         """(Under the lock.) A put found no grant of ``size`` bytes it could use. If

@@ -334,9 +334,7 @@ class RemotePool(LayerwiseMethods):
         commits = self._putter.commits
         stats["client"] = {
             **session.counts,
-            "put_grants_used": self._putter.grants.used,
-            "put_grant_refills": self._putter.grants.refills,
-            "put_grant_depths": self._putter.grants.depths(),
+            **self._putter.grants.counters(),
             "put_commits_pipelined": commits.sent,
             "put_duplicates_late": commits.duplicates,  # pipelined puts of keys stored already
             "put_commits_recovered": commits.recovered,
