@@ -53,6 +53,10 @@ def test_advertised_host() -> None:
     assert advertised_host("0.0.0.0") not in ("", "0.0.0.0")
 
 
+#: a node's region as the tests below ask for it (nothing listens there: builds are faked)
+NODE = RegionInfo(node_id="n1", size=1 << 20, host_id="h", tcp_host="127.0.0.1", tcp_port=1)
+
+
 class _Built:
     """A stand-in transport: what ``select_transport`` returns in the tests below."""
 
@@ -79,18 +83,17 @@ def test_one_thread_builds_a_nodes_transport(monkeypatch: pytest.MonkeyPatch) ->
         return builds[-1]
 
     monkeypatch.setattr(peers_module, "select_transport", build)
-    info = RegionInfo(node_id="n1", size=1 << 20, host_id="h", tcp_host="127.0.0.1", tcp_port=1)
     peers = PeerTransports()
     got: list[object] = []
-    threads = [threading.Thread(target=lambda: got.append(peers.get(info))) for _ in range(4)]
+    threads = [threading.Thread(target=lambda: got.append(peers.get(NODE))) for _ in range(4)]
     for t in threads:
         t.start()
-    time.sleep(0.1)  # all four are asking now
+    time.sleep(0.1)  # by now one builds and three wait (a later one takes the built one)
     release.set()
     for t in threads:
         t.join(5)
     assert len(builds) == 1 and got == [builds[0]] * 4 and not builds[0].closed
-    moved = RegionInfo.from_dict({**info.to_dict(), "tcp_port": 2})  # the node restarted
+    moved = RegionInfo.from_dict({**NODE.to_dict(), "tcp_port": 2})  # the node restarted
     assert peers.get(moved) is builds[1] and builds[0].closed  # the old one retired
 
 
@@ -104,8 +107,7 @@ def test_a_failed_build_leaves_the_next_ask_to_build(monkeypatch: pytest.MonkeyP
         return _Built(info)
 
     monkeypatch.setattr(peers_module, "select_transport", build)
-    info = RegionInfo(node_id="n1", size=1 << 20, host_id="h", tcp_host="127.0.0.1", tcp_port=1)
     peers = PeerTransports()
     with pytest.raises(TransportUnavailableError):
-        peers.get(info)
-    assert peers.get(info) is peers.get(info) and len(calls) == 2
+        peers.get(NODE)
+    assert peers.get(NODE) is peers.get(NODE) and len(calls) == 2
