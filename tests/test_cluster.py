@@ -243,7 +243,9 @@ def test_metrics_endpoints(cluster: Cluster) -> None:
             "kvpool_misses_total 1.0",
             "kvpool_blocks 1.0",
             "kvpool_granted_bytes 0.0",  # the client gave its grants back on close
+            "kvpool_nodes 1.0",
             "kvpool_capacity_bytes{",
+            "kvpool_used_bytes{",
             "kvpool_op_seconds_bucket{",
         ):
             assert name in text, name

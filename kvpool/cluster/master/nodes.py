@@ -112,7 +112,7 @@ class NodeMembership:
                 # them (not the node's free space: allocations go on at once).
                 state.catalog.pin([b[0] for b in blocks], state.config.rejoin_grace_s)
             restored += state.catalog.ssd_tier.restore(region.node_id, ssd_blocks)
-            state.refresh_gauges()
+            state.track_nodes()
             epoch = state.epoch  # the term this node joined (a later one swaps the catalog)
         log.info(
             "node %s registered: %d bytes, %d blocks restored",
@@ -140,8 +140,6 @@ class NodeMembership:
             lost = state.catalog.remove_node(node_id)
             state.regions.pop(node_id, None)
             self.links.drop(node_id)
-            state.metrics.capacity.remove(node_id)
-            state.metrics.used.remove(node_id)
             log.warning(
                 "node %s missed heartbeats for %.1f s: dropped (%d blocks lost)",
                 node_id,

@@ -74,7 +74,6 @@ class PutHandlers:
             nodes = state.regions_of(
                 [p[1] for ps in placements if ps for p in ps] + [g[1] for g in spares]
             )
-            state.refresh_gauges()
         return AllocateReply(
             placements=placements,
             nodes=nodes,
@@ -122,7 +121,6 @@ class PutHandlers:
                     done.append(catalog.commit(alloc_id) is not None)
                 else:
                     done.append(catalog.commit_grant(alloc_id, key, parents[i]))
-            state.metrics.blocks.set(len(catalog.blocks))
         return done
 
     def revoke(self, msg: IdsRequest) -> None:

@@ -150,9 +150,7 @@ class ReadHandlers:
     def remove(self, msg: KeysRequest) -> list[bool]:
         check_keys(msg.keys)
         with self.state.lock:
-            removed = [self.state.catalog.remove(key) for key in msg.keys]
-            self.state.refresh_gauges()
-            return removed
+            return [self.state.catalog.remove(key) for key in msg.keys]
 
     def stats(self, _params: Any) -> dict[str, Any]:
         with self.state.lock:

@@ -80,8 +80,6 @@ class Master:
         self.config = config
         self.state = MasterState(config, self._new_catalog(), Metrics("master"))
         self.metrics = self.state.metrics
-        # read at scrape
-        self.metrics.granted.set_function(lambda: self.state.catalog.granted_bytes)
         self.metrics_port: int | None = None
         self._links = NodeLinks(self.state)
         self._nodes = NodeMembership(self.state, self._links)
@@ -177,4 +175,4 @@ class Master:
                 state.catalog.expire()
                 state.catalog.replication.cool_down()
                 self._nodes.drop_dead_nodes()
-                state.refresh_gauges()
+                state.track_nodes()
