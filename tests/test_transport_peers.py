@@ -8,7 +8,7 @@ import time
 import numpy as np
 import pytest
 
-from kvpool.errors import TransportUnavailableError
+from kvpool.errors import PoolClosedError, TransportUnavailableError
 from kvpool.storage.arena import SharedArena
 from kvpool.transport import peers as peers_module
 from kvpool.transport import tcp_congestion, tcp_recv
@@ -111,3 +111,37 @@ def test_a_failed_build_leaves_the_next_ask_to_build(monkeypatch: pytest.MonkeyP
     with pytest.raises(TransportUnavailableError):
         peers.get(NODE)
     assert peers.get(NODE) is peers.get(NODE) and len(calls) == 2
+
+
+def test_a_build_that_ends_after_close_is_not_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A transport still being built when close() runs (a client's warm-up thread,
+    kvpool.cluster.client.warm_up) is closed, not kept: nothing outlives close()."""
+    built: list[_Built] = []
+    building, release = threading.Event(), threading.Event()
+
+    def build(info: RegionInfo, *args: object, **kwargs: object) -> _Built:
+        building.set()
+        release.wait(5)
+        built.append(_Built(info))
+        return built[-1]
+
+    monkeypatch.setattr(peers_module, "select_transport", build)
+    peers = PeerTransports()
+    raised: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            peers.get(NODE)
+        except PoolClosedError as exc:
+            raised.append(exc)
+
+    asker = threading.Thread(target=ask)
+    asker.start()
+    assert building.wait(5)
+    peers.close()
+    release.set()
+    asker.join(5)
+    assert len(built) == 1 and built[0].closed and len(raised) == 1
+    with pytest.raises(PoolClosedError):
+        peers.get(NODE)
+    assert peers.stats() == {}

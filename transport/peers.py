@@ -18,7 +18,9 @@ Client side::
 Invariants: ``PeerTransports`` holds at most one transport per node id and
 replaces it when the node re-registers with different ``RegionInfo`` (a
 restarted node has a new arena and port); at most one thread builds a node's
-transport at a time; byte counters of dropped transports are kept in ``stats()``.
+transport at a time; byte counters of dropped transports are kept in ``stats()``;
+once ``close`` began, ``get`` raises ``PoolClosedError`` and a transport whose
+build was under way is closed, not kept (nothing outlives the close).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.bindings import stream_copy
+from kvpool.errors import PoolClosedError
 from kvpool.transport import shm_copy, tcp_congestion, tcp_recv
 from kvpool.transport.base import RegionInfo, Transport, host_identity
 from kvpool.transport.fencing import CommitDesk, WriteFence
@@ -141,6 +144,7 @@ class PeerTransports:
         self._building: dict[str, threading.Lock] = {}  # per node: held while one is built
         self._retired: dict[str, list[int]] = {}
         self._lock = threading.Lock()
+        self._closed = False
 
     def get(self, info: RegionInfo) -> Transport:
         """The node's transport, built on first use (or when its ``RegionInfo``
@@ -154,19 +158,30 @@ class PeerTransports:
             t = self._by_node.get(node_id)
             if t is not None and t.info == info:
                 return t
+            self._check_open()
             building = self._building.setdefault(node_id, threading.Lock())
         with building:
             with self._lock:  # built while this thread waited?
+                self._check_open()
                 old = self._by_node.get(node_id)
                 if old is not None and old.info == info:
                     return old
             fresh = select_transport(info, self.override, token=self.token, timeout=self.timeout)
             with self._lock:
-                old = self._by_node.get(node_id)
-                self._by_node[node_id] = fresh
+                closed = self._closed
+                if not closed:
+                    old = self._by_node.get(node_id)
+                    self._by_node[node_id] = fresh
+            if closed:  # close() ran while this one was built: it must not outlive it
+                fresh.close()
+                self._check_open()
         if old is not None:
             self._retire(old)
         return fresh
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise PoolClosedError("the node transports are closed")
 
     def drop(self, node_id: str) -> None:
         with self._lock:
@@ -209,6 +224,7 @@ class PeerTransports:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             nodes = list(self._by_node)
         for node_id in nodes:
             self.drop(node_id)

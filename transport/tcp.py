@@ -112,6 +112,12 @@ class TcpTransport(Transport):
             self._open -= 1
             self._cond.notify()
 
+    def connect_ahead(self) -> None:
+        """Open a data connection now unless one is open, so that the first call
+        skips the connect and handshake (kvpool.cluster.client.warm_up)."""
+        if not self._open:
+            self._release(self._acquire(), True)
+
     def close(self) -> None:
         with self._cond:
             self._closed = True

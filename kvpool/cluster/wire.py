@@ -31,6 +31,7 @@ REMOVE = "keys.remove"
 REPLICATE = "keys.replicate"
 LOCATE = "keys.locate"
 STATS = "stats"
+REGIONS = "nodes.regions"  # -> {node_id: RegionInfo.to_dict()}: every registered node
 # Node RPC method names (the master calls these on nodes with an SSD tier).
 SSD_STORE = "ssd.store"  # [[key, offset, size, parent]] -> {"stored": [...], "dropped": [...]}
 SSD_LOAD = "ssd.load"  # [[key, offset, alloc_id]] -> [ok, ...]

@@ -47,6 +47,7 @@ from kvpool.cluster.client.put_modes import pipelined_default
 from kvpool.cluster.client.puts import RemotePutter
 from kvpool.cluster.client.reads import LeasedReads
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
+from kvpool.cluster.client.warm_up import TransportWarmUp
 from kvpool.cluster.wire import (
     ALLOCATE,
     COMMIT,
@@ -119,6 +120,7 @@ class RemotePool(LayerwiseMethods):
         )
         self._janitor.start()
         self._node = self._contribute(master, contribute_dram) if contribute_dram else None
+        self._warm_up = TransportWarmUp(self._session)  # same-host nodes' transports, now
         at_exit.track(self)  # acknowledged puts get their commits out before the process ends
 
     # -- writes -------------------------------------------------------------------
@@ -164,12 +166,8 @@ class RemotePool(LayerwiseMethods):
         self._session.check_open()
         stored, full, error = self._putter.put(keys, regions, parents, replicas)
         if full and self._reads.release_cached():  # our own cached leases may block it
-            again, still, error = self._putter.put_once(
-                [keys[i] for i in full],
-                [regions[i] for i in full],
-                [parents[i] for i in full],
-                replicas,
-            )
+            retry = [keys[i] for i in full], [regions[i] for i in full], [parents[i] for i in full]
+            again, still, error = self._putter.put_once(*retry, replicas)
             for i, ok in zip(full, again, strict=True):
                 stored[i] = ok
             full = [full[j] for j in still]
@@ -339,6 +337,7 @@ class RemotePool(LayerwiseMethods):
             "put_duplicates_late": commits.duplicates,  # pipelined puts of keys stored already
             "put_commits_recovered": commits.recovered,
             "master_waits": session.rpc.failovers,  # calls that waited through a failover
+            "warmed_nodes": self._warm_up.nodes,  # same-host transports made at connect
         }
         stats["transports"] = session.peers.stats()
         stats["transport"] = ",".join(sorted(stats["transports"])) or "-"
@@ -362,6 +361,7 @@ class RemotePool(LayerwiseMethods):
         with contextlib.suppress(KVPoolError):
             self._reads.hand_back_due(everything=True)
         self._session.close()
+        self._warm_up.close(self.timeout)
         if self._node is not None:
             self._node.close()
         if lost is not None:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -80,6 +81,9 @@ class ClientSession:
         self._seals: dict[str, tuple[RegionInfo, SealRecords | None]] = {}
         self._shm_seals = os.environ.get("KVPOOL_SHM_SEAL", "1") != "0"  # 0: TCP seals only
         self._listeners: list[Callable[[str], None]] = []
+        # Held while a control transport or seal records are made, and by close(): one
+        # thread makes each (a put and the warm-up may ask at once), none after close
+        self._making = threading.Lock()
 
     def on_region_change(self, listener: Callable[[str], None]) -> None:
         """Call ``listener(node_id)`` whenever a known node's region changes."""
@@ -125,8 +129,13 @@ class ClientSession:
         known = self._controls.get(node_id)
         if known is not None and (known.info is region or known.info == region):
             return known
-        fresh = TcpTransport(region, token=self.token, timeout=self.timeout, max_connections=2)
-        self._controls[node_id] = fresh
+        with self._making:
+            self.check_open()
+            known = self._controls.get(node_id)
+            if known is not None and (known.info is region or known.info == region):
+                return known  # another thread made it meanwhile
+            fresh = TcpTransport(region, token=self.token, timeout=self.timeout, max_connections=2)
+            self._controls[node_id] = fresh
         if known is not None:
             known.close()
         return fresh
@@ -157,14 +166,19 @@ class ClientSession:
             if known[0] is not region:  # an equal region from a newer reply: same file
                 self._seals[node_id] = (region, known[1])
             return known[1]
-        records = None
-        with contextlib.suppress(OSError, ValueError):
-            if region.shm_name and region.host_id == host_identity():
-                path = shm_path(seal_name(region.shm_name))
-                records = SealRecords(path, region.size, create=False)
+        with self._making:
+            self.check_open()
+            known = self._seals.get(node_id)
+            if known is not None and (known[0] is region or known[0] == region):
+                return known[1]  # another thread made them meanwhile
+            records = None
+            with contextlib.suppress(OSError, ValueError):
+                if region.shm_name and region.host_id == host_identity():
+                    path = shm_path(seal_name(region.shm_name))
+                    records = SealRecords(path, region.size, create=False)
+            self._seals[node_id] = (region, records)
         if known is not None and known[1] is not None:
             known[1].close()
-        self._seals[node_id] = (region, records)
         return records
 
     def sealable(
@@ -230,7 +244,8 @@ class ClientSession:
 
     def close(self) -> None:
         """Refuse further calls and drop the transports and the master connection."""
-        self.closed = True
+        with self._making:
+            self.closed = True
         for control in list(self._controls.values()):
             control.close()
         for _, records in list(self._seals.values()):

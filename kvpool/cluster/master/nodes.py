@@ -122,6 +122,12 @@ class NodeMembership:
         )
         return {"restored": restored, "epoch": epoch, "refused": refused}
 
+    def regions(self, _params: Any) -> dict[str, dict[str, Any]]:
+        """Every registered node's region, as it registered it (a client maps or
+        connects to its nodes ahead of its first call: kvpool.cluster.client.warm_up)."""
+        with self.state.lock:
+            return {node_id: region.to_dict() for node_id, region in self.state.regions.items()}
+
     def heartbeat(self, msg: Heartbeat) -> HeartbeatReply:
         with self.state.lock:  # the catalog and epoch of one term (a new term swaps both)
             catalog, epoch = self.state.catalog, self.state.epoch

@@ -37,6 +37,7 @@ from kvpool.cluster.wire import (
     LOCATE,
     NODE_HELLO,
     PREFIX,
+    REGIONS,
     REGISTER,
     RELEASE,
     REMOVE,
@@ -130,6 +131,7 @@ class Master:
             (REPLICATE, reads.replicate, ReplicateRequest),
             (LOCATE, reads.locate, KeysRequest),
             (STATS, reads.stats, None),
+            (REGIONS, nodes.regions, None),
         ]
         # Handlers are short critical sections under one lock: running them on the
         # connection's reader thread saves a thread hop (~50 us) per call.
