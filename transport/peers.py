@@ -145,6 +145,7 @@ class PeerTransports:
         self._retired: dict[str, list[int]] = {}
         self._lock = threading.Lock()
         self._closed = False
+        self._closing = threading.Event()  # set by close(): a build under way stops populating
 
     def get(self, info: RegionInfo) -> Transport:
         """The node's transport, built on first use (or when its ``RegionInfo``
@@ -166,7 +167,9 @@ class PeerTransports:
                 old = self._by_node.get(node_id)
                 if old is not None and old.info == info:
                     return old
-            fresh = select_transport(info, self.override, token=self.token, timeout=self.timeout)
+            fresh = select_transport(
+                info, self.override, token=self.token, timeout=self.timeout, cancel=self._closing
+            )
             with self._lock:
                 closed = self._closed
                 if not closed:
@@ -226,5 +229,6 @@ class PeerTransports:
         with self._lock:
             self._closed = True
             nodes = list(self._by_node)
+        self._closing.set()
         for node_id in nodes:
             self.drop(node_id)

@@ -16,6 +16,7 @@ transport that does not exist is refused when the client connects
 from __future__ import annotations
 
 import os
+import threading
 
 from kvpool.errors import TransportUnavailableError
 from kvpool.transport.base import RegionInfo, Transport
@@ -86,8 +87,10 @@ def select_transport(
     *,
     token: str | None = None,
     timeout: float = 10.0,
+    cancel: threading.Event | None = None,
 ) -> Transport:
-    """A connected-on-demand Transport to ``peer``; see the module docstring."""
+    """A connected-on-demand Transport to ``peer``; see the module docstring.
+    ``cancel``: see ``ShmTransport``."""
     if override is None:
         override = os.environ.get(TRANSPORT_ENV) or None
     reasons = []
@@ -100,7 +103,7 @@ def select_transport(
             from kvpool.transport.shm import ShmTransport
 
             try:
-                return ShmTransport(peer)
+                return ShmTransport(peer, cancel)
             except TransportUnavailableError as exc:
                 reasons.append(f"shm: {exc}")
                 continue

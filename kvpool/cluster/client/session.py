@@ -13,7 +13,9 @@ Invariants:
   (a restarted node's new arena gets a new transport);
 - listeners registered with ``on_region_change`` hear of every node whose
   region changed (grants on the old region must not be used);
-- ``check_open`` raises ``PoolClosedError`` once ``close`` began.
+- ``check_open`` raises ``PoolClosedError`` once ``close`` began, and no
+  transport, control transport or seal records are made after that (the
+  connect-time warm-up, kvpool.cluster.client.warm_up, may be building one).
 """
 
 from __future__ import annotations
