@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -10,7 +11,7 @@ from clusterhelpers import wait_until
 from kvpool.cluster.ha import Election, ElectionConfig, MemoryCoordinator
 from kvpool.cluster.ha.coordinator import MemoryStore
 from kvpool.cluster.link import MasterLink, parse_masters
-from kvpool.errors import StaleEpochError
+from kvpool.errors import ConnectionLostError, PoolClosedError, StaleEpochError
 
 CFG = ElectionConfig(cluster="t", ttl=1.0, poll_s=0.05)
 
@@ -87,6 +88,31 @@ def test_master_addresses_and_terms_seen_by_a_link() -> None:
     link.saw_epoch(7)
     with pytest.raises(StaleEpochError):
         link.saw_epoch(6)  # a deposed master's reply
+
+
+def test_a_closed_link_stops_retrying_and_never_reconnects() -> None:
+    """A call waiting out a failover (no master answers) ends at its next attempt
+    once the link closes, instead of holding a closing client for the deadline;
+    nothing connects afterwards."""
+    link = MasterLink("127.0.0.1:9", connect=False, deadline=60.0)  # nothing listens
+    raised: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            link.call("stats")
+        except BaseException as exc:
+            raised.append(exc)
+
+    caller = threading.Thread(target=call)
+    caller.start()
+    time.sleep(0.2)  # a few refused attempts in
+    closed_at = time.monotonic()
+    link.close()
+    caller.join(10)
+    assert not caller.is_alive() and time.monotonic() - closed_at < 5
+    assert len(raised) == 1 and isinstance(raised[0], PoolClosedError)
+    with pytest.raises(ConnectionLostError, match="closed"):
+        link.submit("stats")
 
 
 def test_a_term_is_served_only_after_it_was_set_up() -> None:

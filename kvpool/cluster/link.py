@@ -20,10 +20,13 @@ uses expire, a repeated commit answers False for an allocation already
 committed, queries and releases are idempotent. ``submit`` (fire and
 forget: revokes, grant refills) never retries.
 
-Invariant: ``epoch`` is the highest master term this link has heard of
+Invariants: ``epoch`` is the highest master term this link has heard of
 (callers report it with ``saw_epoch``); a reply from a lower term is a
 deposed master's and is refused (``StaleEpochError``), so a client never
-goes back to an older term.
+goes back to an older term. Once ``close`` ran, no connection is opened
+again and a call still retrying stops at its next attempt with
+``PoolClosedError`` (a background caller, such as the connect-time warm-up,
+must not hold a closing client for the failover deadline).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from kvpool.errors import (
     MasterNotReadyError,
     MasterUnavailableError,
     NotLeaderError,
+    PoolClosedError,
     StaleEpochError,
 )
 from kvpool.rpc.client import RpcClient
@@ -104,6 +108,7 @@ class MasterLink:
         self._lock = threading.Lock()
         self._at = 0
         self._client: RpcClient | None = None
+        self._closed = False
         if connect:  # some master must answer now (a wrong address fails fast)
             self._first_connect()
 
@@ -133,6 +138,8 @@ class MasterLink:
         waited = False
         while True:
             client = None
+            if self._closed:
+                raise PoolClosedError(f"the link to {self._names()} is closed ({method})")
             try:
                 client = self._connected()
                 result = client.call(method, params, timeout=timeout)
@@ -172,6 +179,7 @@ class MasterLink:
 
     def close(self) -> None:
         with self._lock:
+            self._closed = True
             client, self._client = self._client, None
         if client is not None:
             client.close()
@@ -194,6 +202,8 @@ class MasterLink:
             client = self._client
         if client is not None:
             return client
+        if self._closed:
+            raise ConnectionLostError(f"the link to {self._names()} is closed")
         address = self.address
         fresh = RpcClient(
             address,
@@ -203,11 +213,13 @@ class MasterLink:
             name=self.name,
         )
         with self._lock:
-            if self._client is None:
+            if self._client is None and not self._closed:
                 self._client = fresh
                 return fresh
             client = self._client
         fresh.close()
+        if client is None:  # closed meanwhile
+            raise ConnectionLostError(f"the link to {self._names()} is closed")
         return client
 
     def _move(self, failed: RpcClient | None, leader: str = "") -> None:
