@@ -56,11 +56,23 @@ def test_a_client_maps_its_nodes_before_its_first_call(cluster: Cluster) -> None
             pool.remove(key)
 
 
+def _shm_mappings() -> int:
+    """This process's mappings of /dev/shm files (node arenas, seal records)."""
+    with open("/proc/self/maps") as maps:
+        return sum(1 for line in maps if " /dev/shm/" in line)
+
+
 def test_a_client_closed_at_once_leaves_nothing_running(cluster: Cluster) -> None:
+    before = _shm_mappings()
     for _ in range(5):
         pool = kvpool.connect(cluster.url)
         pool.close()
         assert not _warm_threads()
+        assert _shm_mappings() == before  # whatever the warm-up mapped is unmapped
+    with kvpool.connect(cluster.url) as pool:  # warmed in full, then closed
+        assert wait_until(lambda: pool.stats()["client"]["warmed_nodes"] == 2, timeout=15)
+        assert _shm_mappings() > before
+    assert _shm_mappings() == before
     with kvpool.connect(cluster.url) as pool:  # and the nodes serve the next client as before
         key = make_keys(1, seed=7)[0]
         assert pool.put(key, payload(1)) and pool.get(key) == payload(1).tobytes()
