@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -71,18 +72,28 @@ class _Built:
         self.closed = True
 
 
+def _held_builds(
+    built: list[_Built], release: threading.Event, started: threading.Event | None = None
+) -> Callable[..., _Built]:
+    """A ``select_transport`` stand-in: each build sets ``started``, waits for
+    ``release``, then records the transport it returns in ``built``."""
+
+    def build(info: RegionInfo, *args: object, **kwargs: object) -> _Built:
+        if started is not None:
+            started.set()
+        release.wait(5)
+        built.append(_Built(info))
+        return built[-1]
+
+    return build
+
+
 def test_one_thread_builds_a_nodes_transport(monkeypatch: pytest.MonkeyPatch) -> None:
     """Threads asking for a node's transport at once share one build (a client's
     first put and its claim thread each mapped and pre-faulted the whole arena)."""
     builds: list[_Built] = []
     release = threading.Event()
-
-    def build(info: RegionInfo, *args: object, **kwargs: object) -> _Built:
-        release.wait(5)
-        builds.append(_Built(info))
-        return builds[-1]
-
-    monkeypatch.setattr(peers_module, "select_transport", build)
+    monkeypatch.setattr(peers_module, "select_transport", _held_builds(builds, release))
     peers = PeerTransports()
     got: list[object] = []
     threads = [threading.Thread(target=lambda: got.append(peers.get(NODE))) for _ in range(4)]
@@ -118,14 +129,7 @@ def test_a_build_that_ends_after_close_is_not_kept(monkeypatch: pytest.MonkeyPat
     kvpool.cluster.client.warm_up) is closed, not kept: nothing outlives close()."""
     built: list[_Built] = []
     building, release = threading.Event(), threading.Event()
-
-    def build(info: RegionInfo, *args: object, **kwargs: object) -> _Built:
-        building.set()
-        release.wait(5)
-        built.append(_Built(info))
-        return built[-1]
-
-    monkeypatch.setattr(peers_module, "select_transport", build)
+    monkeypatch.setattr(peers_module, "select_transport", _held_builds(built, release, building))
     peers = PeerTransports()
     raised: list[BaseException] = []
 

@@ -141,14 +141,14 @@ def _region(arenas: list[SharedArena], node_id: str, here: bool) -> dict[str, An
 
 def _warm(session: _Session) -> TransportWarmUp:
     warm_up = TransportWarmUp(session)  # type: ignore[arg-type]
-    assert warm_up.done.wait(5)
-    warm_up.close(5)
+    warm_up.close(5)  # the stand-in answers at once: the thread ends by itself
+    assert not _warm_threads()
     return warm_up
 
 
 def test_a_master_without_regions_leaves_it_to_the_first_call() -> None:
     warm_up = _warm(_Session(RemoteError("master", "unknown method nodes.regions")))
-    assert warm_up.nodes == 0 and not _warm_threads()
+    assert warm_up.nodes == 0
 
 
 def test_only_nodes_on_this_host_are_warmed(arenas: list[SharedArena]) -> None:

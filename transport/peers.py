@@ -144,8 +144,8 @@ class PeerTransports:
         self._building: dict[str, threading.Lock] = {}  # per node: held while one is built
         self._retired: dict[str, list[int]] = {}
         self._lock = threading.Lock()
-        self._closed = False
-        self._closing = threading.Event()  # set by close(): a build under way stops populating
+        # Set by close() (under _lock): get() refuses, a build under way stops populating
+        self._closed = threading.Event()
 
     def get(self, info: RegionInfo) -> Transport:
         """The node's transport, built on first use (or when its ``RegionInfo``
@@ -168,10 +168,10 @@ class PeerTransports:
                 if old is not None and old.info == info:
                     return old
             fresh = select_transport(
-                info, self.override, token=self.token, timeout=self.timeout, cancel=self._closing
+                info, self.override, token=self.token, timeout=self.timeout, cancel=self._closed
             )
             with self._lock:
-                closed = self._closed
+                closed = self._closed.is_set()
                 if not closed:
                     old = self._by_node.get(node_id)
                     self._by_node[node_id] = fresh
@@ -183,7 +183,7 @@ class PeerTransports:
         return fresh
 
     def _check_open(self) -> None:
-        if self._closed:
+        if self._closed.is_set():
             raise PoolClosedError("the node transports are closed")
 
     def drop(self, node_id: str) -> None:
@@ -227,8 +227,7 @@ class PeerTransports:
 
     def close(self) -> None:
         with self._lock:
-            self._closed = True
+            self._closed.set()
             nodes = list(self._by_node)
-        self._closing.set()
         for node_id in nodes:
             self.drop(node_id)

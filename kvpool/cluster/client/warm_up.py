@@ -40,7 +40,6 @@ class TransportWarmUp:
 
     def __init__(self, session: ClientSession) -> None:
         self.nodes = 0  # same-host nodes whose transports were made here
-        self.done = threading.Event()
         self._session = session
         self._thread = threading.Thread(target=self._run, name="kvpool-warm-up", daemon=True)
         self._thread.start()
@@ -59,8 +58,6 @@ class TransportWarmUp:
                     self._warm(node_id)
         except Exception as exc:  # best effort: the first call builds and reports
             log.debug("warm-up of node transports stopped: %s", exc)
-        finally:
-            self.done.set()
 
     def _warm(self, node_id: str) -> None:
         session = self._session
@@ -75,5 +72,5 @@ class TransportWarmUp:
             log.debug("warm-up of node %s's transport failed: %s", node_id, exc)
 
     def close(self, timeout: float) -> None:
-        """Wait for the thread (the session is closing or closed: it ends soon)."""
+        """Wait up to ``timeout`` for the thread to end (soon once the session closed)."""
         self._thread.join(timeout)
