@@ -43,7 +43,15 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.args import positive_int, sizes_arg
 from kvpool.bench.common import write_json
-from kvpool.bench.machine import STEAL_NOTE_PCT, CpuTimes, load_average, machine_facts, steal_since
+from kvpool.bench.machine import (
+    STEAL_NOTE_PCT,
+    CpuTimes,
+    load_average,
+    machine_facts,
+    steal_since,
+    storage_facts,
+    storage_lines,
+)
 from kvpool.bindings import stream_copy
 from kvpool.config import format_size
 from kvpool.transport import tcp_recv
@@ -110,10 +118,10 @@ def _throughput(suite: str, store: str, op: str, path: str, r: Row | RemoteRow) 
                     r.ratio)  # fmt: skip
 
 
-def local_rows(plan: Plan, ssd_dir: str | None) -> list[BenchRow]:
+def local_rows(plan: Plan, ssd_dir: str | None, tiers: Sequence[str]) -> list[BenchRow]:
     from kvpool.bench.local import run_local
 
-    results = run_local(plan.local_sizes, ["dram", "ssd"], ssd_dir, plan.rounds)
+    results = run_local(plan.local_sizes, list(tiers), ssd_dir, plan.rounds)
     return [_throughput("local", "kvpool", r.op, r.tier, r) for r in results]
 
 
@@ -220,13 +228,13 @@ SUITES = ("local", "prefix", "remote", "layerwise")
 
 
 def suite_rows(
-    suite: str, plan: Plan, ssd_dir: str | None
+    suite: str, plan: Plan, ssd_dir: str | None, local_tiers: Sequence[str] = ("dram", "ssd")
 ) -> tuple[list[BenchRow], str, dict[str, int]]:
     """One suite's rows, the way each copy size class settled on while it ran
     (``STATUS`` where none learns), and how the process's TCP spins ended
     (``tcp_recv.counters``: a pause after a long yield makes TCP rows sleep)."""
     if suite == "local":
-        rows = local_rows(plan, ssd_dir)
+        rows = local_rows(plan, ssd_dir, local_tiers)
     elif suite == "prefix":
         rows = prefix_rows(plan)
     elif suite == "remote":
@@ -249,6 +257,10 @@ def run_all(
     start, started = time.monotonic(), CpuTimes.now()
     rows: list[BenchRow] = []
     facts["copy"], facts["tcp_spins"] = {}, {}
+    tiers: tuple[str, ...] = ("dram", "ssd")
+    if "local" in suites:  # no SSD rows where O_DIRECT is refused (the report says so)
+        facts["ssd_dir"] = storage_facts(ssd_dir)
+        tiers = tiers if facts["ssd_dir"]["o_direct"] else ("dram",)
     # Each suite in a fresh process, as ``kvpool bench SUITE`` runs it: what one suite
     # leaves in a process (copy ways learned on its memory, threads, a big catalog)
     # must not measure the next (issue 17, session 20: the 4 MiB class settled on
@@ -258,7 +270,7 @@ def run_all(
         before = CpuTimes.now()
         with ProcessPoolExecutor(1, mp_context=spawn) as fresh:
             got, facts["copy"][suite], spins = fresh.submit(
-                suite_rows, suite, plan, ssd_dir
+                suite_rows, suite, plan, ssd_dir, tiers
             ).result()
         rows += got
         if spins.get("waits"):
@@ -322,6 +334,8 @@ def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool
         cc = facts["tcp_congestion"]
         print(f"TCP congestion control: host default {cc['host_default']}, data path and "
               f"raw baselines {cc['data_path']}")  # fmt: skip
+    if "ssd_dir" in facts:
+        print("\n".join(storage_lines(facts["ssd_dir"])))
     for suite, ways in facts.get("copy", {}).items():  # each suite ran in its own process
         print(f"copy ({suite}): {ways}")
     for suite, spins in facts.get("tcp_spins", {}).items():

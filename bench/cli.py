@@ -62,7 +62,13 @@ def _tiers(text: str) -> list[str]:
 def _run_local(args: argparse.Namespace) -> int:
     from kvpool.bench.common import print_table, write_json
     from kvpool.bench.local import run_local
+    from kvpool.bench.machine import storage_facts, storage_lines
 
+    if "ssd" in args.tiers:
+        facts = storage_facts(args.ssd_dir)
+        print("\n".join(storage_lines(facts)))
+        if not facts["o_direct"]:
+            raise SystemExit(f"kvpool bench local: no O_DIRECT at {facts['dir']}: no SSD rows")
     rows = run_local(args.sizes, args.tiers, args.ssd_dir, args.rounds)
     print_table(rows)
     write_json(args.json, rows)

@@ -13,17 +13,29 @@ steal: the hypervisor ran something else on our vCPUs. Under steal the side
 that needs more CPU per operation loses more, so such a row measures the
 neighbour as much as the store. The load average does not show it (steal
 is not load); the steal share does.
+
+``storage_facts(directory)``: where the SSD rows' files live (file system,
+mount, block device, whether O_DIRECT is taken). Why: a fresh machine whose
+``/tmp`` is a tmpfs (the default on several distributions) runs the SSD rows in
+memory, and both sides of each row read 3-4 GB/s instead of a disk's 1-2; the
+ratios still look plausible, so nothing but the facts says the row measured
+no disk.
 """
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from kvpool.transport.tcp_congestion import CHOSEN
+
+#: File systems whose files live in memory: SSD rows measured there measure DRAM.
+MEMORY_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
 
 #: Steal above this share of CPU time marks a suite's rows as measured on a
 #: contended machine (the report prints a note under the facts).
@@ -99,3 +111,121 @@ def steal_since(before: CpuTimes | None) -> float | None:
     """Percent of CPU time stolen since ``before`` (``CpuTimes.now()`` taken earlier)."""
     now = CpuTimes.now()
     return None if now is None else now.steal_pct_since(before)
+
+
+def storage_facts(directory: str | None, mountinfo: str = "/proc/self/mountinfo") -> dict[str, Any]:
+    """Where files made in ``directory`` (None: the temporary directory, as the
+    SSD rows default) live: the mount's file system, mount point and source; the
+    block device under it (None for a file system with none: tmpfs, overlay) with
+    its driver, model and whether the kernel calls it rotational; whether an
+    O_DIRECT write is taken there; and ``memory_backed`` (a tmpfs or ramfs)."""
+    path = os.path.realpath(directory or tempfile.gettempdir())
+    point, fstype, source = mount_of(path, mountinfo)
+    return {
+        "dir": path,
+        "filesystem": fstype,
+        "mount": point,
+        "source": source,
+        "memory_backed": fstype in MEMORY_FILESYSTEMS,
+        "device": block_device(os.stat(path).st_dev),
+        "o_direct": _takes_o_direct(path),
+    }
+
+
+def storage_lines(facts: dict[str, Any]) -> list[str]:
+    """``storage_facts`` as the report prints it: where the SSD rows ran, and a note
+    when that was memory, or when O_DIRECT was refused there (no SSD rows then:
+    the tier and its raw baseline both read and write with O_DIRECT)."""
+    device = facts["device"]
+    if device is None:
+        disk = "no block device"
+    else:
+        kind = {True: "rotational", False: "non-rotational", None: "rotation unknown"}
+        what = ", ".join(x for x in (device["driver"], device["model"]) if x)
+        disk = f"disk {device['disk']}" + (f" ({what})" if what else "")
+        disk += f", {kind[device['rotational']]}"
+    lines = [
+        f"SSD rows: {facts['dir']} on {facts['filesystem']} ({facts['source']} at "
+        f"{facts['mount']}; {disk}); O_DIRECT {'taken' if facts['o_direct'] else 'refused'}"
+    ]
+    if facts["memory_backed"]:
+        lines.append(
+            f"note: {facts['dir']} is on {facts['filesystem']}, memory and not a disk: the SSD "
+            "rows measured DRAM; pass --ssd-dir a directory on the disk to measure"
+        )
+    elif not facts["o_direct"]:
+        lines.append(
+            f"note: {facts['filesystem']} refuses O_DIRECT at {facts['dir']}: no SSD rows; "
+            "pass --ssd-dir a directory on a disk"
+        )
+    return lines
+
+
+def mount_of(path: str, mountinfo: str) -> tuple[str, str, str]:
+    """(mount point, file system type, source) of the mount holding ``path``: the
+    longest mount point above it, the last one mounted where several stack."""
+    best = ("/", "unknown", "unknown")
+    try:
+        with open(mountinfo) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return best
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields:
+            continue
+        dash = fields.index("-")
+        if len(fields) < dash + 3 or len(fields) < 5:
+            continue
+        point = fields[4].replace("\\040", " ")
+        inside = path == point or path.startswith(point.rstrip("/") + "/")
+        if inside and len(point) >= len(best[0]):
+            best = (point, fields[dash + 1], fields[dash + 2])
+    return best
+
+
+def block_device(st_dev: int, sys_root: str = "/sys/dev/block") -> dict[str, Any] | None:
+    """The block device ``st_dev`` names (its whole disk for a partition): name,
+    driver, model, rotational; None where it is no block device."""
+    node = os.path.join(sys_root, f"{os.major(st_dev)}:{os.minor(st_dev)}")
+    if not os.path.exists(node):
+        return None
+    real = os.path.realpath(node)
+    disk = os.path.dirname(real) if os.path.exists(os.path.join(real, "partition")) else real
+    driver = os.path.join(disk, "device", "driver")
+    rotational = _read(os.path.join(disk, "queue", "rotational"))
+    return {
+        "name": os.path.basename(real),
+        "disk": os.path.basename(disk),
+        "driver": os.path.basename(os.path.realpath(driver)) if os.path.exists(driver) else None,
+        "model": _read(os.path.join(disk, "device", "model")),
+        "rotational": None if rotational is None else rotational == "1",
+    }
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path) as f:
+            return f.read().strip() or None
+    except OSError:
+        return None
+
+
+def _takes_o_direct(directory: str) -> bool:
+    """Whether a 4 KiB O_DIRECT write to a new file in ``directory`` is taken."""
+    fd, name = tempfile.mkstemp(prefix="kvpool-o-direct-", dir=directory)
+    os.close(fd)
+    try:
+        fd = os.open(name, os.O_WRONLY | os.O_DIRECT)
+    except OSError:
+        os.unlink(name)
+        return False
+    try:
+        with mmap.mmap(-1, 4096) as page:  # page-aligned, as O_DIRECT wants
+            os.pwrite(fd, page, 0)
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+        os.unlink(name)

@@ -148,6 +148,8 @@ def test_machine_facts_are_written_and_printed(quick_run: tuple[list[dict], dict
     assert set(facts) >= FACTS
     assert len(facts["load_before"]) == 3 and len(facts["load_after"]) == 3
     assert facts["cpu_model"] in stdout and "load" in stdout
+    ssd = facts["ssd_dir"]  # where the SSD rows' files lived (kvpool.bench.machine)
+    assert f"SSD rows: {ssd['dir']} on {ssd['filesystem']} (" in stdout
     cc = facts["tcp_congestion"]  # the host's and the one kvpool's data path runs
     assert f"host default {cc['host_default']}, data path and raw baselines" in stdout
     steal = facts["steal_pct"]  # every suite's share of CPU time stolen, and the whole run's
