@@ -334,6 +334,12 @@ def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool
         cc = facts["tcp_congestion"]
         print(f"TCP congestion control: host default {cc['host_default']}, data path and "
               f"raw baselines {cc['data_path']}")  # fmt: skip
+    if "memory" in facts:  # (facts written before session 33 lack these)
+        mem = facts["memory"]
+        print(f"memory {mem['gib']} GiB, NUMA nodes {mem['numa_nodes']}, transparent huge "
+              f"pages: anonymous {mem['thp_anon']}, shared {mem['thp_shmem']}")  # fmt: skip
+        native = facts["native"]
+        print(f"TCP receive spin: {native['tcp_recv']}; same-host checks: {native['shm_copy']}")
     if "ssd_dir" in facts:
         print("\n".join(storage_lines(facts["ssd_dir"])))
     for suite, ways in facts.get("copy", {}).items():  # each suite ran in its own process

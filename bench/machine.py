@@ -1,9 +1,10 @@
 """The machine a benchmark ran on: its facts, and how much CPU it really had.
 
-``machine_facts()``: CPU model, cores, cpuidle driver, kernel, Python, what
-the figures depend on. ``CpuTimes`` reads the kernel's CPU accounting
-(``/proc/stat``) so a run can say what share of CPU time the hypervisor took
-from this VM (*steal*) while each suite ran.
+``machine_facts()``: CPU model, cores, cpuidle driver, kernel, Python, memory
+and huge pages, which native helpers run: what the figures depend on.
+``CpuTimes`` reads the kernel's CPU accounting (``/proc/stat``) so a run can
+say what share of CPU time the hypervisor took from this VM (*steal*) while
+each suite ran.
 
 Why steal (issue 17, session 15): on the shared 2 vCPU VMs a `kvpool bench`
 row sometimes fell to 0.3-0.5x while every other run read ~1.0x. In those
@@ -32,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.transport import shm_copy, tcp_recv
 from kvpool.transport.tcp_congestion import CHOSEN
 
 #: File systems whose files live in memory: SSD rows measured there measure DRAM.
@@ -45,7 +47,9 @@ STEAL_NOTE_PCT = 5.0
 def machine_facts() -> dict[str, Any]:
     """CPU model, cores, cpuidle driver, kernel, Python, TCP congestion control (the
     host's default and what kvpool's data path and the raw-socket baselines use:
-    kvpool.transport.tcp_congestion): what the figures depend on."""
+    kvpool.transport.tcp_congestion), memory (``memory_facts``) and which native
+    helpers run (an install without a C compiler runs their Python fallbacks, and
+    the TCP and same-host rows move with that): what the figures depend on."""
     model = "unknown"
     try:
         with open("/proc/cpuinfo") as f:
@@ -69,7 +73,46 @@ def machine_facts() -> dict[str, Any]:
         "kernel": platform.release(),
         "python": platform.python_version(),
         "tcp_congestion": CHOSEN.status(),
+        "memory": memory_facts(),
+        "native": {"tcp_recv": tcp_recv.STATUS, "shm_copy": shm_copy.STATUS},
     }
+
+
+def memory_facts(
+    meminfo: str = "/proc/meminfo",
+    thp: str = "/sys/kernel/mm/transparent_hugepage",
+    nodes: str = "/sys/devices/system/node",
+) -> dict[str, Any]:
+    """Memory in GiB, NUMA nodes, and the transparent huge page settings for
+    anonymous and for shared memory (None where unknown). The shared one matters
+    here: a node's arena is shared memory, and with 4 KiB pages a same-host
+    client fills ~260k page table entries per GiB it maps (issue 17, session 32)."""
+    total = None
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    total = round(int(line.split()[1]) / (1 << 20), 1)
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        numa = sum(1 for n in os.listdir(nodes) if n.startswith("node") and n[4:].isdigit())
+    except OSError:
+        numa = None
+    return {
+        "gib": total,
+        "numa_nodes": numa or None,
+        "thp_anon": _chosen(os.path.join(thp, "enabled")),
+        "thp_shmem": _chosen(os.path.join(thp, "shmem_enabled")),
+    }
+
+
+def _chosen(path: str) -> str | None:
+    """The bracketed choice of a sysfs setting (``always [madvise] never``)."""
+    text = _read(path) or ""
+    start, end = text.find("["), text.find("]")
+    return text[start + 1 : end] if 0 <= start < end else None
 
 
 def load_average() -> list[float]:

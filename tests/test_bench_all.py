@@ -21,7 +21,8 @@ KEYS = ["suite", "store", "op", "path", "size", "value", "unit", "baseline", "ba
         "ratio"]  # fmt: skip
 OPS = {"put", "get_into", "put_batch", "get_into_batch", "prefix_match", "store", "load"}
 FACTS = {"date_utc", "cpu_model", "cores", "cpuidle_driver", "kernel", "load_before",
-         "load_after", "seconds", "steal_pct", "tcp_congestion"}  # fmt: skip
+         "load_after", "seconds", "steal_pct", "tcp_congestion", "memory", "native",
+         "ssd_dir"}  # fmt: skip
 
 
 def _bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -148,7 +149,12 @@ def test_machine_facts_are_written_and_printed(quick_run: tuple[list[dict], dict
     assert set(facts) >= FACTS
     assert len(facts["load_before"]) == 3 and len(facts["load_after"]) == 3
     assert facts["cpu_model"] in stdout and "load" in stdout
-    ssd = facts["ssd_dir"]  # where the SSD rows' files lived (kvpool.bench.machine)
+    mem, native = facts["memory"], facts["native"]  # kvpool.bench.machine
+    assert f"memory {mem['gib']} GiB, NUMA nodes {mem['numa_nodes']}" in stdout
+    assert (
+        f"TCP receive spin: {native['tcp_recv']}; same-host checks: {native['shm_copy']}" in stdout
+    )
+    ssd = facts["ssd_dir"]  # where the SSD rows' files lived
     assert f"SSD rows: {ssd['dir']} on {ssd['filesystem']} (" in stdout
     cc = facts["tcp_congestion"]  # the host's and the one kvpool's data path runs
     assert f"host default {cc['host_default']}, data path and raw baselines" in stdout

@@ -1,9 +1,11 @@
-"""Where the SSD rows ran (kvpool.bench.machine ``storage_facts``): the mount, the
-block device under it, O_DIRECT, and the note when the directory is memory.
+"""The machine facts ``kvpool bench`` reports beside its rows (kvpool.bench.machine).
 
-A fresh machine whose ``/tmp`` is a tmpfs runs ``kvpool bench``'s SSD rows in
-memory; only these facts say so. The parsers run on crafted ``mountinfo`` and
-``/sys/dev/block`` trees; ``storage_facts`` and the CLI on this machine's own.
+Where the SSD rows ran (``storage_facts``): the mount, the block device under
+it, O_DIRECT, and the note when the directory is memory -- a fresh machine whose
+``/tmp`` is a tmpfs runs the SSD rows in memory, and only these facts say so.
+Memory (``memory_facts``): size, NUMA nodes, transparent huge pages. The parsers
+run on crafted ``/proc`` and ``/sys`` files; the facts and the CLI also on this
+machine's own.
 """
 
 from __future__ import annotations
@@ -16,7 +18,14 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.bench.machine import block_device, mount_of, storage_facts, storage_lines
+from kvpool.bench.machine import (
+    block_device,
+    machine_facts,
+    memory_facts,
+    mount_of,
+    storage_facts,
+    storage_lines,
+)
 
 MOUNTINFO = """\
 27 1 254:0 / / rw,relatime - ext4 /dev/vda rw,discard
@@ -150,3 +159,25 @@ def test_bench_local_refuses_ssd_rows_without_o_direct(
         cli.main(args)
     assert "note: fuse refuses O_DIRECT" in capsys.readouterr().out
     assert not list(tmp_path.iterdir())  # nothing was measured
+
+
+def test_memory_size_numa_nodes_and_huge_pages(tmp_path: Path) -> None:
+    (tmp_path / "meminfo").write_text("MemTotal:       24683792 kB\nMemFree:  1 kB\n")
+    thp = tmp_path / "thp"
+    thp.mkdir()
+    (thp / "enabled").write_text("always [madvise] never\n")
+    (thp / "shmem_enabled").write_text("always within_size advise [never] deny force\n")
+    nodes = tmp_path / "node"
+    for name in ("node0", "node1", "possible", "nodeX"):
+        (nodes / name).mkdir(parents=True)
+    got = memory_facts(str(tmp_path / "meminfo"), str(thp), str(nodes))
+    assert got == {"gib": 23.5, "numa_nodes": 2, "thp_anon": "madvise", "thp_shmem": "never"}
+    missing = tmp_path / "missing"
+    assert memory_facts(str(missing), str(missing), str(missing)) == dict.fromkeys(got)
+
+
+def test_the_native_helpers_say_which_path_runs() -> None:
+    from kvpool.transport import shm_copy, tcp_recv
+
+    native = machine_facts()["native"]
+    assert native == {"tcp_recv": tcp_recv.STATUS, "shm_copy": shm_copy.STATUS}
