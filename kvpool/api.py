@@ -134,6 +134,9 @@ class KVStore(Protocol):
     ) -> bool:
         """Store ``data`` under ``key``; False if the key is already stored.
 
+        ``replicas``: copies on up to that many distinct nodes (a cluster; fewer
+        only where fewer live nodes have room: README, "Replicas under node failure").
+
         Either way the key then holds exactly one immutable block. A cluster
         client with pipelined commits answers False only for keys it put
         itself; another client's earlier block answers True (and is kept).

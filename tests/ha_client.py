@@ -4,8 +4,9 @@ ROLE ``writer``: puts block ``ID-i`` every 40 ms, each a new key, so a put
 answering False (claiming the key is stored already) is an error; MODE
 ``replicas`` (the default) puts two replicas (the client commits them),
 ``node-commits`` one (its node commits it: writer 0 over TCP, ``WRITE_COMMIT``;
-writer 1 on the same host, sealed in shared memory). ``reader``: gets random
-blocks of writers 0 and 1 and checks their bytes. Prints one JSON object at the
+writer 1 on the same host, sealed in shared memory), ``mixed`` two replicas
+with writer 0 and reader 0 over TCP, the others on the same host. ``reader``:
+gets random blocks of writers 0 and 1 and checks their bytes. Prints one JSON object at the
 end: what was acknowledged, completion times (``time.monotonic``, system-wide on
 Linux), errors, wrong reads, and how many puts their node committed.
 """
@@ -37,8 +38,9 @@ def main(url: str, role: str, ident: int, seconds: float, mode: str = "replicas"
     report: dict[str, list] = {"acked": [], "done": [], "errors": [], "wrong": []}
     out = np.empty(BLOCK, np.uint8)
     rng = random.Random(ident)  # the same reads every run
-    replicas = 2 if mode == "replicas" else 1
-    transport = "tcp" if (mode, role, ident) == ("node-commits", "writer", 0) else None
+    replicas = 1 if mode == "node-commits" else 2
+    tcp = (mode, role, ident) == ("node-commits", "writer", 0) or (mode, ident) == ("mixed", 0)
+    transport = "tcp" if tcp else None
     with kvpool.connect(url, timeout=5, transport=transport) as pool:
         i = 0
         while time.monotonic() < end:

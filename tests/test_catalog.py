@@ -54,6 +54,24 @@ def test_placement_spreads_by_free_space() -> None:
     assert placed == ["b", "b", "b", "b", "a", "b"]  # ties go to the first registered
 
 
+def test_avoided_nodes_take_a_block_only_when_no_other_node_can() -> None:
+    """A writer saw node "c" fail (the master has not dropped it yet): the most free
+    node, yet no replica and no grant goes there while another node has room. Once
+    a and b hold nothing evictable, one replica goes to c: better than none."""
+    cat, _ = catalog({"a": 3, "b": 4, "c": 8})
+    keys = make_keys(3)
+    assert put(cat, keys[0], replicas=2) == ["c", "b"]  # by free space: c first
+    avoided = cat.allocate(keys[1], PAGE, None, 2, avoid={"c"})
+    assert avoided is not None and [a.node_id for a in avoided] == ["a", "b"]  # 3 free, 3 free
+    for alloc in avoided:
+        cat.commit(alloc.alloc_id)
+    cat.lease(keys[:2])  # not evictable: a grant takes free pages only
+    grants = cat.grant(PAGE, 5, avoid={"c"})  # a: 2 pages free, b: 2
+    assert sorted(g.node_id for g in grants) == ["a", "a", "b", "b"]  # fewer, none on c
+    last = cat.allocate(keys[2], PAGE, None, 2, avoid={"c"})
+    assert last is not None and [a.node_id for a in last] == ["c"]
+
+
 def test_allocation_is_invisible_until_commit_and_expires() -> None:
     cat, clock = catalog({"a": 2}, alloc_ttl=5)
     key = make_keys(1)[0]

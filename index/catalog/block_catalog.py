@@ -32,7 +32,7 @@ Invariants:
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from typing import Any
 
 from kvpool.eviction import make_policy
@@ -195,22 +195,25 @@ class BlockCatalog(CatalogState):
         parent: bytes | None,
         replicas: int = 1,
         node_id: str | None = None,
+        avoid: Collection[str] = (),
     ) -> list[Allocation] | None:
         """Room for ``key`` on up to ``replicas`` distinct nodes; None if already stored.
 
         Nodes are tried in order of free space (or only ``node_id``),
-        evicting unleased blocks as needed. CatalogFullError if not even one
+        evicting unleased blocks as needed. Nodes in ``avoid`` (a writer saw
+        them fail; the master has not dropped them yet) are tried only when no
+        other node can take even one replica: a replica placed on a dead node
+        leaves the block one copy short. CatalogFullError if not even one
         replica fits.
         """
         if key in self.blocks or key in self.keys_in_flight:
             return None
-        placed: list[Allocation] = []
-        for node in self.nodes_by_free_space(only=node_id):
-            if len(placed) == replicas:
-                break
-            offset = self.make_room(node, size)
-            if offset is not None:
-                placed.append(self.pend(key, node, offset, size, parent))
+        nodes = self.nodes_by_free_space(only=node_id)
+        placed = self.place(
+            key, size, parent, [n for n in nodes if n.node_id not in avoid], replicas
+        )
+        if not placed and avoid:  # one replica on a node a writer saw fail beats none
+            placed = self.place(key, size, parent, [n for n in nodes if n.node_id in avoid], 1)
         if not placed:
             raise CatalogFullError(
                 f"no node can hold a block of {size} bytes "
@@ -218,8 +221,9 @@ class BlockCatalog(CatalogState):
             )
         return placed
 
-    def grant(self, size: int, count: int) -> list[Allocation]:
-        """Up to ``count`` keyless allocations of ``size`` bytes, spread by free space.
+    def grant(self, size: int, count: int, avoid: Collection[str] = ()) -> list[Allocation]:
+        """Up to ``count`` keyless allocations of ``size`` bytes, spread by free space,
+        none on a node in ``avoid`` (see ``allocate``).
 
         Grants evict like puts do (they are puts whose keys come later), but
         never fail: a cluster without room yields fewer grants.
@@ -227,6 +231,8 @@ class BlockCatalog(CatalogState):
         granted: list[Allocation] = []
         while len(granted) < count:
             for node in self.nodes_by_free_space():
+                if node.node_id in avoid:
+                    continue
                 offset = self.make_room(node, size)
                 if offset is not None:
                     granted.append(self.pend(None, node, offset, size, None, ttl=self.grant_ttl))

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import itertools
 import secrets
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from kvpool.eviction import EvictionPolicy, make_policy
 from kvpool.index.catalog.events import BlockCommitted, NodeEvent, RangeFreed, SsdCopyDropped
@@ -99,6 +99,24 @@ class CatalogState:
         # Most free space first; on ties, the node with most extra replicas,
         # which it can drop without losing a block.
         return sorted(usable, key=lambda n: (-n.allocator.free_bytes, -len(n.extras)))
+
+    def place(
+        self,
+        key: bytes,
+        size: int,
+        parent: bytes | None,
+        nodes: Sequence[NodeSpace],
+        replicas: int,
+    ) -> list[Allocation]:
+        """Up to ``replicas`` allocations of ``key``, one per node, in ``nodes``' order."""
+        placed: list[Allocation] = []
+        for node in nodes:
+            if len(placed) == replicas:
+                break
+            offset = self.make_room(node, size)
+            if offset is not None:
+                placed.append(self.pend(key, node, offset, size, parent))
+        return placed
 
     def _evictable(self, key: bytes) -> bool:
         block = self.blocks.get(key)

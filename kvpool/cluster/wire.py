@@ -83,6 +83,10 @@ class AllocateRequest(WireMessage):
     # later puts (bound to their keys at commit): one round trip per put after this.
     spare: int = 0
     spare_size: int = 0
+    # Nodes the client saw fail and the master may not have dropped yet: placed on
+    # only when no other node can take a block, never granted (an older master
+    # ignores the field).
+    avoid: list[str] = field(default_factory=list)
 
 
 @dataclass

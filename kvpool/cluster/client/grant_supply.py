@@ -61,6 +61,7 @@ class GrantSupply:
         """The classic allocation of ``request``'s blocks, asking (``use_grants``) for
         spare grants of its first block's size on the way: stocked and claimed here."""
         spare_size = request.sizes[0]
+        request.avoid = self._session.suspects.current()
         request.spare = self.stock.wants_refill(spare_size) if use_grants else 0
         request.spare_size = spare_size if request.spare else 0
         reply = self._session.rpc.call(ALLOCATE, request, response_type=AllocateReply)
@@ -72,7 +73,9 @@ class GrantSupply:
         want = self.stock.wants_refill(size)
         if not want:
             return
-        request = AllocateRequest([], [], [], spare=want, spare_size=size)
+        request = AllocateRequest(
+            [], [], [], spare=want, spare_size=size, avoid=self._session.suspects.current()
+        )
         try:
             fut = self._session.rpc.submit(ALLOCATE, request)
         except KVPoolError:
@@ -93,6 +96,12 @@ class GrantSupply:
         """The node's region changed or failed: its grants are useless now (the
         janitor revokes them: this may run on the RPC reader thread)."""
         self.stock.forget_node(node_id)
+
+    def node_failed(self, node_id: str) -> None:
+        """A write to the node failed: forget its grants and avoid it in the next
+        allocations (kvpool.cluster.client.suspects)."""
+        self._session.suspects.report(node_id)
+        self.forget_node(node_id)
 
     def revoke_stale(self) -> None:
         """Give back the grants dropped or too old to use (the janitor's tick)."""

@@ -16,7 +16,7 @@ from typing import Any
 from kvpool.api import BlockWriter, Lease
 from kvpool.bindings.buffers import Region
 from kvpool.cluster.client import fenced
-from kvpool.cluster.client.session import ClientSession, Placement
+from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession, Placement
 from kvpool.cluster.wire import COMMIT, DEFAULT_ALLOC_TTL, REVOKE, IdsRequest
 from kvpool.errors import KVPoolError, StaleWriteError
 from kvpool.transport import tcp_wire as w
@@ -108,8 +108,13 @@ class RemoteBlockWriter(BlockWriter):
             raise KVPoolError("this block's reservation expired before it was written; retry")
         session = self._session
         for placement, stamp in zip(self._placements, self._stamps, strict=True):
-            data, control = session.transport(placement.node_id), session.control(placement.node_id)
-            status = fenced.write_part(data, control, stamp, placement.offset + offset, src)
+            try:
+                data = session.transport(placement.node_id)
+                control = session.control(placement.node_id)
+                status = fenced.write_part(data, control, stamp, placement.offset + offset, src)
+            except TRANSFER_ERRORS:
+                session.suspects.report(placement.node_id)  # the next reserve goes elsewhere
+                raise
             self._fenced(status, placement)
 
     def _fenced(self, status: int, placement: Placement) -> None:

@@ -120,7 +120,7 @@ def write_or_give_back(
         supply.revoke([item[1] for items in writes.values() for item in items])
         raise
     for node_id in done.dead:
-        supply.forget_node(node_id)
+        supply.node_failed(node_id)
     supply.revoke(done.failed)
     return done.written, done.lost, done.sealing
 

@@ -26,7 +26,8 @@ Invariants:
   allocations until stored or found stored, within the failover deadline;
   then ``PutFailedError``. A pipelined commit the master refuses is settled by
   ``CommitPipe`` or raised, never dropped silently;
-- puts with ``replicas`` > 1 allocate (grants are single placements), commit synchronously."""
+- puts with ``replicas`` > 1 allocate (grants are single placements) and commit
+  synchronously; a block that lost a copy is put again whole, once (``put_once``)."""
 
 from __future__ import annotations
 
@@ -158,7 +159,7 @@ class RemotePutter:
         written: list[Written] = [(item, node_id)] if ok == [fenced.OK] else []
         if not written:  # as ``_write``: forget a failed node, revoke; put again below
             if ok is None:
-                self.supply.forget_node(node_id)
+                self.supply.node_failed(node_id)
             self.supply.revoke([grant.alloc_id])
         seal: list[Sealing] = [] if sealing is None else [(node_id, [0], sealing)]
         lost = [] if written else [0]
@@ -228,9 +229,19 @@ class RemotePutter:
         written, lost, sealing = write_or_give_back(
             self._session, self.supply, writes, keys, regions, parents, sizes
         )
+        partial: list[Written] = []
+        if replicas > 1 and lost and again:
+            # A block that lost a copy (its node died under the write) is put again whole,
+            # away from that node (kvpool.cluster.client.suspects), not acknowledged short;
+            # that pass keeps what it gets (at most ``replicas`` copies, as placed).
+            lost_now = set(lost)
+            partial = [w for w in written if w[0][0] in lost_now]
+            written = [w for w in written if w[0][0] not in lost_now]
         stored, retry = self._acknowledge(
             keys, parents, sizes, written, lost, sealing, granted, use_by, pipelined
         )
+        if partial:  # their seals were collected above: give their ranges back
+            self.supply.revoke([item[1] for item, _ in partial])
         if use_grants and not rest:  # after the commit: the master is not kept from it
             self.supply.top_up(sizes[0])
         if retry and again:

@@ -43,7 +43,7 @@ from kvpool.cluster.wire import (
     LeaseRequest,
     ReleaseRequest,
 )
-from kvpool.errors import KVPoolError
+from kvpool.errors import KVPoolError, StaleReadError, StaleWriteError
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.shm import ShmTransport
 from kvpool.transport.tcp import TcpTransport
@@ -361,7 +361,11 @@ class LeasedReads:
             try:
                 block = placement.offset
                 self._read_many(placement.node_id, [(block + start, dst, key, block)])
-            except TRANSFER_ERRORS:
+            except (StaleReadError, StaleWriteError):  # that replica left the range
+                continue
+            except TRANSFER_ERRORS:  # the node is gone or unreachable: read others first
+                session.suspects.report(placement.node_id)
+                session.counts["read_node_failures"] += 1
                 continue
             session.counts["hits"] += 1
             return want

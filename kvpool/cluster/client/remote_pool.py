@@ -192,9 +192,8 @@ class RemotePool(LayerwiseMethods):
         check_reserve_size(size)
         session = self._session
         session.check_open()
-        reply = session.rpc.call(
-            ALLOCATE, AllocateRequest([key], [size], [parent]), response_type=AllocateReply
-        )
+        request = AllocateRequest([key], [size], [parent], avoid=session.suspects.current())
+        reply = session.rpc.call(ALLOCATE, request, response_type=AllocateReply)
         session.learn(reply.nodes)
         if reply.error:
             raise PoolFullError(reply.error)
@@ -338,6 +337,7 @@ class RemotePool(LayerwiseMethods):
             "put_commits_recovered": commits.recovered,
             "master_waits": session.rpc.failovers,  # calls that waited through a failover
             "warmed_nodes": self._warm_up.nodes,  # same-host transports made at connect
+            "avoided_nodes": session.suspects.current(),  # seen failing lately
         }
         stats["transports"] = session.peers.stats()
         stats["transport"] = ",".join(sorted(stats["transports"])) or "-"

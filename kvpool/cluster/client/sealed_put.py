@@ -171,7 +171,7 @@ class SealedPutter:
             status = data.stamped_one(w.OP_WRITE_COMMIT, stamp.pack(), grant.offset, region)
         except TRANSFER_ERRORS:
             status = None
-            supply.forget_node(grant.node_id)
+            supply.node_failed(grant.node_id)
         if status != w.ST_OK:  # as ``RemotePutter._put_one``: no use any more
             supply.revoke([grant.alloc_id])
             return False

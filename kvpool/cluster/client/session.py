@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from kvpool.bindings.buffers import Region
 from kvpool.cluster.client import fenced
+from kvpool.cluster.client.suspects import Suspects
 from kvpool.cluster.link import MasterLink
 from kvpool.errors import PoolClosedError, StaleReadError, StaleWriteError
 from kvpool.transport.base import RegionInfo, Transport, host_identity
@@ -77,6 +78,7 @@ class ClientSession:
         self.regions: dict[str, RegionInfo] = {}
         self.peers = PeerTransports(token=token, timeout=timeout, override=transport)
         self.counts: Counter[str] = Counter()  # the client's own counters, for stats()
+        self.suspects = Suspects()  # nodes seen failing: avoided in allocations asked for
         self.closed = False
         self._by_region: dict[str, tuple[RegionInfo, Transport]] = {}  # skips peers' lock
         self._controls: dict[str, TcpTransport] = {}  # fenced-write side channel per node
@@ -236,8 +238,12 @@ class ClientSession:
 
     def preferred(self, placements: list[Placement]) -> Placement:
         """The replica to read first: one on this host, else the master's first
-        (least loaded)."""
+        (least loaded); either way one on a node not seen failing lately, if any
+        (``suspects``: a dead host's connect can take the whole timeout)."""
         if len(placements) > 1:
+            avoid = self.suspects.current()
+            if avoid:
+                placements = [p for p in placements if p.node_id not in avoid] or placements
             here = host_identity()
             for placement in placements:
                 if self.regions[placement.node_id].host_id == here:

@@ -53,12 +53,13 @@ class PutHandlers:
                     # A new term: nodes are (re-)registering. Never block the connection.
                     raise MasterNotReadyError("nodes are re-registering with a new master")
             evictions = catalog.evictions
+            avoid = frozenset(msg.avoid)
             for i, (key, size, parent) in enumerate(
                 zip(msg.keys, msg.sizes, msg.parents, strict=True)
             ):
                 try:
                     allocs = catalog.allocate(
-                        key, size, parent, max(1, msg.replicas), msg.node_id or None
+                        key, size, parent, max(1, msg.replicas), msg.node_id or None, avoid
                     )
                 except CatalogFullError as exc:
                     placements.append(None)
@@ -97,7 +98,7 @@ class PutHandlers:
         catalog = self.state.catalog
         room = int(self.state.config.grant_share * catalog.dram_capacity())
         count = min(msg.spare, MAX_GRANTS, (room - catalog.granted_bytes) // msg.spare_size)
-        grants = catalog.grant(msg.spare_size, count) if count > 0 else []
+        grants = catalog.grant(msg.spare_size, count, frozenset(msg.avoid)) if count > 0 else []
         return [[g.alloc_id, g.node_id, g.offset] for g in grants]
 
     def commit(self, msg: CommitRequest) -> list[bool | None]:

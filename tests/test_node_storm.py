@@ -1,0 +1,169 @@
+"""Nodes killed -9 under load, and the puts and reservations beside a dead node.
+
+Real master and node processes, real client processes.
+
+The master-failover storm (tests/test_ha.py) kills the leader; this one kills a
+node, again and again, while two writers put two replicas of each block (one
+over TCP, one through shared memory) and two readers check every byte they read
+(one each way). One node is the victim: killed, replaced by a fresh node
+process, killed again, so every block keeps a replica on a node that never died
+and every acknowledged put must read back at the end (kvpool does not repair a
+replica a dead node took with it: a block loses a copy with each node it had).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from clusterhelpers import start_cluster, wait_until
+from ha_client import BLOCK, key_of, payload
+
+import kvpool
+
+
+def test_a_node_killed_again_and_again_under_load_loses_no_acknowledged_put() -> None:
+    """30 s of load; the victim node is killed -9 every ~4 s (as many times as fit
+    with 8 s to spare, at least 3) and a fresh node takes its place each time. No
+    client raises, no read returns wrong bytes, each writer puts again within 5 s
+    of each kill, and every acknowledged put reads back exactly at the end."""
+    seconds = 30.0
+    # room for every put: 2 writers x ~25/s x 30 s x 2 replicas x 64 KiB = ~190 MiB
+    # on the two nodes that never die, so nothing is evicted
+    cluster = start_cluster(["128MiB", "128MiB", "128MiB"])
+    try:
+        with kvpool.connect(cluster.url, timeout=5) as probe:
+            assert wait_until(lambda: len(probe.stats()["nodes"]) == 3, 15)
+            script = str(Path(__file__).with_name("ha_client.py"))
+            roles = [("writer", 0), ("writer", 1), ("reader", 0), ("reader", 1)]
+            started = time.monotonic()
+            clients = [
+                subprocess.Popen(
+                    [sys.executable, script, cluster.url, role, str(ident), str(seconds), "mixed"],
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+                for role, ident in roles
+            ]
+            kills: list[float] = []
+            try:
+                victim = cluster.nodes[0]
+                while time.monotonic() + 4.0 < started + seconds - 8.0:
+                    time.sleep(4.0)
+                    kills.append(time.monotonic())
+                    victim.kill()
+                    victim = cluster.add_node("128MiB")
+                reports = [json.loads(c.communicate(timeout=seconds + 60)[0]) for c in clients]
+            finally:
+                for c in clients:
+                    c.kill()
+            assert len(kills) >= 3, kills
+            writers, readers = reports[:2], reports[2:]
+            assert not [e for r in reports for e in r["errors"]], [r["errors"][:3] for r in reports]
+            assert not [w for r in readers for w in r["wrong"]]
+            assert all(r["done"] for r in readers)  # readers did read
+            for w in writers:  # each writer went on after each kill
+                gaps = [
+                    min((t for t in w["done"] if t > k), default=float("inf")) - k for k in kills
+                ]
+                assert all(g <= 5.0 for g in gaps), gaps
+            assert probe.stats()["evictions"] == 0  # so every acknowledged put must be there
+            out = np.empty(BLOCK, np.uint8)
+            for w, report in enumerate(writers):
+                for i in report["acked"]:
+                    assert probe.get_into(key_of(w, i), out) == BLOCK, (w, i)
+                    assert np.array_equal(out, payload(w, i)), (w, i)
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.parametrize("transport", ["tcp", "shm"])
+def test_puts_beside_a_dead_node_get_both_copies_on_live_ones(transport: str) -> None:
+    """The master keeps a dead node until its heartbeats have been missing for the
+    node TTL (30 s here), and it is the node with the most free space: every put
+    would place a copy there. The first put whose copy fails there is put again
+    whole, away from it; later puts ask the master to avoid it from the start.
+    Each of 24 puts then has its two copies on the two live nodes, reads back
+    exactly, and the client's stats name the node it avoids."""
+    cluster = start_cluster(["64MiB", "32MiB", "32MiB"], "--node-ttl", "30")
+    try:
+        with kvpool.connect(cluster.url, timeout=5, transport=transport) as pool:
+            assert wait_until(lambda: len(pool.stats()["nodes"]) == 3, 15)
+            nodes = pool.stats()["nodes"]
+            dead = max(nodes, key=lambda n: nodes[n]["capacity_bytes"])
+            cluster.nodes[0].kill()  # the 64 MiB one
+            keys = [key_of(transport == "tcp", i) for i in range(24)]
+            for i, key in enumerate(keys):
+                assert pool.put(key, payload(0, i), replicas=2)
+            assert dead in pool.stats()["nodes"]  # the master has not dropped it yet
+            placed = pool.locate(keys)
+            assert all(len(set(p)) == 2 and dead not in p for p in placed), placed
+            assert pool.stats()["client"]["avoided_nodes"] == [dead]
+            writer = pool.reserve(key_of(2, 0), BLOCK)  # a reservation avoids it too
+            assert writer is not None and dead not in writer.node_ids
+            writer.abort()
+            out = np.empty(BLOCK, np.uint8)
+            for i, key in enumerate(keys):
+                assert pool.get_into(key, out) == BLOCK and np.array_equal(out, payload(0, i))
+    finally:
+        cluster.stop()
+
+
+def test_a_reservation_whose_node_died_sends_the_next_one_elsewhere() -> None:
+    """A reserve lands on the dead node (the master still lists it, with the most
+    room); the write fails with a connection error, nothing becomes visible, and the
+    client avoids that node: the next reservation lands on the live one and commits."""
+    cluster = start_cluster(["64MiB", "32MiB"], "--node-ttl", "30")
+    try:
+        with kvpool.connect(cluster.url, timeout=5, transport="tcp") as pool:
+            assert wait_until(lambda: len(pool.stats()["nodes"]) == 2, 15)
+            nodes = pool.stats()["nodes"]
+            dead = max(nodes, key=lambda n: nodes[n]["capacity_bytes"])
+            cluster.nodes[0].kill()  # the 64 MiB one
+            key, data = key_of(3, 0), payload(3, 0)
+            first = pool.reserve(key, BLOCK)
+            assert first is not None and first.node_ids == [dead]
+            with pytest.raises((ConnectionError, TimeoutError)):
+                first.write(0, data)
+            first.abort()
+            assert pool.exists([key]) == [False]
+            assert pool.stats()["client"]["avoided_nodes"] == [dead]
+            again = pool.reserve(key, BLOCK)
+            assert again is not None and dead not in again.node_ids
+            with again:
+                again.write(0, data)
+            out = np.empty(BLOCK, np.uint8)
+            assert pool.get_into(key, out) == BLOCK and np.array_equal(out, data)
+    finally:
+        cluster.stop()
+
+
+def test_a_reader_tries_a_dead_nodes_replica_once() -> None:
+    """Blocks with a copy on each of two nodes; the one the master lists first
+    dies. A reader's first read fails there and falls back to the other copy;
+    from then on it reads the live copy first (a dead host's connect can take the
+    whole timeout), and every read is exact."""
+    cluster = start_cluster(["64MiB", "32MiB"], "--node-ttl", "30")
+    try:
+        with kvpool.connect(cluster.url, timeout=5, transport="tcp") as pool:
+            assert wait_until(lambda: len(pool.stats()["nodes"]) == 2, 15)
+            nodes = pool.stats()["nodes"]
+            dead = max(nodes, key=lambda n: nodes[n]["capacity_bytes"])
+            keys = [key_of(4, i) for i in range(8)]
+            datas = [payload(4, i) for i in range(8)]
+            assert pool.put_batch(keys, datas, replicas=2) == [True] * 8
+            assert all(p[0] == dead for p in pool.locate(keys))  # placed there first
+        cluster.nodes[0].kill()
+        with kvpool.connect(cluster.url, timeout=5, transport="tcp") as reader:
+            out = np.empty(BLOCK, np.uint8)
+            for key, data in zip(keys, datas, strict=True):
+                assert reader.get_into(key, out) == BLOCK and np.array_equal(out, data)
+            client = reader.stats()["client"]
+            assert client["avoided_nodes"] == [dead] and client["read_node_failures"] == 1
+    finally:
+        cluster.stop()
