@@ -27,6 +27,14 @@ from ha_client import BLOCK, key_of, payload
 import kvpool
 
 
+def biggest_node(pool: kvpool.RemotePool, count: int) -> str:
+    """Once ``count`` nodes registered: the id of the one with the most capacity (the
+    master places on it first; the tests below kill it)."""
+    assert wait_until(lambda: len(pool.stats()["nodes"]) == count, 15)
+    nodes = pool.stats()["nodes"]
+    return max(nodes, key=lambda n: nodes[n]["capacity_bytes"])
+
+
 def test_a_node_killed_again_and_again_under_load_loses_no_acknowledged_put() -> None:
     """30 s of load; the victim node is killed -9 every ~4 s (as many times as fit
     with 8 s to spare, at least 3) and a fresh node takes its place each time. No
@@ -93,9 +101,7 @@ def test_puts_beside_a_dead_node_get_both_copies_on_live_ones(transport: str) ->
     cluster = start_cluster(["64MiB", "32MiB", "32MiB"], "--node-ttl", "30")
     try:
         with kvpool.connect(cluster.url, timeout=5, transport=transport) as pool:
-            assert wait_until(lambda: len(pool.stats()["nodes"]) == 3, 15)
-            nodes = pool.stats()["nodes"]
-            dead = max(nodes, key=lambda n: nodes[n]["capacity_bytes"])
+            dead = biggest_node(pool, 3)
             cluster.nodes[0].kill()  # the 64 MiB one
             keys = [key_of(transport == "tcp", i) for i in range(24)]
             for i, key in enumerate(keys):
@@ -121,9 +127,7 @@ def test_a_reservation_whose_node_died_sends_the_next_one_elsewhere() -> None:
     cluster = start_cluster(["64MiB", "32MiB"], "--node-ttl", "30")
     try:
         with kvpool.connect(cluster.url, timeout=5, transport="tcp") as pool:
-            assert wait_until(lambda: len(pool.stats()["nodes"]) == 2, 15)
-            nodes = pool.stats()["nodes"]
-            dead = max(nodes, key=lambda n: nodes[n]["capacity_bytes"])
+            dead = biggest_node(pool, 2)
             cluster.nodes[0].kill()  # the 64 MiB one
             key, data = key_of(3, 0), payload(3, 0)
             first = pool.reserve(key, BLOCK)
@@ -151,9 +155,7 @@ def test_a_reader_tries_a_dead_nodes_replica_once() -> None:
     cluster = start_cluster(["64MiB", "32MiB"], "--node-ttl", "30")
     try:
         with kvpool.connect(cluster.url, timeout=5, transport="tcp") as pool:
-            assert wait_until(lambda: len(pool.stats()["nodes"]) == 2, 15)
-            nodes = pool.stats()["nodes"]
-            dead = max(nodes, key=lambda n: nodes[n]["capacity_bytes"])
+            dead = biggest_node(pool, 2)
             keys = [key_of(4, i) for i in range(8)]
             datas = [payload(4, i) for i in range(8)]
             assert pool.put_batch(keys, datas, replicas=2) == [True] * 8
