@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from poolhelpers import make_keys
 
+import kvpool.index.catalog.state as state_module
 from kvpool.index.catalog import (
     Allocation,
     BlockCatalog,
@@ -70,6 +71,29 @@ def test_avoided_nodes_take_a_block_only_when_no_other_node_can() -> None:
     assert sorted(g.node_id for g in grants) == ["a", "a", "b", "b"]  # fewer, none on c
     last = cat.allocate(keys[2], PAGE, None, 2, avoid={"c"})
     assert last is not None and [a.node_id for a in last] == ["c"]
+
+
+def test_a_late_second_commit_of_a_committed_allocation_is_known(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A node commits a sealed block for its writer when no commit confirmed it in
+    time; the writer's own commit, arriving later, finds no such allocation. The
+    catalog remembers the last COMMITTED_MEMORY commits (id -> key) so the master
+    can answer it "committed" -- even after the block was evicted."""
+    monkeypatch.setattr(state_module, "COMMITTED_MEMORY", 2)
+    cat, _ = catalog({"a": 2})
+    k1, k2, k3 = make_keys(3)
+    grant = cat.grant(PAGE, 1)[0]
+    assert cat.commit_grant(grant.alloc_id, k1, None) is True
+    assert cat.commit_grant(grant.alloc_id, k1, None) is None  # no such grant any more
+    assert cat.committed_before(grant.alloc_id, k1)
+    assert not cat.committed_before(grant.alloc_id, k2)  # committed, but for another key
+    alloc = cat.allocate(k2, PAGE, None)
+    assert alloc is not None and cat.commit(alloc[0].alloc_id) is not None
+    put(cat, k3)  # evicts k1 (two pages): the memory keeps what was committed, not what is held
+    assert cat.exists([k1]) == [False] and cat.committed_before(alloc[0].alloc_id)
+    assert not cat.committed_before(grant.alloc_id)  # the oldest of three, forgotten
+    assert not cat.committed_before(12345)
 
 
 def test_allocation_is_invisible_until_commit_and_expires() -> None:

@@ -24,11 +24,15 @@ from __future__ import annotations
 
 import itertools
 import secrets
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
 from kvpool.eviction import EvictionPolicy, make_policy
 from kvpool.index.catalog.events import BlockCommitted, NodeEvent, RangeFreed, SsdCopyDropped
 from kvpool.index.catalog.records import Allocation, BlockMeta, LeaseRecord, NodeSpace, Replica
+
+#: Commits remembered to answer a late second commit of an allocation (``committed_before``).
+COMMITTED_MEMORY = 1 << 16
 
 
 class CatalogState:
@@ -54,6 +58,7 @@ class CatalogState:
         self.keys_in_flight: dict[bytes, int] = {}  # key -> allocations in flight (not superseded)
         self.granted_bytes = 0  # space held by grants (pending allocations with no key)
         self.with_extras: set[bytes] = set()  # blocks that have extra replicas
+        self.committed: OrderedDict[int, bytes] = OrderedDict()  # alloc id -> key, newest last
         self.evictions = 0
         # Allocation and lease ids start at a random point: ids a client still
         # holds from a previous master (across a restart) never name this one's.
@@ -213,6 +218,10 @@ class CatalogState:
         if block is None:
             block = self.blocks[key] = BlockMeta(key, size, parent, checksum=checksum)
         block.replicas.append(replica)
+        if replica.alloc_id:
+            self.committed[replica.alloc_id] = key
+            if len(self.committed) > COMMITTED_MEMORY:
+                self.committed.popitem(last=False)
         node = self.nodes[replica.node_id]
         if replica.tier == "ssd":
             return
@@ -223,6 +232,16 @@ class CatalogState:
             self.with_extras.add(key)
         if tell_node:
             node.events.append(BlockCommitted(key, replica.offset, size, parent, replica.alloc_id))
+
+    def committed_before(self, alloc_id: int, key: bytes | None = None) -> bool:
+        """Whether ``alloc_id`` was committed in this term (for ``key``, if given), among
+        the last ``COMMITTED_MEMORY`` commits. Why: a node commits a sealed block on its
+        writer's behalf when no commit confirmed it in time (kvpool.cluster.unconfirmed);
+        the writer's own commit, arriving later, found no such allocation -- and when the
+        block had been evicted meanwhile, the writer could not find or read it back and
+        reported an acknowledged put as lost (a false ``PutCommitError``)."""
+        got = self.committed.get(alloc_id)
+        return got is not None and (key is None or got == key)
 
     def policy_of(self, replica: Replica) -> EvictionPolicy:
         node = self.nodes[replica.node_id]

@@ -118,10 +118,15 @@ class PutHandlers:
             catalog = state.catalog  # this term's (read under the lock: terms swap it)
             for i, alloc_id in enumerate(ids):
                 key = keys[i] if keys else None
+                # A late second commit of a committed allocation (its node committed it for
+                # the writer, or the writer retried) answers True: the put did land.
                 if key is None:
-                    done.append(catalog.commit(alloc_id) is not None)
+                    ok = catalog.commit(alloc_id) is not None
+                    done.append(ok or catalog.committed_before(alloc_id))
                 else:
-                    done.append(catalog.commit_grant(alloc_id, key, parents[i]))
+                    got = catalog.commit_grant(alloc_id, key, parents[i])
+                    late = got is None and catalog.committed_before(alloc_id, key)
+                    done.append(True if late else got)
         return done
 
     def revoke(self, msg: IdsRequest) -> None:
