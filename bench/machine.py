@@ -59,11 +59,7 @@ def machine_facts() -> dict[str, Any]:
                     break
     except OSError:
         pass
-    try:
-        with open("/sys/devices/system/cpu/cpuidle/current_driver") as f:
-            idle = f.read().strip()
-    except OSError:
-        idle = "none"
+    idle = _read("/sys/devices/system/cpu/cpuidle/current_driver") or "none"
     return {
         "date_utc": time.strftime("%Y-%m-%d %H:%M", time.gmtime()),
         "cpu_model": model,
