@@ -22,11 +22,11 @@ from clusterhelpers import Cluster, start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool
-from kvpool.cluster.client.acked import Acked
+from kvpool.cluster.client.acked import Acked, Recovery
 from kvpool.cluster.client.commits import CommitPipe
 from kvpool.cluster.client.put_modes import commit_thread_default, node_commits_default
 from kvpool.cluster.wire import COMMIT, CommitRequest
-from kvpool.errors import ConnectionLostError
+from kvpool.errors import ConnectionLostError, PutCommitError
 
 
 class Master:
@@ -77,7 +77,7 @@ def acked(alloc_id: int) -> Acked:
     return Acked(bytes([alloc_id % 256]) * 16, None, alloc_id, "n", 0, 4096, True)
 
 
-def no_recovery(items: list[Acked]) -> list[bool | None]:
+def no_recovery(items: list[Acked]) -> list[Recovery]:
     raise AssertionError("nothing here needs a recovery")
 
 
@@ -358,3 +358,31 @@ def test_a_batch_commit_is_sent_by_the_caller_at_once() -> None:
         assert p.idle()
     finally:
         p.close()
+
+
+class Refusing:
+    """A master that knows none of the grants any more: COMMIT answers None for
+    each, EXISTS False (what a settle meets after a restart or a node's drop)."""
+
+    def submit(self, method: str, params: CommitRequest) -> Future[Any]:
+        fut: Future[Any] = Future()
+        fut.set_result([None] * len(params.ids))
+        return fut
+
+    def call(self, method: str, params: Any) -> list[Any]:
+        return [None] * len(params.ids) if method == COMMIT else [False] * len(params.keys)
+
+
+def test_a_put_whose_node_died_is_lost_with_it_not_raised() -> None:
+    """Settling refused commits: bytes gone from a node that answered are an error
+    (``PutCommitError``); a node that cannot be reached took the only copy with it,
+    as it takes a visible block's: logged, and the writer's calls go on."""
+    outcomes = {1: Recovery.NODE_LOST, 2: Recovery.GONE, 3: Recovery.VISIBLE}
+    p = CommitPipe(Refusing(), lambda items: [outcomes[a.alloc_id] for a in items], 5.0, False)
+    items = [acked(1), acked(2), acked(3)]
+    p.send(items)
+    p.answered(items, [])
+    with pytest.raises(PutCommitError) as err:
+        p.flush()
+    assert err.value.keys == [acked(2).key] and p.recovered == 1
+    p.flush()  # raised once; nothing else pending

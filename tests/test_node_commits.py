@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
 from typing import Any
 
@@ -261,6 +262,24 @@ def test_a_flush_settles_what_its_node_does_not_answer_within_the_bound(monkeypa
     began = time.monotonic()
     assert [a.alloc_id for a in watch.wait(began + 60)] == [1]  # the node never answers
     assert 0.15 <= time.monotonic() - began < 1.0 and not watch.watched  # (less a last pause)
+
+
+def test_a_flush_hands_out_at_once_the_puts_of_a_node_that_died(monkeypatch) -> None:
+    """A dead node's seal records never change: a flush that has waited PROBE_S asks
+    whether the nodes owing answers are alive, and hands out a dead one's puts at
+    once instead of waiting ANSWER_S for them; a live node is waited for as before."""
+    monkeypatch.setattr(node_watch, "ANSWER_S", 30.0)
+    records, watch = Records(), NodeWatch()
+    dead, live = acked(1)._replace(node_id="dead"), acked(2)._replace(node_id="live")
+    asked: list[str] = []
+    watch.alive = lambda node: asked.append(node) or node != "dead"  # type: ignore[func-returns-value]
+    for item in (dead, live):
+        watch.watch(item, records)  # type: ignore[arg-type]
+    threading.Timer(0.3, lambda: records.states.update({2: VISIBLE})).start()
+    began = time.monotonic()
+    assert watch.wait(began + 60) == [dead]  # the live node's answer came
+    assert 0.25 <= time.monotonic() - began < 2.0 and not watch.watched
+    assert sorted(asked) == ["dead", "live"]  # one probe per node, once per wait
 
 
 # -- the proof, with real processes ------------------------------------------------------

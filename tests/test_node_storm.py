@@ -14,6 +14,7 @@ replica a dead node took with it: a block loses a copy with each node it had).
 from __future__ import annotations
 
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -167,5 +168,43 @@ def test_a_reader_tries_a_dead_nodes_replica_once() -> None:
                 assert reader.get_into(key, out) == BLOCK and np.array_equal(out, data)
             client = reader.stats()["client"]
             assert client["avoided_nodes"] == [dead] and client["read_node_failures"] == 1
+    finally:
+        cluster.stop()
+
+
+def test_puts_a_dead_node_still_owed_are_lost_with_it_and_the_writer_goes_on() -> None:
+    """Same-host single puts their node commits (sealed in shared memory on grants
+    claimed ahead): the node is stopped, so it commits none of the next ten, then
+    killed, and the master drops it. The writer's next read-side call asks whether
+    that node still runs instead of waiting 2 s for its answers, and raises
+    nothing (it used to raise ``PutCommitError`` for those puts, which an engine
+    takes for the whole store failing): their only copy died with the node, as a
+    visible block's does, and is counted. The other puts read back; puts go on."""
+    cluster = start_cluster(["64MiB", "64MiB"])
+    try:
+        with kvpool.connect(cluster.url, timeout=5) as pool:
+            assert wait_until(lambda: len(pool.stats()["nodes"]) == 2, 15)
+            for i in range(8):
+                assert pool.put(key_of(5, i), payload(5, i))
+            pool.flush()
+            assert wait_until(lambda: pool._putter.grants.claimed_in_stock() >= 12, 10)
+            cluster.nodes[0].signal_group(signal.SIGSTOP)
+            keys = [key_of(5, i) for i in range(8, 18)]
+            for i, key in enumerate(keys, start=8):
+                assert pool.put(key, payload(5, i))
+            cluster.nodes[0].kill()
+            with kvpool.connect(cluster.url, timeout=5) as other:  # the writer does not flush
+                assert wait_until(lambda: len(other.stats()["nodes"]) == 1, 10)
+            began = time.monotonic()
+            present = pool.exists(keys)  # a read-side call: settles the puts owed
+            assert time.monotonic() - began < 1.5
+            lost = present.count(False)
+            assert lost >= 1 and pool.stats()["client"]["put_lost_with_node"] == lost
+            out = np.empty(BLOCK, np.uint8)
+            for i, (key, there) in enumerate(zip(keys, present, strict=True), start=8):
+                assert not there or (
+                    pool.get_into(key, out) == BLOCK and np.array_equal(out, payload(5, i))
+                )
+            assert pool.put(key_of(5, 99), payload(5, 99))
     finally:
         cluster.stop()

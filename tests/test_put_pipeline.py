@@ -19,6 +19,7 @@ from clusterhelpers import Cluster, start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool
+from kvpool.cluster.client.acked import Recovery
 from kvpool.cluster.client.put_modes import pipelined_default
 from kvpool.cluster.wire import REVOKE, IdsRequest
 from kvpool.errors import PutCommitError
@@ -198,7 +199,8 @@ def test_a_put_that_cannot_be_made_visible_is_raised_not_dropped(
             stock = pool._putter.grants
             admin.call(REVOKE, IdsRequest([g.alloc_id for q in stock._stock.values() for g in q]))
         # the node lost the bytes too (as if it restarted): nothing to recover from
-        monkeypatch.setattr(pool._putter.commits, "_recover", lambda items: [False] * len(items))
+        gone = [Recovery.GONE]
+        monkeypatch.setattr(pool._putter.commits, "_recover", lambda items: gone * len(items))
         assert pool.put(keys[1], payload(1))
         with pytest.raises(PutCommitError, match="could not be made visible") as err:
             pool.exists(keys)

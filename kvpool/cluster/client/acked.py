@@ -8,6 +8,7 @@ master refused is put again from its node's copy (kvpool.cluster.client.put_writ
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -26,7 +27,15 @@ class Acked(NamedTuple):
     granted: bool  # a grant (the commit binds the key) or an allocation for the key
 
 
-#: ``recover(items)``: put the sealed bytes of ``items`` again the classic way; per
-#: item True (visible now, or found already stored), None (read back but not visible
-#: yet: the cluster is still recovering) or False (the node no longer holds them).
-Recover = Callable[[list[Acked]], list[bool | None]]
+class Recovery(enum.Enum):
+    """What recovering one put came to (``Recover``)."""
+
+    VISIBLE = "visible"  # visible now, or found already stored
+    PENDING = "pending"  # read back, not visible yet: the cluster is still recovering
+    GONE = "gone"  # its node answered, and no longer holds those bytes
+    NODE_LOST = "node lost"  # its node cannot be reached: the only copy died with it
+
+
+#: ``recover(items)``: put the sealed bytes of ``items`` again the classic way; a
+#: ``Recovery`` per item.
+Recover = Callable[[list[Acked]], list[Recovery]]

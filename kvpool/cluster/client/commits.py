@@ -26,7 +26,8 @@ Rules (the README's "visibility rule"):
   fence's checked read (served only while that block still holds the range)
   and put again the classic way. Only if that fails too does the put become
   an error: ``PutCommitError``, raised by the next call of the writer that
-  flushes or puts, and by ``close``;
+  flushes or puts, and by ``close`` -- unless its node cannot be reached: then
+  its only copy died with the node, as a visible block's does (logged, counted);
 - a grant is used at most ``grants.MAX_USE_S`` (1 s) after it was granted and
   its commit is sent at the ack, so in a healthy cluster a commit arrives long
   before the master could expire the grant (its TTL is at least twice that).
@@ -75,7 +76,7 @@ import time
 from concurrent.futures import Future
 from typing import Any
 
-from kvpool.cluster.client.acked import Acked, Recover
+from kvpool.cluster.client.acked import Acked, Recover, Recovery
 from kvpool.cluster.client.node_watch import NodeWatch
 from kvpool.cluster.client.put_modes import commit_thread_default
 from kvpool.cluster.wire import COMMIT, EXISTS, CommitRequest, KeysRequest
@@ -360,13 +361,16 @@ class CommitPipe:
             except KVPoolError as exc:
                 self._lost(rest, f"recovery failed: {exc}")
                 return
-            self.recovered += sum(1 for v in outcome if v)
-            gone = [a for a, v in zip(rest, outcome, strict=True) if v is False]
+            self.recovered += outcome.count(Recovery.VISIBLE)
+            gone = [a for a, v in zip(rest, outcome, strict=True) if v is Recovery.GONE]
             if gone:
                 self._lost(
                     gone, "the master refused the commit and the node no longer holds the bytes"
                 )
-            rest = [a for a, v in zip(rest, outcome, strict=True) if v is None]
+            self._lost_with_node(
+                [a for a, v in zip(rest, outcome, strict=True) if v is Recovery.NODE_LOST]
+            )
+            rest = [a for a, v in zip(rest, outcome, strict=True) if v is Recovery.PENDING]
             if not rest:
                 return
             if time.monotonic() + pause > give_up:
@@ -381,6 +385,13 @@ class CommitPipe:
             request.keys = [a.key if a.granted else None for a in items]
             request.parents = [a.parent if a.granted else None for a in items]
         return list(self._rpc.call(COMMIT, request))
+
+    def _lost_with_node(self, items: list[Acked]) -> None:
+        """Puts whose node died before making them visible: their only copy went with
+        it, as a visible block's does. Counted and logged, not raised."""
+        if items:  # (counted in stats()["client"]["put_lost_with_node"]: recover_puts)
+            nodes = ", ".join(sorted({a.node_id for a in items}))
+            log.warning("%d acknowledged put(s) lost with their node (%s)", len(items), nodes)
 
     def _lost(self, items: list[Acked], why: str) -> None:
         log.error("%d acknowledged put(s) lost: %s", len(items), why)

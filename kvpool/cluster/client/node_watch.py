@@ -12,6 +12,10 @@ later claim before it was read, an answer the node no longer has, a node that
 cannot be asked, or no answer within ``ANSWER_S`` (a healthy node answers
 within milliseconds: its node died, or its commit thread is stuck) hands the
 put to ``CommitPipe.settle`` (retry, look the key up, read back and put again).
+A flush that has waited ``PROBE_S`` asks whether the nodes still owing answers
+are alive (``alive``: a connect to the node's data port) and hands out the puts
+of a dead one at once: a seal record of a dead node never changes, and waiting
+``ANSWER_S`` for it stalled every read of the writer after a node died.
 A put settled so while its node still commits it is committed twice at worst:
 the second commit finds no grant and the key already stored.
 
@@ -31,6 +35,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 from kvpool.cluster.client.acked import Acked
 from kvpool.errors import KVPoolError
@@ -41,12 +46,16 @@ SWEEP_EVERY = 64  # watched puts between sweeps of the answers
 ANSWER_S = 2.0  # a flush waits this long for its node's answers, then settles the rest
 FIRST_PAUSE_S, LAST_PAUSE_S = 0.00005, 0.002  # a waiting flush polls seal records so
 ASK_WAIT_S = 0.5  # a waiting flush's ask: the node answers once its commits are done
+PROBE_S = 0.05  # a flush waiting this long asks whether the nodes owing answers are alive
 
 
 class NodeWatch:
     """The puts of one client whose node sends their commit (thread-safe)."""
 
     def __init__(self) -> None:
+        # alive(node id): does the node still run? Set by the client (a connect probe:
+        # ClientSession.node_alive); None: a flush never asks, it waits ANSWER_S.
+        self.alive: Callable[[str], bool] | None = None
         self._lock = threading.Lock()
         self._asking = threading.Lock()  # one ``sweep_asked`` at a time
         self.watched: list[tuple[Acked, SealRecords]] = []  # answered in seal records
@@ -82,6 +91,7 @@ class NodeWatch:
     def wait(self, give_up: float) -> list[Acked]:
         """Until every watched put is answered (at most ``ANSWER_S``, and not past the
         monotonic ``give_up``); returns the puts to settle, the unanswered ones included."""
+        probe_at = time.monotonic() + PROBE_S
         give_up = min(give_up, time.monotonic() + ANSWER_S)
         pause, unsure = FIRST_PAUSE_S, []
         while True:
@@ -95,8 +105,22 @@ class NodeWatch:
                     unsure += [item for item, _ in self.asked]
                     self.watched, self.asked = [], []
                     return unsure
+                owing = {item.node_id for item, _ in self.watched}
+            alive = self.alive
+            if owing and alive is not None and time.monotonic() >= probe_at:
+                probe_at = give_up  # once per wait
+                unsure += self._of_dead_nodes({n for n in owing if not alive(n)})
             time.sleep(pause)
             pause = min(2 * pause, LAST_PAUSE_S)
+
+    def _of_dead_nodes(self, dead: set[str]) -> list[Acked]:
+        """Stop watching the seal records of ``dead`` nodes: their puts, to settle."""
+        if not dead:
+            return []
+        with self._lock:
+            gone = [item for item, _ in self.watched if item.node_id in dead]
+            self.watched = [(i, r) for i, r in self.watched if i.node_id not in dead]
+        return gone
 
     def sweep_asked(self, wait_s: float = 0.0) -> list[Acked]:
         """Ask each node about its TCP puts watched now (one round trip per node, which

@@ -29,7 +29,7 @@ import numpy as np
 
 from kvpool.bindings.buffers import Region
 from kvpool.cluster.client import fenced
-from kvpool.cluster.client.acked import Acked
+from kvpool.cluster.client.acked import Acked, Recovery
 from kvpool.cluster.client.grant_supply import GrantSupply
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.wire import EXISTS, KeysRequest
@@ -145,21 +145,31 @@ def wait_for_seals(sealing: list[Sealing], stored: list[bool]) -> list[int]:
     return refused
 
 
-def read_back(session: ClientSession, items: Sequence[Acked]) -> list[np.ndarray | None]:
+def read_back(
+    session: ClientSession, items: Sequence[Acked]
+) -> tuple[list[np.ndarray | None], set[int]]:
     """The sealed bytes of acknowledged puts, read back from their nodes (to put
-    them again when their commit was refused); None where the node no longer
-    holds that block at its range, or cannot be reached."""
+    them again when their commit was refused): None where the node no longer holds
+    that block at its range, or cannot be reached; and the indices of the items
+    whose node could not be reached (unknown here now, or its process gone)."""
     copies: list[np.ndarray | None] = []
-    for a in items:
+    unreachable: set[int] = set()
+    for i, a in enumerate(items):
         staging = np.empty(a.size, np.uint8)
+        ok = False
         try:
             control = session.control(a.node_id)
             ok = control.read_blocks([(a.offset, staging, a.key, a.offset)])[0]
         except (KeyError, KVPoolError, *TRANSFER_ERRORS) as exc:
             log.warning("could not read back block %s: %s", a.key.hex()[:16], exc)
-            ok = False
+            # unreachable: unknown here now (the master dropped it), or its port takes no
+            # connection (its process is gone); a node that is only slow or stopped is not
+            if isinstance(exc, KeyError) or (
+                isinstance(exc, OSError) and not session.node_alive(a.node_id)
+            ):
+                unreachable.add(i)
         copies.append(staging if ok else None)
-    return copies
+    return copies, unreachable
 
 
 #: ``put_once(keys, buffers, parents, replicas, use_grants=False)``: a classic put
@@ -168,12 +178,11 @@ ClassicPut = Callable[..., tuple[list[bool], list[int], str]]
 
 def recover_puts(
     session: ClientSession, items: Sequence[Acked], put_once: ClassicPut
-) -> list[bool | None]:
+) -> list[Recovery]:
     """Put acknowledged blocks whose commit the master refused again, from the
     bytes their node sealed: a checked read (``read_back``), then a classic put.
-    Per item (``acked.Recover``): True visible, None read back but not visible
-    yet (the caller tries again), False the bytes are gone."""
-    copies = read_back(session, items)
+    A ``Recovery`` per item (``acked.Recover``)."""
+    copies, unreachable = read_back(session, items)
     back = [(a, c) for a, c in zip(items, copies, strict=True) if c is not None]
     if back:
         keys, parents = [a.key for a, _ in back], [a.parent for a, _ in back]
@@ -185,5 +194,14 @@ def recover_puts(
         except PutFailedError as exc:  # not visible yet: the caller tries again
             log.info("recovery put: %s", exc)
     found = session.rpc.call(EXISTS, KeysRequest([a.key for a in items]))
-    held = [c is not None for c in copies]
-    return [True if f else (None if h else False) for f, h in zip(found, held, strict=True)]
+    outcome = []
+    for i, (hit, copy) in enumerate(zip(found, copies, strict=True)):
+        if hit:
+            outcome.append(Recovery.VISIBLE)
+        elif copy is not None:
+            outcome.append(Recovery.PENDING)
+        else:
+            outcome.append(Recovery.NODE_LOST if i in unreachable else Recovery.GONE)
+    if lost := outcome.count(Recovery.NODE_LOST):  # the only copy died with its node
+        session.counts["put_lost_with_node"] += lost
+    return outcome

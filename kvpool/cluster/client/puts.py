@@ -40,7 +40,7 @@ import numpy as np
 
 from kvpool.bindings.buffers import Region, region_nbytes
 from kvpool.cluster.client import fenced
-from kvpool.cluster.client.acked import Acked
+from kvpool.cluster.client.acked import Acked, Recovery
 from kvpool.cluster.client.commits import CommitPipe
 from kvpool.cluster.client.grant_supply import GrantSupply
 from kvpool.cluster.client.grants import Grant
@@ -81,10 +81,11 @@ class RemotePutter:
         self.supply = GrantSupply(session, grant_bytes)
         self.grants = self.supply.stock
 
-        def recover(items: list[Acked]) -> list[bool | None]:
+        def recover(items: list[Acked]) -> list[Recovery]:
             return recover_puts(session, items, self.put_once)
 
         self.commits = CommitPipe(session.rpc, recover, session.rpc.deadline)
+        self.commits.by_node.alive = session.node_alive
         self.node_commits = node_commits_default()  # single puts ask their node to commit
         self._mine: dict[bytes, None] = {}  # insertion-ordered, bounded by MINE_MAX
         self.late_commits = 0  # pipelined puts committed synchronously: grant window passed
@@ -231,9 +232,8 @@ class RemotePutter:
         )
         partial: list[Written] = []
         if replicas > 1 and lost and again:
-            # A block that lost a copy (its node died under the write) is put again whole,
-            # away from that node (kvpool.cluster.client.suspects), not acknowledged short;
-            # that pass keeps what it gets (at most ``replicas`` copies, as placed).
+            # A block that lost a copy is put again whole, away from that node (``suspects``),
+            # not acknowledged short; that pass keeps what it gets (at most ``replicas``).
             lost_now = set(lost)
             partial = [w for w in written if w[0][0] in lost_now]
             written = [w for w in written if w[0][0] not in lost_now]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import socket
 import threading
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -235,6 +236,18 @@ class ClientSession:
         kvpool.transport.shm_seal) is served, and the node adopts that seal."""
         if not all(self.control(node_id).read_blocks(items)):
             raise StaleReadError(f"node {node_id} holds other blocks there now")
+
+    def node_alive(self, node_id: str) -> bool:
+        """Whether the node's data port still takes a connection (False: refused or no
+        answer within 0.25 s: its process is gone); True where it serves no TCP port."""
+        region = self.regions.get(node_id)
+        if region is None or not region.tcp_port:
+            return True
+        try:
+            socket.create_connection((region.tcp_host, region.tcp_port), timeout=0.25).close()
+        except OSError:
+            return False
+        return True
 
     def preferred(self, placements: list[Placement]) -> Placement:
         """The replica to read first: one on this host, else the master's first
