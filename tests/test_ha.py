@@ -3,21 +3,17 @@ a zombie leader (SIGSTOP past its TTL), etcd itself stopped."""
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import numpy as np
 import pytest
 from clusterhelpers import wait_until
 from etcdhelpers import Etcd, free_port, start_etcd
-from ha_client import key_of
-from ha_client import payload as client_payload
+from storm import storm_clients
 
 import kvpool
 from kvpool.errors import KVPoolError, NotLeaderError, StaleWriteError
@@ -115,19 +111,9 @@ def test_leader_killed_under_load(ha: HaCluster, mode: str) -> None:
     commits sent by the writer), once with single puts their node commits (one
     writer over TCP, one sealing in shared memory: tests/ha_client.py)."""
     seconds = 30.0
-    script = str(Path(__file__).with_name("ha_client.py"))
-    roles = [("writer", 0), ("writer", 1), ("reader", 0), ("reader", 1)]
     started = time.monotonic()
-    clients = [
-        subprocess.Popen(
-            [sys.executable, script, ha.url, role, str(ident), str(seconds), mode],
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        for role, ident in roles
-    ]
     kills, epochs = [], []
-    try:
+    with storm_clients(ha.url, seconds, mode) as storm:
         with kvpool.connect(ha.url, timeout=5) as probe:
             epochs.append(epoch(probe))
             while len(kills) < 6 and time.monotonic() + 2.0 < started + seconds - 8.0:
@@ -140,28 +126,14 @@ def test_leader_killed_under_load(ha: HaCluster, mode: str) -> None:
                 assert wait_until(lambda p=port: ha.leader() not in (None, p), 10)
                 ha.start_master(port)  # back as a standby
                 epochs.append(epoch(probe))
-        reports = [json.loads(c.communicate(timeout=seconds + 60)[0]) for c in clients]
-    finally:
-        for c in clients:
-            c.kill()
+        storm.collect()
     assert len(kills) >= 3, kills
-    writers, readers = reports[:2], reports[2:]
-    assert not [e for r in reports for e in r["errors"]], [r["errors"][:3] for r in reports]
+    storm.check(kills, each_writer=False)
     if mode == "node-commits":  # most puts went the node's way (a refill's may not)
-        assert all(w["by_node"][0] > len(w["acked"]) // 2 for w in writers), writers
-    assert not [w for r in readers for w in r["wrong"]]
-    done = sorted(t for r in writers for t in r["done"])
-    gaps = [min(t for t in done if t > k) - k for k in kills]
-    assert all(g <= 5.0 for g in gaps), gaps
+        assert all(w["by_node"][0] > len(w["acked"]) // 2 for w in storm.writers), storm.writers
     assert epochs == sorted(set(epochs)) and len(epochs) == len(kills) + 1, epochs
-    assert sum(r["done"] != [] for r in readers) == 2  # readers did read
-    out = np.empty(BLOCK, np.uint8)
     with kvpool.connect(ha.url, timeout=5) as pool:
-        assert pool.stats()["evictions"] == 0  # so every acknowledged put must be there
-        for w, report in enumerate(writers):
-            for i in report["acked"]:
-                assert pool.get_into(key_of(w, i), out) == BLOCK
-                assert np.array_equal(out, client_payload(w, i)), (w, i)
+        storm.check_read_back(pool)
 
 
 def registered_nodes(pool: kvpool.RemotePool) -> int:

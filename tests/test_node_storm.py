@@ -13,10 +13,8 @@ replica a dead node took with it: a block loses a copy with each node it had).
 
 from __future__ import annotations
 
-import json
+import contextlib
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -24,6 +22,7 @@ import numpy as np
 import pytest
 from clusterhelpers import start_cluster, wait_until
 from ha_client import BLOCK, key_of, payload
+from storm import storm_clients
 
 import kvpool
 
@@ -48,45 +47,19 @@ def test_a_node_killed_again_and_again_under_load_loses_no_acknowledged_put() ->
     try:
         with kvpool.connect(cluster.url, timeout=5) as probe:
             assert wait_until(lambda: len(probe.stats()["nodes"]) == 3, 15)
-            script = str(Path(__file__).with_name("ha_client.py"))
-            roles = [("writer", 0), ("writer", 1), ("reader", 0), ("reader", 1)]
             started = time.monotonic()
-            clients = [
-                subprocess.Popen(
-                    [sys.executable, script, cluster.url, role, str(ident), str(seconds), "mixed"],
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
-                for role, ident in roles
-            ]
             kills: list[float] = []
-            try:
+            with storm_clients(cluster.url, seconds, "mixed") as storm:
                 victim = cluster.nodes[0]
                 while time.monotonic() + 4.0 < started + seconds - 8.0:
                     time.sleep(4.0)
                     kills.append(time.monotonic())
                     victim.kill()
                     victim = cluster.add_node("128MiB")
-                reports = [json.loads(c.communicate(timeout=seconds + 60)[0]) for c in clients]
-            finally:
-                for c in clients:
-                    c.kill()
+                storm.collect()
             assert len(kills) >= 3, kills
-            writers, readers = reports[:2], reports[2:]
-            assert not [e for r in reports for e in r["errors"]], [r["errors"][:3] for r in reports]
-            assert not [w for r in readers for w in r["wrong"]]
-            assert all(r["done"] for r in readers)  # readers did read
-            for w in writers:  # each writer went on after each kill
-                gaps = [
-                    min((t for t in w["done"] if t > k), default=float("inf")) - k for k in kills
-                ]
-                assert all(g <= 5.0 for g in gaps), gaps
-            assert probe.stats()["evictions"] == 0  # so every acknowledged put must be there
-            out = np.empty(BLOCK, np.uint8)
-            for w, report in enumerate(writers):
-                for i in report["acked"]:
-                    assert probe.get_into(key_of(w, i), out) == BLOCK, (w, i)
-                    assert np.array_equal(out, payload(w, i)), (w, i)
+            storm.check(kills, each_writer=True)
+            storm.check_read_back(probe)
     finally:
         cluster.stop()
 
@@ -206,5 +179,69 @@ def test_puts_a_dead_node_still_owed_are_lost_with_it_and_the_writer_goes_on() -
                     pool.get_into(key, out) == BLOCK and np.array_equal(out, payload(5, i))
                 )
             assert pool.put(key_of(5, 99), payload(5, 99))
+    finally:
+        cluster.stop()
+
+
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (a SIGSTOP landed)."""
+    states = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(FileNotFoundError):  # a thread that just ended
+            states.append((task / "stat").read_text().rsplit(")", 1)[1].split()[0])
+    return all(state == "T" for state in states)
+
+
+def test_reads_of_blocks_a_stopped_node_holds_miss_at_once_after_one_timeout() -> None:
+    """Blocks with one copy each on two nodes; one node stops (SIGSTOP: its port
+    still takes connections, nothing answers -- what a dead host looks like to a
+    reader until the master drops it). The first read there waits out the
+    transport timeout and misses; the reads after it skip that node and miss at
+    once (one read a second tries it again), single and batched, while the other
+    node's blocks read exactly. Once the node runs again, the next try succeeds and
+    every block reads back."""
+    cluster = start_cluster(["64MiB", "64MiB"], "--node-ttl", "60")
+    try:
+        with kvpool.connect(cluster.url, timeout=1, transport="tcp") as pool:
+            assert wait_until(lambda: len(pool.stats()["nodes"]) == 2, 15)
+            keys = [key_of(6, i) for i in range(24)]
+            datas = [payload(6, i) for i in range(24)]
+            assert pool.put_batch(keys, datas) == [True] * 24
+            pool.flush()
+            homes = [p[0] for p in pool.locate(keys)]
+            stopped = homes[0]
+            out = np.empty(BLOCK, np.uint8)
+            assert all(pool.get_into(k, out) == BLOCK for k in keys)  # connections made
+            on_stopped = [i for i, h in enumerate(homes) if h == stopped]
+            elsewhere = [i for i, h in enumerate(homes) if h != stopped]
+            assert len(on_stopped) >= 4 and len(elsewhere) >= 4
+            # (a node's id is host-pid-nonce: kvpool.cluster.node)
+            victim = next(n for n in cluster.nodes if f"-{n.popen.pid}-" in stopped)
+            victim.signal_group(signal.SIGSTOP)
+            try:
+                assert wait_until(lambda: all_threads_stopped(victim.popen.pid), 5)
+                began = time.monotonic()
+                assert pool.get_into(keys[on_stopped[0]], out) is None  # waits the timeout
+                first = time.monotonic() - began
+                assert 0.8 <= first < 2.0
+                began = time.monotonic()
+                for i in on_stopped[1:]:
+                    assert pool.get_into(keys[i], out) is None
+                batch = pool.get_into_batch(keys, [np.empty(BLOCK, np.uint8) for _ in keys])
+                assert time.monotonic() - began < 0.5  # skipped: no timeout paid
+                assert [batch[i] for i in on_stopped] == [None] * len(on_stopped)
+                for i in elsewhere:
+                    assert pool.get_into(keys[i], out) == BLOCK
+                    assert np.array_equal(out, datas[i])
+                client = pool.stats()["client"]
+                assert client["read_node_failures"] == 1
+                assert client["read_node_skips"] >= 2 * len(on_stopped) - 1
+            finally:
+                victim.signal_group(signal.SIGCONT)
+            time.sleep(1.1)  # the next try of that node is due
+            for i, (key, data) in enumerate(zip(keys, datas, strict=True)):
+                assert pool.get_into(key, out) == BLOCK, i
+                assert np.array_equal(out, data)
+            assert pool.stats()["client"]["avoided_nodes"] == []
     finally:
         cluster.stop()

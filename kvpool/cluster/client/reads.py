@@ -32,6 +32,7 @@ from kvpool.args import block_range, check_out_fits
 from kvpool.bindings.buffers import Region, region_nbytes
 from kvpool.cluster.client.handles import RemoteLease
 from kvpool.cluster.client.lease_cache import CachedLease, LeaseCache
+from kvpool.cluster.client.replica_reads import node_failed, read_from, read_replicas
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession, Placement, Read
 from kvpool.cluster.wire import (
     COMMIT,
@@ -110,8 +111,11 @@ class LeasedReads:
         if len(placements) != 1 or region_nbytes(dst) != size or key in self._orders:
             return False  # (a racy ``in``: an order seen late is fulfilled by a later read)
         placement = placements[0]
+        session = self._session
+        if not session.suspects.may_read(placement.node_id):
+            return False  # (a suspected node: ``read_replicas`` skips it and counts)
         try:
-            transport = self._session.transport(placement.node_id)
+            transport = session.transport(placement.node_id)
             # shm: the identity-checked copy; TCP: the node checks the block
             # (kvpool.transport.fencing); False: that block is not (or not yet) there
             if isinstance(transport, (ShmTransport, TcpTransport)):
@@ -119,10 +123,12 @@ class LeasedReads:
                     return False
             else:
                 block = placement.offset
-                self._session.read_many(placement.node_id, [(block, dst, key, block)])
-        except TRANSFER_ERRORS:
+                session.read_many(placement.node_id, [(block, dst, key, block)])
+        except TRANSFER_ERRORS:  # the general path skips that node now, not tries again
+            node_failed(session, placement.node_id)
             return False
-        self._session.counts["hits"] += 1
+        session.suspects.cleared(placement.node_id)
+        session.counts["hits"] += 1
         return True
 
     def read_batch(self, keys: Sequence[bytes], regions: list[Region]) -> list[int | None]:
@@ -151,13 +157,21 @@ class LeasedReads:
                     located = by_node[placement.node_id] = ([], [])
                 located[0].append(i)
                 located[1].append((placement.offset, region, key, placement.offset))
+            session = self._session
             for node_id, (indices, plan) in by_node.items():
-                try:  # one pipelined exchange per node
-                    self._read_many(node_id, plan)
-                    self._session.counts["hits"] += len(indices)
-                except TRANSFER_ERRORS:  # that node failed: each block tries its other replicas
-                    for i in indices:
-                        sizes[i] = self.read_range(keys[i], found[keys[i]], regions[i], 0, None)
+                if session.suspects.may_read(node_id):  # (suspected: one try a second)
+                    try:  # one pipelined exchange per node
+                        read_from(session, node_id, plan)
+                    except (StaleReadError, StaleWriteError):
+                        pass
+                    except TRANSFER_ERRORS:
+                        node_failed(session, node_id)
+                    else:
+                        session.suspects.cleared(node_id)
+                        session.counts["hits"] += len(indices)
+                        continue
+                for i in indices:  # failed or skipped there: each tries its other replicas
+                    sizes[i] = self.read_range(keys[i], found[keys[i]], regions[i], 0, None)
             return sizes
         finally:
             self._unpin_found(found)
@@ -341,49 +355,12 @@ class LeasedReads:
         placements, size, _ = found
         want = block_range(start, length, size)
         check_out_fits(dst, want)
-        got = self.read_replicas(key, placements, dst[:want], start, want)
+        got = read_replicas(self._session, key, placements, dst[:want], start, want)
         with self._lock:
             order = self._orders.pop(key, None) if got == size else None
         if order is not None:
             self._fulfil_order(key, order, dst[:want])
         return got
-
-    def read_replicas(
-        self, key: bytes, placements: list[Placement], dst: Region, start: int, want: int
-    ) -> int | None:
-        """Read from the best replica, falling back to the others; None if none serves."""
-        session = self._session
-        ordered = placements
-        if len(placements) > 1:  # same host first
-            first = session.preferred(placements)
-            ordered = sorted(placements, key=lambda p: p is not first)
-        for placement in ordered:
-            try:
-                block = placement.offset
-                self._read_many(placement.node_id, [(block + start, dst, key, block)])
-            except (StaleReadError, StaleWriteError):  # that replica left the range
-                continue
-            except TRANSFER_ERRORS:  # the node is gone or unreachable: read others first
-                session.suspects.report(placement.node_id)
-                session.counts["read_node_failures"] += 1
-                continue
-            session.counts["hits"] += 1
-            return want
-        session.counts["misses"] += 1
-        return None
-
-    def _read_many(self, node_id: str, items: list[Read]) -> None:
-        """Reads (offset, destination, key, block offset) from one node; a same-host
-        copy checks the block's identity record (kvpool.transport.shm_ident) the way
-        the node checks a TCP read: ``StaleReadError`` if a block is not there."""
-        transport = self._session.transport(node_id)
-        if isinstance(transport, ShmTransport):
-            for item in items:
-                offset, dst, key, block = item
-                if not transport.read_block(block, offset - block, dst, key):  # not published?
-                    self._session.read_checked(node_id, [item])
-        else:
-            self._session.read_many(node_id, items)
 
     def _fulfil_order(self, key: bytes, order: Order, block: Region) -> None:
         """Copy a just-read hot block to the replica the master asked for (or give it back)."""

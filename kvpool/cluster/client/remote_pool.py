@@ -46,6 +46,7 @@ from kvpool.cluster.client.lease_cache import DEFAULT_HOLD_S, DEFAULT_MAX_BYTES
 from kvpool.cluster.client.put_modes import pipelined_default
 from kvpool.cluster.client.puts import RemotePutter
 from kvpool.cluster.client.reads import LeasedReads
+from kvpool.cluster.client.replica_reads import read_replicas
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.client.warm_up import TransportWarmUp
 from kvpool.cluster.wire import (
@@ -287,7 +288,7 @@ class RemotePool(LayerwiseMethods):
                 staging = np.empty(hit[1] if hit else 0, np.uint8)
                 if (
                     hit is None
-                    or self._reads.read_replicas(key, hit[0], staging, 0, staging.size) is None
+                    or read_replicas(session, key, hit[0], staging, 0, staging.size) is None
                 ):
                     failed.append(alloc_id)
                     continue

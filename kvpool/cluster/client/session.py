@@ -106,7 +106,8 @@ class ClientSession:
             if old is not None and old == region:
                 continue  # the same object stays: the hot paths compare identities
             regions[node_id] = region  # a restarted node's new region replaces its transport
-            if old is not None:
+            if old is not None:  # what failed was the old incarnation
+                self.suspects.cleared(node_id)
                 for listener in self._listeners:
                     listener(node_id)
 
