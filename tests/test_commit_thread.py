@@ -25,6 +25,7 @@ import kvpool
 from kvpool.cluster.client.acked import Acked, Recovery
 from kvpool.cluster.client.commits import CommitPipe
 from kvpool.cluster.client.put_modes import commit_thread_default, node_commits_default
+from kvpool.cluster.client.put_writes import read_back
 from kvpool.cluster.wire import COMMIT, CommitRequest
 from kvpool.errors import ConnectionLostError, PutCommitError
 
@@ -386,3 +387,38 @@ def test_a_put_whose_node_died_is_lost_with_it_not_raised() -> None:
         p.flush()
     assert err.value.keys == [acked(2).key] and p.recovered == 1
     p.flush()  # raised once; nothing else pending
+
+
+class DeadNodes:
+    """A session whose nodes refuse every connection: "gone" refuses at once and
+    its port takes none; "stopped" times out but its port still answers."""
+
+    def __init__(self) -> None:
+        self.probes: list[str] = []
+        self.reads: list[str] = []
+
+    def control(self, node_id: str) -> Any:
+        session = self
+
+        class Control:
+            def read_blocks(self, items: list[Any]) -> list[bool]:
+                session.reads.append(node_id)
+                raise (ConnectionRefusedError if node_id == "gone" else TimeoutError)("no")
+
+        return Control()
+
+    def node_alive(self, node_id: str) -> bool:
+        self.probes.append(node_id)
+        return node_id != "gone"
+
+
+def test_a_read_back_asks_a_gone_node_once_and_a_stopped_node_every_time() -> None:
+    """Settling refused commits reads the sealed bytes back: a node found gone is
+    neither read nor probed again for the items after it (each try of a dead host
+    can cost the whole timeout); a stopped node is not gone, its items each tried."""
+    items = [acked(i)._replace(node_id="gone" if i % 2 else "stopped") for i in range(6)]
+    session = DeadNodes()
+    copies, unreachable = read_back(session, items)  # type: ignore[arg-type]
+    assert copies == [None] * 6 and unreachable == {1, 3, 5}
+    assert session.reads == ["stopped", "gone", "stopped", "stopped"]
+    assert session.probes == ["stopped", "gone", "stopped", "stopped"]

@@ -151,10 +151,17 @@ def read_back(
     """The sealed bytes of acknowledged puts, read back from their nodes (to put
     them again when their commit was refused): None where the node no longer holds
     that block at its range, or cannot be reached; and the indices of the items
-    whose node could not be reached (unknown here now, or its process gone)."""
+    whose node could not be reached (unknown here now, or its process gone). A node
+    found gone is neither read nor probed again for the items after (each try of a
+    dead host can cost the transport timeout)."""
     copies: list[np.ndarray | None] = []
     unreachable: set[int] = set()
+    gone: set[str] = set()
     for i, a in enumerate(items):
+        if a.node_id in gone:
+            unreachable.add(i)
+            copies.append(None)
+            continue
         staging = np.empty(a.size, np.uint8)
         ok = False
         try:
@@ -168,6 +175,7 @@ def read_back(
                 isinstance(exc, OSError) and not session.node_alive(a.node_id)
             ):
                 unreachable.add(i)
+                gone.add(a.node_id)
         copies.append(staging if ok else None)
     return copies, unreachable
 

@@ -28,9 +28,9 @@ from the master (``ClientSession.learn``: it restarted, what failed was the
 old incarnation).
 
 Invariants: a node is named for at most ``SUSPECT_S`` after the last failure
-reported here; a suspected node gets at most one read try per ``RETRY_S``
-(a read's failure counts as one; a write's does not: the next read tries). Thread-safe (writes and
-reads report from any thread, allocations and reads ask).
+reported here; a suspected node gets at most one read try per ``RETRY_S`` (a
+read's failure counts as one; a write's does not: the next read tries).
+Thread-safe (writes and reads report from any thread, allocations and reads ask).
 """
 
 from __future__ import annotations
