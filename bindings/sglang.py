@@ -10,21 +10,34 @@ Selected with SGLang's dynamic backend loader::
 (``embedded`` instead of ``url`` for a pool inside the SGLang process;
 ``interface_v1: 1`` selects the zero-copy calls). SGLang's cache controller
 names each page with an opaque string (a hash chain over the page's tokens);
-this backend stores every page as one kvpool block under a 16-byte digest of
-that string in a namespace of the model, the TP rank and size (one shared
+this backend stores every page (each of its buffers: "pieces", below) under
+a 16-byte digest of that string in a namespace of the model, the TP rank and size (one shared
 copy for MLA, whose KV every rank replicates), the pipeline stage, the host
 pool's layout and an optional ``tenant`` from the extra config.
 
 - ``batch_set_v1`` / ``batch_get_v1``: zero-copy over the registered host
   pool (``register_mem_pool_host``): the pool's ``get_page_buffer_meta``
-  gives each page's buffers (K and V, or per-layer pieces) as pointer and
-  size; a page is written piecewise into one reserved block (committed
-  whole, or aborted) and read back with ranged ``get_into`` straight into
-  those buffers. Pages already stored are not written again.
+  gives each page's buffers (K and V for the ``page_first`` MHA layouts, one
+  for MLA) as pointer and size, and each buffer is one kvpool block (a
+  "piece"). A write-back is one ``exists`` and one ``put_batch`` of the
+  pieces not stored; a prefetch one ``get_into_batch`` of every piece: the
+  store's batched paths, never a round trip per page (a block reserved,
+  written and committed per page cost 6-10x longer for small pages:
+  bench/RESULTS.md, "Session 35").
 - ``get``/``batch_get``/``set``/``batch_set``: the generic path over flat
-  page tensors.
+  page tensors, one block per page (``put_batch`` / ``get_into_batch``).
 - ``exists``; ``batch_exists``: the number of leading pages stored (one
-  ``prefix_match`` call).
+  ``prefix_match`` over their pieces).
+
+Invariant: a page counts as stored, and reads as a hit, only when every one
+of its pieces is stored and read whole. The pool evicts pieces one by one,
+so a page may keep one piece and lose another: it then reads as a miss (the
+leading run of hits stops there), and the next write-back of the page
+stores only the piece it lacks. A page of one piece (MLA, or any page while
+no host pool is registered) is stored under the page's own key
+(``block_key``), so the generic and the zero-copy calls share its block.
+Written pages follow the puts' visibility rule (README, "Visibility rule"):
+this backend reads them at once, other SGLang instances within milliseconds.
 
 An unreachable pool reads as misses and failed writes, never an exception
 into SGLang's I/O threads.
@@ -35,7 +48,7 @@ from __future__ import annotations
 import ctypes
 import logging
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import torch
@@ -46,12 +59,10 @@ from kvpool.bindings.engine_store import StoreConfig, StoreHandle
 from kvpool.errors import KVPoolError
 from kvpool.index.keys import Namespace
 
-if TYPE_CHECKING:
-    from kvpool.api import BlockWriter, KVStore
-
 log = logging.getLogger("kvpool.bindings.sglang")
 
 _KEY_TAG = b"kvpool/sglang-page/v1\x00"
+_MAX_PIECES = 1 << 16  # a piece's index is two bytes of its key
 
 
 class KVPoolStorage(HiCacheStorage):
@@ -64,6 +75,7 @@ class KVPoolStorage(HiCacheStorage):
         self.namespace = page_namespace(storage_config, extra.get("tenant"))
         self._prefix = _KEY_TAG + self.namespace.digest()
         self.mem_pool_host: Any = None
+        self.pieces = 1  # blocks per page: the registered host pool's buffers per page
         self.stats = {"pages_set": 0, "pages_skipped": 0, "pages_got": 0, "pages_missed": 0}
 
     # -- keys ---------------------------------------------------------------------
@@ -71,6 +83,17 @@ class KVPoolStorage(HiCacheStorage):
     def block_key(self, key: str) -> bytes:
         """The kvpool key of SGLang page key ``key`` (16 bytes, stable everywhere)."""
         return xxhash.xxh3_128_digest(self._prefix + key.encode())
+
+    def piece_keys(self, key: str) -> list[bytes]:
+        """The kvpool keys of page ``key``'s pieces, in buffer order (``pieces`` of
+        them); a page of one piece is stored under ``block_key`` itself."""
+        if self.pieces == 1:
+            return [self.block_key(key)]
+        page = self._prefix + key.encode() + b"\x00"
+        return [xxhash.xxh3_128_digest(page + i.to_bytes(2, "big")) for i in range(self.pieces)]
+
+    def _flat_keys(self, keys: Sequence[str]) -> list[bytes]:
+        return [piece for key in keys for piece in self.piece_keys(key)]
 
     # -- registration -------------------------------------------------------------
 
@@ -83,66 +106,76 @@ class KVPoolStorage(HiCacheStorage):
                 self.storage_config, self.namespace.tenant, layout=str(layout)
             )
             self._prefix = _KEY_TAG + self.namespace.digest()
+        self.pieces = _pieces_per_page(mem_pool_host)
 
     # -- zero-copy batch calls ------------------------------------------------------
 
     def batch_get_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
+        """Read the pages straight into their host slots: one ``get_into_batch`` of
+        every piece. True for the leading run of pages read whole (the run SGLang
+        uses). Each read is checked by the store: a piece evicted meanwhile is a
+        miss, never wrong bytes."""
         results = [False] * len(keys)
         store = self.store.get()
         if store is None or not keys:
             return results
         try:
-            pages = self._page_buffers(keys, host_indices)
-            # one lease pins the stored prefix (SGLang uses the leading run of
-            # successes), so no page can be evicted between the check and the copy
-            with store.lease([self.block_key(key) for key in keys]) as lease:
-                for i, (block_key, buffers) in enumerate(zip(lease.keys, pages, strict=False)):
-                    if not _read_page(store, block_key, buffers):
-                        break
-                    results[i] = True
+            buffers = self._piece_buffers(keys, host_indices)
+            got = store.get_into_batch(self._flat_keys(keys), buffers)
+            n = self.pieces
+            for i in range(len(keys)):
+                if any(got[j] != buffers[j].size for j in range(i * n, (i + 1) * n)):
+                    break
+                results[i] = True
         except (KVPoolError, OSError) as exc:
             self.store.failed(exc)
-        got = sum(results)
-        self.stats["pages_got"] += got
-        self.stats["pages_missed"] += len(keys) - got
+        hits = sum(results)
+        self.stats["pages_got"] += hits
+        self.stats["pages_missed"] += len(keys) - hits
         return results
 
     def batch_set_v1(
         self, keys: list[str], host_indices: torch.Tensor, extra_info: Any = None
     ) -> list[bool]:
+        """Store the pages straight from their host slots: one ``exists`` of every
+        piece, then one ``put_batch`` of those not stored. All True; where the
+        store fails, True only for the pages found whole (the pieces it did store
+        stay, and the next write-back skips them)."""
         results = [False] * len(keys)
         store = self.store.get()
         if store is None or not keys:
             return results
+        n = self.pieces
+        flat_keys = self._flat_keys(keys)
+        stored = [False] * len(flat_keys)
         try:
-            block_keys = [self.block_key(key) for key in keys]
-            stored = store.exists(block_keys)
-            pages = self._page_buffers(keys, host_indices)
-            for i, (block_key, buffers) in enumerate(zip(block_keys, pages, strict=True)):
-                if stored[i]:
-                    self.stats["pages_skipped"] += 1
-                    results[i] = True
-                    continue
-                results[i] = _write_page(store, block_key, buffers)
-                self.stats["pages_set"] += int(results[i])
+            buffers = self._piece_buffers(keys, host_indices)
+            stored = store.exists(flat_keys)
+            missing = [j for j, there in enumerate(stored) if not there]
+            if missing:
+                store.put_batch([flat_keys[j] for j in missing], [buffers[j] for j in missing])
+            written = sum(1 for i in range(len(keys)) if not all(stored[i * n : (i + 1) * n]))
+            self.stats["pages_set"] += written
+            self.stats["pages_skipped"] += len(keys) - written
+            return [True] * len(keys)
         except (KVPoolError, OSError) as exc:
             self.store.failed(exc)
-        return results
+            return [all(stored[i * n : (i + 1) * n]) for i in range(len(keys))]
 
-    def _page_buffers(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[list[Any]]:
-        """For each page, its host-pool buffers as zero-copy numpy views."""
+    def _piece_buffers(self, keys: Sequence[str], host_indices: torch.Tensor) -> list[Any]:
+        """Every page's host-pool buffers, in page then piece order, as zero-copy
+        numpy views: ``pieces`` per page, as ``_flat_keys`` names them."""
         if self.mem_pool_host is None:
             raise RuntimeError("KVPoolStorage: register_mem_pool_host was not called")
         ptrs, sizes = self.mem_pool_host.get_page_buffer_meta(host_indices)
-        if len(ptrs) != len(sizes) or len(ptrs) % len(keys):
+        if len(ptrs) != len(sizes) or len(ptrs) != len(keys) * self.pieces:
             raise RuntimeError(
-                f"KVPoolStorage: {len(ptrs)} page buffers for {len(keys)} pages from the host pool"
+                f"KVPoolStorage: {len(ptrs)} page buffers for {len(keys)} pages of"
+                f" {self.pieces} from the host pool"
             )
-        per_page = len(ptrs) // len(keys)
-        views = [_host_view(ptr, size) for ptr, size in zip(ptrs, sizes, strict=True)]
-        return [views[i * per_page : (i + 1) * per_page] for i in range(len(keys))]
+        return [_host_view(ptr, size) for ptr, size in zip(ptrs, sizes, strict=True)]
 
     # -- generic calls ----------------------------------------------------------------
 
@@ -154,23 +187,28 @@ class KVPoolStorage(HiCacheStorage):
     def batch_get(
         self, keys: list[str], target_locations: Any = None, target_sizes: Any = None
     ) -> list[torch.Tensor | None]:
+        """Whole pages (one block each): into the given targets with one
+        ``get_into_batch``; where no target is given, a new tensor each."""
         outs: list[torch.Tensor | None] = [None] * len(keys)
         store = self.store.get()
-        if store is None:
+        if store is None or not keys:
             return outs
         targets = list(target_locations) if target_locations is not None else [None] * len(keys)
+        if len(targets) != len(keys):
+            raise ValueError(f"KVPoolStorage: {len(targets)} targets for {len(keys)} keys")
+        given = {i: t for i, t in enumerate(targets) if t is not None}
         try:
-            for i, (key, target) in enumerate(zip(keys, targets, strict=True)):
-                block_key = self.block_key(key)
-                if target is None:
-                    data = store.get(block_key)
-                    outs[i] = (
-                        None
-                        if data is None
-                        else torch.frombuffer(bytearray(data), dtype=torch.uint8)
-                    )
-                elif store.get_into(block_key, target) == target.numel() * target.element_size():
+            got = store.get_into_batch(
+                [self.block_key(keys[i]) for i in given], list(given.values())
+            )
+            for (i, target), n in zip(given.items(), got, strict=True):
+                if n == target.numel() * target.element_size():
                     outs[i] = target
+            for i in range(len(keys)):
+                if i not in given:
+                    data = store.get(self.block_key(keys[i]))
+                    if data is not None:
+                        outs[i] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         except (KVPoolError, OSError) as exc:
             self.store.failed(exc)
         return outs
@@ -187,18 +225,20 @@ class KVPoolStorage(HiCacheStorage):
         target_locations: Any = None,
         target_sizes: Any = None,
     ) -> bool:
+        """Whole pages (one block each) in one ``put_batch``."""
         store = self.store.get()
         if store is None or values is None:
             return False
         try:
-            for key, value in zip(keys, values, strict=True):
-                if store.put(self.block_key(key), value.contiguous()):
-                    self.stats["pages_set"] += 1
-                else:
-                    self.stats["pages_skipped"] += 1  # already stored: same key, same bytes
+            datas = [value.contiguous() for value in values]
+            if len(datas) != len(keys):
+                raise ValueError(f"KVPoolStorage: {len(datas)} values for {len(keys)} keys")
+            written = store.put_batch([self.block_key(key) for key in keys], datas)
         except (KVPoolError, OSError) as exc:
             self.store.failed(exc)
             return False
+        self.stats["pages_set"] += sum(written)
+        self.stats["pages_skipped"] += len(written) - sum(written)  # stored: same key, same bytes
         return True
 
     def exists(self, key: str) -> bool:
@@ -206,17 +246,18 @@ class KVPoolStorage(HiCacheStorage):
         if store is None:
             return False
         try:
-            return bool(store.exists([self.block_key(key)])[0])
+            return all(store.exists(self.piece_keys(key)))
         except (KVPoolError, OSError) as exc:
             self.store.failed(exc)
             return False
 
     def batch_exists(self, keys: list[str], extra_info: Any = None) -> int:
+        """The number of leading pages whose every piece is stored."""
         store = self.store.get()
         if store is None or not keys:
             return 0
         try:
-            return int(store.prefix_match([self.block_key(key) for key in keys]))
+            return int(store.prefix_match(self._flat_keys(keys))) // self.pieces
         except (KVPoolError, OSError) as exc:
             self.store.failed(exc)
             return 0
@@ -257,24 +298,19 @@ def _host_view(ptr: int, size: int) -> np.ndarray:
     return np.ctypeslib.as_array((ctypes.c_uint8 * size).from_address(ptr))
 
 
-def _read_page(store: KVStore, key: bytes, buffers: list[np.ndarray]) -> bool:
-    """Ranged reads of one leased page straight into its buffers."""
-    offset = 0
-    for buffer in buffers:
-        if store.get_into(key, buffer, offset=offset, length=buffer.size) != buffer.size:
-            return False
-        offset += buffer.size
-    return True
-
-
-def _write_page(store: KVStore, key: bytes, buffers: list[np.ndarray]) -> bool:
-    """Write one page's buffers into a reserved block; commit whole or abort."""
-    writer: BlockWriter | None = store.reserve(key, sum(b.size for b in buffers))
-    if writer is None:
-        return True  # stored meanwhile by another writer
-    with writer:  # commits on success, aborts on an exception
-        offset = 0
-        for buffer in buffers:
-            writer.write(offset, buffer)
-            offset += buffer.size
-    return True
+def _pieces_per_page(mem_pool_host: Any) -> int:
+    """How many buffers ``get_page_buffer_meta`` gives per page of this host pool
+    (asked for its first page); 1 where it gives none (a layout without the
+    zero-copy calls, whose pages the generic calls store whole)."""
+    page_size = int(getattr(mem_pool_host, "page_size", 1))
+    try:
+        meta = mem_pool_host.get_page_buffer_meta(torch.arange(page_size))
+    except (AttributeError, NotImplementedError, ValueError, AssertionError) as exc:
+        log.info("KVPoolStorage: host pool gives no page buffers (%s); whole pages only", exc)
+        return 1
+    if meta is None:  # SGLang's base host pool: no zero-copy buffers
+        return 1
+    ptrs = meta[0]
+    if not 1 <= len(ptrs) <= _MAX_PIECES:
+        raise RuntimeError(f"KVPoolStorage: the host pool gives {len(ptrs)} buffers per page")
+    return len(ptrs)

@@ -75,6 +75,28 @@ def test_write_back_then_prefetch_in_another_process(python: Path, tmp_path: Pat
     assert read["mla_differs_from_mha"] is True
 
 
+def test_a_page_missing_one_piece_is_a_miss_and_rewritten_alone(python: Path, tmp_path: Path):
+    cluster = start_cluster(["64MiB"])
+    try:
+        out = run_step(
+            python,
+            tmp_path,
+            {"step": "partial", "pages": PAGES, "seed": 11, "extra": {"url": cluster.url}},
+        )
+    finally:
+        cluster.stop()
+    assert out["pieces"] == 2  # page_first MHA: K and V, a block each
+    assert out["wrote"] == [True] * PAGES and out["removed"] is True
+    assert out["hit"] == 2  # the leading whole pages; page 2 lacks its V
+    assert out["exists"] == [i != 2 for i in range(PAGES)]
+    assert out["got"] == [True, True] + [False] * (PAGES - 2)  # the leading run stops there
+    assert out["rewrote"] == [True] * PAGES
+    assert (out["set"], out["skipped"]) == (1, PAGES - 1)  # only page 2 written again
+    assert out["hit_after"] == PAGES
+    assert out["got_after"] == [True] * PAGES
+    assert out["same"] == [True] * PAGES
+
+
 def test_pool_down_is_a_miss(python: Path, tmp_path: Path):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -157,6 +157,41 @@ def read(job: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def partial(job: dict[str, Any]) -> dict[str, Any]:
+    """A page that lost one of its pieces (K and V are a block each): a miss from
+    there on, and the next write-back stores only that piece."""
+    pages = job["pages"]
+    pool = PageFirstHostPool(2 * pages * PAGE, seed=job["seed"])
+    storage = backend(job["extra"])
+    storage.register_mem_pool_host(pool)
+    keys = page_keys(job["seed"], pages)
+    src = torch.arange(pages * PAGE)
+    wrote = storage.batch_set_v1(keys, src)
+    store = storage.store.get()
+    removed = store.remove(storage.piece_keys(keys[2])[1])  # page 2's V only
+    dst = torch.arange(pages * PAGE, 2 * pages * PAGE)
+    out = {
+        "pieces": storage.pieces,
+        "wrote": wrote,
+        "removed": removed,
+        "hit": storage.batch_exists(keys),
+        "exists": [storage.exists(k) for k in keys],
+        "got": storage.batch_get_v1(keys, dst),
+    }
+    before = storage.get_stats()
+    out["rewrote"] = storage.batch_set_v1(keys, src)
+    after = storage.get_stats()
+    out["set"] = after["pages_set"] - before["pages_set"]
+    out["skipped"] = after["pages_skipped"] - before["pages_skipped"]
+    out["hit_after"] = storage.batch_exists(keys)
+    out["got_after"] = storage.batch_get_v1(keys, dst)
+    out["same"] = [
+        bool(torch.equal(pool.page(pages * PAGE + i * PAGE), pool.page(i * PAGE)))
+        for i in range(pages)
+    ]
+    return out
+
+
 def down(job: dict[str, Any]) -> dict[str, Any]:
     """A pool that is not there: misses and failed writes, quickly, no exception."""
     pool = PageFirstHostPool(2 * PAGE, seed=0)
@@ -176,6 +211,6 @@ def down(job: dict[str, Any]) -> dict[str, Any]:
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         job = json.load(f)
-    result = {"write": write, "read": read, "down": down}[job["step"]](job)
+    result = {"write": write, "read": read, "partial": partial, "down": down}[job["step"]](job)
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
