@@ -337,7 +337,8 @@ def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool
     if "memory" in facts:  # (facts written before session 33 lack these)
         mem = facts["memory"]
         print(f"memory {mem['gib']} GiB, NUMA nodes {mem['numa_nodes']}, transparent huge "
-              f"pages: anonymous {mem['thp_anon']}, shared {mem['thp_shmem']}")  # fmt: skip
+              f"pages: anonymous {mem['thp_anon']}, shared {mem['thp_shmem']}; free page "
+              f"reporting to the host: {mem.get('free_page_reporting')}")  # fmt: skip
         native = facts["native"]
         print(f"TCP receive spin: {native['tcp_recv']}; same-host checks: {native['shm_copy']}")
     if "ssd_dir" in facts:

@@ -11,9 +11,9 @@ Selected with SGLang's dynamic backend loader::
 ``interface_v1: 1`` selects the zero-copy calls). SGLang's cache controller
 names each page with an opaque string (a hash chain over the page's tokens);
 this backend stores every page (each of its buffers: "pieces", below) under
-a 16-byte digest of that string in a namespace of the model, the TP rank and size (one shared
-copy for MLA, whose KV every rank replicates), the pipeline stage, the host
-pool's layout and an optional ``tenant`` from the extra config.
+a 16-byte digest of that string in a namespace of the model, the TP rank and
+size (one shared copy for MLA, whose KV every rank replicates), the pipeline
+stage, the host pool's layout and an optional ``tenant`` from the extra config.
 
 - ``batch_set_v1`` / ``batch_get_v1``: zero-copy over the registered host
   pool (``register_mem_pool_host``): the pool's ``get_page_buffer_meta``

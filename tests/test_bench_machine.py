@@ -3,9 +3,9 @@
 Where the SSD rows ran (``storage_facts``): the mount, the block device under
 it, O_DIRECT, and the note when the directory is memory -- a fresh machine whose
 ``/tmp`` is a tmpfs runs the SSD rows in memory, and only these facts say so.
-Memory (``memory_facts``): size, NUMA nodes, transparent huge pages. The parsers
-run on crafted ``/proc`` and ``/sys`` files; the facts and the CLI also on this
-machine's own.
+Memory (``memory_facts``): size, NUMA nodes, transparent huge pages, free
+page reporting. The parsers run on crafted ``/proc`` and ``/sys`` files; the
+facts and the CLI also on this machine's own.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 
 from kvpool.bench.machine import (
     block_device,
+    free_page_reporting,
     machine_facts,
     memory_facts,
     mount_of,
@@ -170,10 +171,27 @@ def test_memory_size_numa_nodes_and_huge_pages(tmp_path: Path) -> None:
     nodes = tmp_path / "node"
     for name in ("node0", "node1", "possible", "nodeX"):
         (nodes / name).mkdir(parents=True)
-    got = memory_facts(str(tmp_path / "meminfo"), str(thp), str(nodes))
-    assert got == {"gib": 23.5, "numa_nodes": 2, "thp_anon": "madvise", "thp_shmem": "never"}
+    virtio, reporting = tmp_path / "virtio", tmp_path / "page_reporting"
+    reporting.mkdir()
+    (reporting / "page_reporting_order").write_text("9\n")
+    for name, device, features in (("virtio0", "0x0002", "1" * 64), ("virtio1", "0x0005", "0110")):
+        (virtio / name).mkdir(parents=True)
+        (virtio / name / "device").write_text(device + "\n")
+        (virtio / name / "features").write_text(features + "\n")
+    got = memory_facts(str(tmp_path / "meminfo"), str(thp), str(nodes), str(virtio), str(reporting))
+    assert got == {
+        "gib": 23.5,
+        "numa_nodes": 2,
+        "thp_anon": "madvise",
+        "thp_shmem": "never",
+        "free_page_reporting": "off",  # a balloon, but without the reporting feature (bit 5)
+    }
+    (virtio / "virtio1" / "features").write_text("0110010100000000\n")
+    assert free_page_reporting(str(virtio), str(reporting)) == "on, 2 MiB blocks"
+    (reporting / "page_reporting_order").unlink()
+    assert free_page_reporting(str(virtio), str(reporting)) == "on"  # order unknown
     missing = tmp_path / "missing"
-    assert memory_facts(str(missing), str(missing), str(missing)) == dict.fromkeys(got)
+    assert memory_facts(*[str(missing)] * 5) == dict.fromkeys(got)
 
 
 def test_the_native_helpers_say_which_path_runs() -> None:

@@ -42,7 +42,7 @@ from kvpool.bindings.vllm.plan import LoadOp, SaveOp
 from kvpool.errors import KVPoolError
 
 if TYPE_CHECKING:
-    from kvpool.api import BlockWriter, Lease
+    from kvpool.api import BlockWriter, KVStore, Lease
 
 log = logging.getLogger("kvpool.bindings.vllm")
 
@@ -191,7 +191,7 @@ class WorkerTransfers:
             )
 
     def _load_op_layer(
-        self, store: Any, job: _Load, op: LoadOp, layer: int, leased: set[bytes]
+        self, store: KVStore, job: _Load, op: LoadOp, layer: int, leased: set[bytes]
     ) -> int:
         """One layer of one op: a ranged read per kvpool block into staging, one
         scatter into the paged cache; segments that fail (here or in an earlier
