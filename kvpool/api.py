@@ -62,6 +62,9 @@ class BlockWriter(ABC):
     exception inside it aborts, so a failed producer never leaves a
     half-written block visible. ``write`` checks the range against ``size``
     before any byte moves; subclasses move the bytes (``_write``) and commit.
+    ``BlockWriter.write_pieces`` / ``BlockWriter.commit_all`` batch the writes and
+    commits of many writers (a store with round trips per call overrides
+    ``write_group`` / ``commit_group`` to take a batch in fewer).
     """
 
     key: bytes
@@ -85,6 +88,48 @@ class BlockWriter(ABC):
     @abstractmethod
     def abort(self) -> None:
         """Give the space back; nothing becomes visible. Idempotent."""
+
+    @staticmethod
+    def write_pieces(writes: Sequence[tuple[BlockWriter, int, Buffer]]) -> None:
+        """``writer.write(offset, data)`` for each (writer, offset, data), as one batch:
+        every range is checked before any byte moves, then each store's writers move
+        their pieces together (the cluster client: one exchange per node, not a round
+        trip or two per piece). Pieces of one writer land in order. On an error, which
+        pieces landed is unspecified: abort the writers (their blocks never show)."""
+        checked: dict[type[BlockWriter], list[tuple[BlockWriter, int, Region]]] = {}
+        for writer, offset, data in writes:
+            src = as_region(data, what="data")
+            check_write_range(offset, region_nbytes(src), writer.size)
+            checked.setdefault(type(writer), []).append((writer, offset, src))
+        for cls, items in checked.items():
+            cls.write_group(items)
+
+    @staticmethod
+    def commit_all(writers: Sequence[BlockWriter]) -> None:
+        """``commit`` of each writer, as one batch per store (the cluster client: one
+        seal exchange per node and one master round trip for the lot). On an error
+        some of the blocks may be committed: abort the writers (a no-op on a
+        finished one)."""
+        by_class: dict[type[BlockWriter], list[BlockWriter]] = {}
+        for writer in writers:
+            by_class.setdefault(type(writer), []).append(writer)
+        for cls, group in by_class.items():
+            cls.commit_group(group)
+
+    @classmethod
+    def write_group(cls, writes: Sequence[tuple[BlockWriter, int, Region]]) -> None:
+        """Move pieces of several writers of this class, (writer, offset, source)
+        with every range already checked (``write_pieces``): ``_write`` of each, in
+        order. A store whose writes cost round trips batches them instead."""
+        for writer, offset, src in writes:
+            writer._write(offset, src)
+
+    @classmethod
+    def commit_group(cls, writers: Sequence[BlockWriter]) -> None:
+        """Commit several writers of this class (``commit_all``): ``commit`` of
+        each, in order. A store whose commits cost round trips batches them."""
+        for writer in writers:
+            writer.commit()
 
     def __enter__(self) -> BlockWriter:
         return self

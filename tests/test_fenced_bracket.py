@@ -136,14 +136,39 @@ def test_a_failed_copy_releases_its_claims(node) -> None:
 def test_a_piece_holds_its_claim_only_while_its_bytes_move(node) -> None:
     region, _, control, data = node
     stamp = WriteStamp(3, 80, 0, 2 * PAGE, K1)
-    assert fenced.write_part(data, control, stamp, 0, block(5)) == w.ST_OK
+    assert fenced.write_parts(data, control, [(stamp, 0, block(5))])[0] == w.ST_OK
     assert data.seen == [(0, CLAIMED)]
     # between pieces nothing is in flight: a newer allocation takes the range at once
     newer = WriteStamp(3, 81, 0, 2 * PAGE, K2)
     assert fenced.ops(control, w.OP_CLAIM, [newer]) == [w.ST_OK]
     # the resumed writer is refused and its next piece never lands
-    assert fenced.write_part(data, control, stamp, PAGE, block(6)) == w.ST_STALE
+    assert fenced.write_parts(data, control, [(stamp, PAGE, block(6))])[0] == w.ST_STALE
     assert len(data.seen) == 1 and not region[PAGE : 2 * PAGE].any()
+
+
+def test_pieces_of_several_blocks_claim_each_block_once_and_skip_a_refused_one(node) -> None:
+    region, _, control, data = node
+    first = WriteStamp(3, 100, 0, 2 * PAGE, K1)
+    second = WriteStamp(3, 101, 2 * PAGE, 2 * PAGE, K2)
+    taken = WriteStamp(3, 102, 4 * PAGE, PAGE, K1)
+    assert fenced.ops(control, w.OP_CLAIM, [WriteStamp(3, 103, 4 * PAGE, PAGE, K2)]) == [w.ST_OK]
+    items = [
+        (first, 0, block(1)),
+        (second, 2 * PAGE, block(2)),
+        (taken, 4 * PAGE, block(3)),  # a newer allocation holds this range: refused
+        (first, PAGE, block(4)),
+        (second, 3 * PAGE, block(5)),
+    ]
+    assert fenced.write_parts(data, control, items) == [
+        w.ST_OK, w.ST_OK, w.ST_STALE, w.ST_OK, w.ST_OK
+    ]  # fmt: skip
+    # the pieces of the claimed blocks landed in order, while their claims were held
+    assert [offset for offset, _ in data.seen] == [0, 2 * PAGE, PAGE, 3 * PAGE]
+    assert data.seen[:2] == [(0, CLAIMED), (2 * PAGE, CLAIMED)]  # (the fence keys blocks by start)
+    assert [region[i * PAGE] for i in range(5)] == [1, 4, 2, 5, 0]
+    # and released after: newer allocations take both ranges at once
+    newer = [WriteStamp(3, 104, 0, 2 * PAGE, K2), WriteStamp(3, 105, 2 * PAGE, 2 * PAGE, K1)]
+    assert fenced.ops(control, w.OP_CLAIM, newer) == [w.ST_OK, w.ST_OK]
 
 
 def test_a_busy_range_moves_no_byte(node) -> None:
@@ -153,7 +178,7 @@ def test_a_busy_range_moves_no_byte(node) -> None:
     try:
         assert fenced.ops(other, w.OP_CLAIM, [older]) == [w.ST_OK]
         newer = WriteStamp(3, 91, 0, PAGE, K2)
-        assert fenced.write_part(data, control, newer, 0, block(7)) == w.ST_BUSY
+        assert fenced.write_parts(data, control, [(newer, 0, block(7))])[0] == w.ST_BUSY
         assert data.seen == []
     finally:
         other.close()

@@ -91,14 +91,14 @@ def test_failed_copy_mid_stream_aborts_everything(
     pool: Pool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     keys, kv = make_keys(3), layers(3)
-    real_write = EmbeddedBlockWriter.write
+    real_write = EmbeddedBlockWriter._write  # what moves the bytes, after the checks
 
     def failing(self: EmbeddedBlockWriter, offset: int, data: Any) -> None:
         if offset >= 2 * LAYOUT.layer_bytes:
             raise OSError("injected copy failure in layer 2")
         real_write(self, offset, data)
 
-    monkeypatch.setattr(EmbeddedBlockWriter, "write", failing)
+    monkeypatch.setattr(EmbeddedBlockWriter, "_write", failing)
     writer = pool.layer_writer(keys, LAYOUT)
     for layer in range(LAYOUT.num_layers):
         writer.write_layer(layer, *kv[layer])  # failures never raise here
@@ -106,7 +106,7 @@ def test_failed_copy_mid_stream_aborts_everything(
         writer.wait()
     assert isinstance(info.value.__cause__, OSError)
     assert pool.prefix_match(keys) == 0 and used(pool) == 0
-    monkeypatch.setattr(EmbeddedBlockWriter, "write", real_write)
+    monkeypatch.setattr(EmbeddedBlockWriter, "_write", real_write)
     assert store(pool, keys, kv) == 3  # the keys are free again
     assert pool.get(keys[2]) == block_bytes(kv, 2)
 

@@ -37,7 +37,7 @@ from kvpool import (
     PoolClosedError,
     PoolFullError,
 )
-from kvpool.api import KVStore
+from kvpool.api import BlockWriter, KVStore
 
 STORES = ["dram", "dram+ssd", "cluster-shm", "cluster-tcp"]
 
@@ -270,6 +270,33 @@ def test_abort_and_exceptions_leave_nothing(store: KVStore, keys: list[bytes]) -
     with store.reserve(keys[0], BLOCK) as w:  # type: ignore[union-attr]  # the key is free again
         w.write(0, payload(1))
     assert store.get(keys[0]) == payload(1).tobytes()
+
+
+def test_pieces_of_several_blocks_in_one_batch(store: KVStore, keys: list[bytes]) -> None:
+    """``write_pieces`` / ``commit_all`` (what the layer writer uses): pieces of several
+    reserved blocks, interleaved and in any order within a block, land as their own
+    ``write`` calls would; every range is checked before any byte moves; the blocks
+    become visible together, and a finished writer is refused."""
+    quarter = BLOCK // 4
+    writers = [store.reserve(keys[i], BLOCK) for i in range(2)]  # (the SSD store's DRAM: 2)
+    assert all(w is not None for w in writers)
+    group: list[BlockWriter] = [w for w in writers if w is not None]
+    for part in (3, 0, 2, 1):  # a layer at a time: one piece of every block per batch
+        BlockWriter.write_pieces(
+            [(w, part * quarter, payload(i)[part * quarter : (part + 1) * quarter])
+             for i, w in enumerate(group)]
+        )  # fmt: skip
+        assert store.exists(keys[:2]) == [False] * 2
+    bad = [(group[0], 0, payload(9)[:quarter]), (group[1], BLOCK - 1, b"xx")]
+    with pytest.raises(BufferSpecError, match="outside the block"):
+        BlockWriter.write_pieces(bad)  # refused whole: its first piece moves nothing either
+    BlockWriter.commit_all([])
+    BlockWriter.commit_all(group)
+    assert [store.get(k) for k in keys[:2]] == [payload(0).tobytes(), payload(1).tobytes()]
+    with pytest.raises(KVPoolError):
+        BlockWriter.commit_all(group[:1])
+    with pytest.raises(KVPoolError):
+        BlockWriter.write_pieces([(group[1], 0, b"late")])
 
 
 @pytest.mark.parametrize("warm", [False, True], ids=["first-put", "later-puts"])

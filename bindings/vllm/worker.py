@@ -17,7 +17,8 @@ wrote its pages, ``save_layer`` gathers that layer's pages of each kvpool
 block being saved (one ``index_select``, a copy, so vLLM may reuse its
 blocks at once) and queues them; a background thread reserves the block on
 first use (``reserve`` answers None for a block already stored: it is not
-written again) and writes the layer's range. ``finish_saves`` waits for the
+written again) and writes the layer's range of every block in one batch
+(``BlockWriter.write_pieces``). ``finish_saves`` waits for the
 queue and commits every block whose layers all arrived, aborting the rest,
 so a block becomes visible whole or not at all.
 """
@@ -239,8 +240,8 @@ class WorkerTransfers:
         if self._saver is None:
             self._saver = threading.Thread(target=self._run_saves, name="kvpool-save", daemon=True)
             self._saver.start()
-        for op in ops:
-            self._saves.put((op, layer, self.pages.gather(kv_layer, op.block_ids)))
+        gathered = [self.pages.gather(kv_layer, op.block_ids) for op in ops]
+        self._saves.put((list(ops), layer, gathered))
 
     def finish_saves(self, ops: Sequence[SaveOp]) -> None:
         """Wait for this step's writes and commit every whole block (``wait_for_save``)."""
@@ -264,12 +265,28 @@ class WorkerTransfers:
                 layers.clear()
                 item.set()
                 continue
-            op, layer, pages = item
             started = time.perf_counter()
-            key = op.keys[self.tp_rank]
-            try:
+            self._save_layer(writers, layers, *item)
+            self.counters.add(save_s=time.perf_counter() - started)
+
+    def _save_layer(
+        self,
+        writers: dict[bytes, BlockWriter | None],
+        layers: dict[bytes, int],
+        ops: list[SaveOp],
+        layer: int,
+        gathered: list[torch.Tensor],
+    ) -> None:
+        """One layer of every op: reserve the blocks this step saves on first use (a
+        block already stored is skipped), then all their pieces in one
+        ``BlockWriter.write_pieces`` (the cluster client: one exchange per node).
+        A failure aborts the blocks of this layer (their other layers are moot)."""
+        pieces: list[tuple[BlockWriter, int, torch.Tensor]] = []
+        try:
+            store = self.store.get()
+            for op, pages in zip(ops, gathered, strict=True):
+                key = op.keys[self.tp_rank]
                 if key not in writers:
-                    store = self.store.get()
                     writers[key] = (
                         None
                         if store is None
@@ -279,14 +296,15 @@ class WorkerTransfers:
                         self.counters.add(skipped_blocks=1)
                 writer = writers[key]
                 if writer is not None and not writer.done:
-                    writer.write(self.geometry.layer_offset(layer), pages)
-                    layers[key] = layers.get(key, 0) + 1
-            except (KVPoolError, OSError) as exc:
-                self.store.failed(exc)
-                writer = writers.get(key)
-                if writer is not None:
-                    _abort(writer)
-            self.counters.add(save_s=time.perf_counter() - started)
+                    pieces.append((writer, self.geometry.layer_offset(layer), pages))
+            if pieces:  # (BlockWriter.write_pieces: bindings never import kvpool.api)
+                pieces[0][0].write_pieces(pieces)
+            for writer, _, _ in pieces:
+                layers[writer.key] = layers.get(writer.key, 0) + 1
+        except (KVPoolError, OSError) as exc:
+            self.store.failed(exc)
+            for writer, _, _ in pieces:
+                _abort(writer)
 
     def _commit(self, writers: dict[bytes, BlockWriter | None], layers: dict[bytes, int]) -> None:
         started = time.perf_counter()

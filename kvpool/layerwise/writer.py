@@ -25,8 +25,11 @@ Always finish a writer with ``wait()``, ``abort()`` or a ``with`` block: until
 then its reservations hold pool space and its thread waits for layers.
 ``write_layer`` is meant to be called from one producer thread.
 
-Only ``Pool.reserve`` and ``BlockWriter.write/commit/abort`` are used, so the
-distributed client works as well as the embedded pool.
+Only ``reserve`` and ``BlockWriter``'s ``write_pieces``, ``commit_all`` and
+``abort`` of the store contract are used, so the distributed client works as well as the
+embedded pool; each layer's pieces go in one ``write_pieces`` (the cluster
+client: one exchange per node for the layer, not one or two per block) and the
+blocks commit in one ``commit_all``.
 """
 
 from __future__ import annotations
@@ -168,17 +171,14 @@ class LayerWriter:
                 f"layer writer finished with {len(missing)} layer(s) never written "
                 f"(first: {missing[0]}); no block was stored"
             )
-        committed = 0
+        writers = [writer for writer in self._writers if writer is not None]
         try:
-            for i, writer in enumerate(self._writers):
-                if writer is not None:
-                    writer.commit()
-                    self._writers[i] = None
-                    committed += 1
+            BlockWriter.commit_all(writers)  # one seal exchange per node, one master trip
         except BaseException as exc:
-            self._abort_all()
-            raise LayerTransferError(f"committing blocks failed after {committed}: {exc}") from exc
-        return committed
+            self._abort_all()  # those already committed stay: aborting them is a no-op
+            raise LayerTransferError(f"committing blocks failed: {exc}") from exc
+        self._writers = [None] * len(self._writers)
+        return len(writers)
 
     def abort(self) -> None:
         """Stop, drop queued layers and free every reservation. Idempotent."""
@@ -212,12 +212,14 @@ class LayerWriter:
             layer, k_region, v_region, event = job
             try:
                 with self._side.enter(k_region, event):
+                    pieces: list[tuple[BlockWriter, int, Region]] = []
                     for i, writer in enumerate(self._writers):
-                        if writer is None or self._cancel:
-                            continue
-                        lo, hi = i * half, (i + 1) * half
-                        writer.write(layer * layer_bytes, k_region[lo:hi])
-                        writer.write(layer * layer_bytes + half, v_region[lo:hi])
+                        if writer is not None:
+                            lo, hi = i * half, (i + 1) * half
+                            pieces.append((writer, layer * layer_bytes, k_region[lo:hi]))
+                            pieces.append((writer, layer * layer_bytes + half, v_region[lo:hi]))
+                    if not self._cancel:
+                        BlockWriter.write_pieces(pieces)  # one exchange per node
             except BaseException as exc:
                 self._error = exc
                 continue

@@ -119,23 +119,31 @@ def write_blocks_begin(
     return claims, sealed
 
 
-def write_part(
-    data: Transport, control: TcpTransport, stamp: WriteStamp, offset: int, src: Region
-) -> int:
-    """A piece of a reserved block (``offset`` absolute in the node's region). Over
-    TCP the piece carries its stamp; another transport's copy is bracketed by a
-    claim and a release (held only while the bytes move, so a writer that
-    idles between pieces never keeps a newer allocation off the range)."""
+def write_parts(
+    data: Transport, control: TcpTransport, items: Sequence[tuple[WriteStamp, int, Region]]
+) -> list[int]:
+    """Pieces of reserved blocks on one node, (stamp, offset absolute in the node's
+    region, bytes): each piece's status. Over TCP every piece carries its stamp, all
+    in one pipelined exchange. Another transport's copies are bracketed by a claim
+    and a release of each distinct stamp, pipelined (two round trips for the lot),
+    held only while these bytes move, so a writer that idles between calls never
+    keeps a newer allocation off the range; pieces of a refused stamp are not
+    copied."""
     if isinstance(data, TcpTransport):
-        return data.stamped([(w.OP_WRITE_PART, stamp.pack(), offset, src)])[0]
-    status = ops(control, w.OP_CLAIM, [stamp])[0]
-    if status != OK:
-        return status
+        return data.stamped([(w.OP_WRITE_PART, s.pack(), off, src) for s, off, src in items])
+    stamps = list(dict.fromkeys(stamp for stamp, _, _ in items))
     try:
-        data.write(offset, src)
+        claims = dict(zip(stamps, ops(control, w.OP_CLAIM, stamps), strict=True))
+    except BaseException:
+        release_quietly(control, stamps)  # which claims the node took is unknown
+        raise
+    try:
+        for stamp, offset, src in items:
+            if claims[stamp] == OK:
+                data.write(offset, src)
     finally:
-        ops(control, w.OP_RELEASE, [stamp])
-    return OK
+        ops(control, w.OP_RELEASE, [s for s in stamps if claims[s] == OK])
+    return [claims[stamp] for stamp, _, _ in items]
 
 
 def ops(control: TcpTransport, op: int, stamps: Sequence[WriteStamp]) -> list[int]:

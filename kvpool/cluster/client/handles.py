@@ -22,6 +22,9 @@ from kvpool.errors import KVPoolError, StaleWriteError
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.fencing import WriteStamp
 
+#: A piece of a reserved block for ``fenced.write_parts``: (stamp, region offset, bytes).
+_Piece = tuple[WriteStamp, int, Region]
+
 
 @dataclass(frozen=True)
 class ReservationTicket:
@@ -101,21 +104,39 @@ class RemoteBlockWriter(BlockWriter):
         )
 
     def _write(self, offset: int, src: Region) -> None:
+        self.write_group([(self, offset, src)])
+
+    def _check_writable(self) -> None:
         self._session.check_open()
         if self.done:
             raise KVPoolError("this block writer is already committed or aborted")
         if time.monotonic() > self.deadline:
             raise KVPoolError("this block's reservation expired before it was written; retry")
-        session = self._session
-        for placement, stamp in zip(self._placements, self._stamps, strict=True):
+
+    @classmethod
+    def write_group(cls, writes: Sequence[tuple[BlockWriter, int, Region]]) -> None:
+        """Every piece to every replica, one exchange per node for the lot
+        (``fenced.write_parts``: pipelined over TCP; a same-host copy claims each
+        block once around its pieces). A refused piece raises ``StaleWriteError``:
+        its block can no longer commit."""
+        by_node: dict[tuple[int, str], list[tuple[RemoteBlockWriter, Placement, _Piece]]] = {}
+        for writer, offset, src in writes:
+            assert isinstance(writer, RemoteBlockWriter)  # write_pieces groups by class
+            writer._check_writable()
+            for placement, stamp in zip(writer._placements, writer._stamps, strict=True):
+                piece = (stamp, placement.offset + offset, src)
+                node = (id(writer._session), placement.node_id)
+                by_node.setdefault(node, []).append((writer, placement, piece))
+        for (_, node_id), items in by_node.items():
+            session = items[0][0]._session
             try:
-                data = session.transport(placement.node_id)
-                control = session.control(placement.node_id)
-                status = fenced.write_part(data, control, stamp, placement.offset + offset, src)
+                data, control = session.transport(node_id), session.control(node_id)
+                statuses = fenced.write_parts(data, control, [piece for _, _, piece in items])
             except TRANSFER_ERRORS:
-                session.suspects.report(placement.node_id)  # the next reserve goes elsewhere
+                session.suspects.report(node_id)  # the next reserve goes elsewhere
                 raise
-            self._fenced(status, placement)
+            for (writer, placement, _), status in zip(items, statuses, strict=True):
+                writer._fenced(status, placement)
 
     def _fenced(self, status: int, placement: Placement) -> None:
         if status != fenced.OK:
@@ -125,23 +146,79 @@ class RemoteBlockWriter(BlockWriter):
             )
 
     def commit(self) -> None:
-        self._session.check_open()
-        if self.done:
-            raise KVPoolError("this block writer is already committed or aborted")
-        self.done = True
-        session = self._session
-        for placement, stamp in zip(self._placements, self._stamps, strict=True):
-            control = session.control(placement.node_id)
-            self._fenced(fenced.ops(control, w.OP_SEAL, [stamp])[0], placement)
-        session.rpc.call(COMMIT, IdsRequest(self._ids))
+        self.commit_group([self])
+
+    @classmethod
+    def commit_group(cls, writers: Sequence[BlockWriter]) -> None:
+        """Seal every block on its nodes (one pipelined exchange per node), then make
+        those whose seals all passed visible (one master ``COMMIT`` per client: as
+        ``put``'s, the master's first commit of a key wins, a later one is a no-op).
+        Every writer is finished afterwards. Raises ``StaleWriteError`` when a node
+        refused a seal (the other blocks are committed); on a transfer error the
+        blocks not committed yet are revoked."""
+        group: list[RemoteBlockWriter] = []
+        for writer in writers:
+            assert isinstance(writer, RemoteBlockWriter)  # commit_all groups by class
+            writer._session.check_open()
+            if writer.done:
+                raise KVPoolError("this block writer is already committed or aborted")
+            group.append(writer)
+        for writer in group:
+            writer.done = True
+        refused: Placement | None = None
+        try:
+            sealed = cls._seal(group)
+            refused = next((p for p in sealed.values() if p is not None), None)
+            cls._commit_sealed([w_ for w_ in group if sealed[id(w_)] is None])
+        except BaseException:
+            for writer in group:
+                writer._revoke()  # a no-op at the master for a block it committed
+            raise
+        if refused is not None:
+            raise StaleWriteError(
+                f"node {refused.node_id} refused to seal a block: its reservation is stale "
+                "(a newer allocation or master term owns the range); retry"
+            )
+
+    @staticmethod
+    def _seal(group: Sequence[RemoteBlockWriter]) -> dict[int, Placement | None]:
+        """``OP_SEAL`` of every replica, pipelined per node: per writer (by id) None,
+        or the placement of a seal the node refused."""
+        out: dict[int, Placement | None] = {id(writer): None for writer in group}
+        by_node: dict[tuple[int, str], list[tuple[RemoteBlockWriter, Placement, WriteStamp]]]
+        by_node = {}
+        for writer in group:
+            for placement, stamp in zip(writer._placements, writer._stamps, strict=True):
+                node = (id(writer._session), placement.node_id)
+                by_node.setdefault(node, []).append((writer, placement, stamp))
+        for (_, node_id), items in by_node.items():
+            control = items[0][0]._session.control(node_id)
+            statuses = fenced.ops(control, w.OP_SEAL, [stamp for _, _, stamp in items])
+            for (writer, placement, _), status in zip(items, statuses, strict=True):
+                if status != fenced.OK and out[id(writer)] is None:
+                    out[id(writer)] = placement
+        return out
+
+    @staticmethod
+    def _commit_sealed(group: Sequence[RemoteBlockWriter]) -> None:
+        """One master ``COMMIT`` per client, of every replica of ``group``."""
+        by_session: dict[int, list[RemoteBlockWriter]] = {}
+        for writer in group:
+            by_session.setdefault(id(writer._session), []).append(writer)
+        for writers in by_session.values():
+            ids = [alloc_id for writer in writers for alloc_id in writer._ids]
+            writers[0]._session.rpc.call(COMMIT, IdsRequest(ids))
 
     def abort(self) -> None:
         """Revoke the allocation; after the pool closed, the master's TTL does it."""
         if not self.done:
             self.done = True
-            if not self._session.closed:
-                with contextlib.suppress(KVPoolError):
-                    self._session.rpc.submit(REVOKE, IdsRequest(self._ids))
+            self._revoke()
+
+    def _revoke(self) -> None:
+        if not self._session.closed:
+            with contextlib.suppress(KVPoolError):
+                self._session.rpc.submit(REVOKE, IdsRequest(self._ids))
 
 
 class RemoteLease(Lease):

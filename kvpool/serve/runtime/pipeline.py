@@ -278,8 +278,7 @@ def pipeline_prefill(
         errors = [r["error"] for r in results if r["error"]]
         if errors:
             raise RuntimeError(f"pipeline prefill failed: {errors[0]}")
-        for w in writers:
-            w.commit()
+        RemoteBlockWriter.commit_all(writers)  # one seal exchange per node, one master trip
         t_end = time.perf_counter()
     except BaseException:
         for w in writers:

@@ -43,6 +43,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from kvpool.api import BlockWriter
 from kvpool.cluster.client.handles import RemoteBlockWriter, ReservationTicket
 from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.rpc import RpcClient, RpcServer, ServerConfig
@@ -305,13 +306,14 @@ class Stage:
     def _store(self, layer: int, k_buf: Tensor, v_buf: Tensor, writes: list[_Write]) -> None:
         cfg = self.model.cfg
         row_bytes = cfg.kv_dim * cfg.dtype_bytes
+        pieces: list[tuple[BlockWriter, int, Tensor]] = []
         for w in writes:
             half = w.rows * row_bytes
             base = layer * 2 * half
             k = k_buf[w.start : w.start + w.rows].reshape(-1).view(torch.uint8)
             v = v_buf[w.start : w.start + w.rows].reshape(-1).view(torch.uint8)
-            w.writer.write(base, k)
-            w.writer.write(base + half, v)
+            pieces += [(w.writer, base, k), (w.writer, base + half, v)]
+        BlockWriter.write_pieces(pieces)  # the layer's pieces: one exchange per node
 
     def register(self, server: RpcServer) -> None:
         """The stage's RPC methods (also served by a ``kvpool serve`` prefill worker
