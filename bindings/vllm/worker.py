@@ -278,33 +278,36 @@ class WorkerTransfers:
         gathered: list[torch.Tensor],
     ) -> None:
         """One layer of every op: reserve the blocks this step saves on first use (a
-        block already stored is skipped), then all their pieces in one
-        ``BlockWriter.write_pieces`` (the cluster client: one exchange per node).
-        A failure aborts the blocks of this layer (their other layers are moot)."""
+        block already stored is skipped; one whose reservation fails is left out),
+        then all their pieces in one ``BlockWriter.write_pieces`` (the cluster client:
+        one exchange per node). A failed write aborts the blocks of the batch."""
+        store = self.store.get()
         pieces: list[tuple[BlockWriter, int, torch.Tensor]] = []
+        for op, pages in zip(ops, gathered, strict=True):
+            key = op.keys[self.tp_rank]
+            if key not in writers:
+                try:
+                    size = self.geometry.pool_block_bytes
+                    writers[key] = None if store is None else store.reserve(key, size)
+                except (KVPoolError, OSError) as exc:
+                    self.store.failed(exc)
+                    writers[key] = None  # not retried for its later layers
+                    continue
+                if writers[key] is None and store is not None:
+                    self.counters.add(skipped_blocks=1)
+            writer = writers[key]
+            if writer is not None and not writer.done:
+                pieces.append((writer, self.geometry.layer_offset(layer), pages))
         try:
-            store = self.store.get()
-            for op, pages in zip(ops, gathered, strict=True):
-                key = op.keys[self.tp_rank]
-                if key not in writers:
-                    writers[key] = (
-                        None
-                        if store is None
-                        else store.reserve(key, self.geometry.pool_block_bytes)
-                    )
-                    if writers[key] is None and store is not None:
-                        self.counters.add(skipped_blocks=1)
-                writer = writers[key]
-                if writer is not None and not writer.done:
-                    pieces.append((writer, self.geometry.layer_offset(layer), pages))
             if pieces:  # (BlockWriter.write_pieces: bindings never import kvpool.api)
                 pieces[0][0].write_pieces(pieces)
-            for writer, _, _ in pieces:
-                layers[writer.key] = layers.get(writer.key, 0) + 1
         except (KVPoolError, OSError) as exc:
             self.store.failed(exc)
             for writer, _, _ in pieces:
                 _abort(writer)
+            return
+        for writer, _, _ in pieces:
+            layers[writer.key] = layers.get(writer.key, 0) + 1
 
     def _commit(self, writers: dict[bytes, BlockWriter | None], layers: dict[bytes, int]) -> None:
         started = time.perf_counter()
