@@ -223,6 +223,16 @@ def _share(text: str) -> float:
     return x
 
 
+def _seconds(text: str) -> float:
+    try:
+        x = float(text)
+    except ValueError:
+        raise ValueError(f"expected a positive number of seconds, got {text!r}") from None
+    if not 0.0 < x < float("inf"):  # also refuses nan
+        raise ValueError(f"expected a positive number of seconds, got {text!r}")
+    return x
+
+
 def _port(text: str) -> int:
     n = _non_negative_int(text)
     if n > 65535:
@@ -245,6 +255,8 @@ non_negative_int = _argtype("int >= 0", _non_negative_int)
 port_arg = _argtype("port", _port)
 #: "0.25" -> 0.25 (a fraction from 0 to 1).
 share_arg = _argtype("share", _share)
+#: "2.5" -> 2.5 (a positive, finite number of seconds).
+seconds_arg = _argtype("seconds", _seconds)
 
 
 #: "512,1024" -> [512, 1024] (each > 0, at least one).

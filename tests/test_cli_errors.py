@@ -59,6 +59,14 @@ BAD_ARGUMENTS = [
         ["master", "--grant-share", "nan"],
         "master: error: argument --grant-share: expected a share from 0 to 1, got 'nan'",
     ),
+    (
+        ["master", "--alloc-ttl", "0"],
+        "master: error: argument --alloc-ttl: expected a positive number of seconds, got '0'",
+    ),
+    (
+        ["master", "--alloc-ttl", "inf"],
+        "master: error: argument --alloc-ttl: expected a positive number of seconds, got 'inf'",
+    ),
     (["demo", "--dram", "0"], "demo: error: argument --dram: a size must be positive"),
     (["demo", "--requests", "-1"], "demo: error: argument --requests: expected an integer >= 0"),
     (

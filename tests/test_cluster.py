@@ -283,6 +283,29 @@ def test_a_writer_refuses_to_write_past_its_reservation(pool: RemotePool) -> Non
     assert pool.exists([key]) == [False]
 
 
+def test_a_reservation_the_master_let_expire_is_not_committed_silently() -> None:
+    """A writer slower than the master's ``--alloc-ttl``: its commit raises (the master
+    no longer held the allocation), the key stays free. Another writer's earlier
+    commit of the key is not such a loss (test_store_contract: first commit wins)."""
+    cluster = start_cluster(["4MiB"], "--alloc-ttl", "0.5")
+    try:
+        with kvpool.connect(cluster.url, timeout=5) as pool:
+            slow, quick = make_keys(2, seed=31)
+            writer = pool.reserve(slow, BLOCK)
+            assert writer is not None
+            writer.write(0, payload(1))
+            with pool.reserve(quick, BLOCK) as other:  # type: ignore[union-attr]
+                other.write(0, payload(3))
+            time.sleep(1.5)  # past the TTL, and the master's reaper (every 0.5 s) ran
+            with pytest.raises(kvpool.KVPoolError, match="expired before the commit"):
+                writer.commit()
+            assert pool.exists([slow, quick]) == [False, True]
+            assert pool.put(slow, payload(2)) is True  # the key is free
+            assert pool.get(slow) == payload(2).tobytes()
+    finally:
+        cluster.stop()
+
+
 def test_a_node_restarted_on_the_same_port_never_serves_stale_offsets() -> None:
     # A node with a fixed id and data port dies and comes back empty; a client
     # still holding a lease (and a TCP connection) for the old incarnation's

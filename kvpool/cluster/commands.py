@@ -11,7 +11,15 @@ import argparse
 import logging
 from typing import Any
 
-from kvpool.args import port_arg, positive_int, share_arg, size_arg, size_or_zero_arg
+from kvpool.args import (
+    port_arg,
+    positive_int,
+    seconds_arg,
+    share_arg,
+    size_arg,
+    size_or_zero_arg,
+)
+from kvpool.cluster.wire import DEFAULT_ALLOC_TTL
 from kvpool.config import DEFAULT_PORT
 from kvpool.stop_signals import StopSignals
 
@@ -37,6 +45,13 @@ def register(subparsers: Any) -> None:
     master.add_argument("--policy", default="lru", help="eviction policy for every node")
     master.add_argument("--node-ttl", type=float, default=5.0, help="seconds without heartbeat")
     master.add_argument("--lease-ttl", type=float, default=30.0)
+    master.add_argument(
+        "--alloc-ttl",
+        type=seconds_arg,
+        default=DEFAULT_ALLOC_TTL,
+        help="seconds a reserved block (or a put) has to commit before the master takes "
+        f"its space back (default {DEFAULT_ALLOC_TTL:g})",
+    )
     master.add_argument("--metrics-port", type=port_arg, default=None, help="serve /metrics here")
     master.add_argument(
         "--hot-reads",
@@ -115,6 +130,7 @@ def _run_master(args: argparse.Namespace) -> int:
         policy=args.policy,
         node_ttl=args.node_ttl,
         lease_ttl=args.lease_ttl,
+        alloc_ttl=args.alloc_ttl,
         grant_share=MasterConfig.grant_share if args.grant_share is None else args.grant_share,
         metrics_port=args.metrics_port,
         replication=replication,

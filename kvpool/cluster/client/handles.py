@@ -17,7 +17,14 @@ from kvpool.api import BlockWriter, Lease
 from kvpool.bindings.buffers import Region
 from kvpool.cluster.client import fenced
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession, Placement
-from kvpool.cluster.wire import COMMIT, DEFAULT_ALLOC_TTL, REVOKE, IdsRequest
+from kvpool.cluster.wire import (
+    COMMIT,
+    DEFAULT_ALLOC_TTL,
+    EXISTS,
+    REVOKE,
+    IdsRequest,
+    KeysRequest,
+)
 from kvpool.errors import KVPoolError, StaleWriteError
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.fencing import WriteStamp
@@ -153,8 +160,9 @@ class RemoteBlockWriter(BlockWriter):
         """Seal every block on its nodes (one pipelined exchange per node), then make
         those whose seals all passed visible (one master ``COMMIT`` per client: as
         ``put``'s, the master's first commit of a key wins, a later one is a no-op).
-        Every writer is finished afterwards. Raises ``StaleWriteError`` when a node
-        refused a seal (the other blocks are committed); on a transfer error the
+        Every writer is finished afterwards. Raises ``KVPoolError`` when the master
+        no longer held a block's allocation (it expired) and ``StaleWriteError`` when
+        a node refused a seal, the other blocks committed; on a transfer error the
         blocks not committed yet are revoked."""
         group: list[RemoteBlockWriter] = []
         for writer in writers:
@@ -169,11 +177,16 @@ class RemoteBlockWriter(BlockWriter):
         try:
             sealed = cls._seal(group)
             refused = next((p for p in sealed.values() if p is not None), None)
-            cls._commit_sealed([w_ for w_ in group if sealed[id(w_)] is None])
+            lost = cls._commit_sealed([w_ for w_ in group if sealed[id(w_)] is None])
         except BaseException:
             for writer in group:
                 writer._revoke()  # a no-op at the master for a block it committed
             raise
+        if lost:
+            raise KVPoolError(
+                f"{lost} block(s) not stored: the master's allocation expired before the "
+                "commit (its --alloc-ttl); retry"
+            )
         if refused is not None:
             raise StaleWriteError(
                 f"node {refused.node_id} refused to seal a block: its reservation is stale "
@@ -200,14 +213,23 @@ class RemoteBlockWriter(BlockWriter):
         return out
 
     @staticmethod
-    def _commit_sealed(group: Sequence[RemoteBlockWriter]) -> None:
-        """One master ``COMMIT`` per client, of every replica of ``group``."""
+    def _commit_sealed(group: Sequence[RemoteBlockWriter]) -> int:
+        """One master ``COMMIT`` per client, of every replica of ``group``; how many
+        blocks the master made visible on no replica while their key is not stored:
+        their allocation expired before the commit (a key stored by another writer's
+        earlier commit is the contract's first-commit-wins, not a loss). The keys of
+        blocks answered False are looked up in one more round trip, only then."""
         by_session: dict[int, list[RemoteBlockWriter]] = {}
         for writer in group:
             by_session.setdefault(id(writer._session), []).append(writer)
+        lost = 0
         for writers in by_session.values():
-            ids = [alloc_id for writer in writers for alloc_id in writer._ids]
-            writers[0]._session.rpc.call(COMMIT, IdsRequest(ids))
+            rpc = writers[0]._session.rpc
+            answers = iter(rpc.call(COMMIT, IdsRequest([a for w_ in writers for a in w_._ids])))
+            refused = [w_.key for w_ in writers if True not in [next(answers) for _ in w_._ids]]
+            if refused:
+                lost += rpc.call(EXISTS, KeysRequest(refused)).count(False)
+        return lost
 
     def abort(self) -> None:
         """Revoke the allocation; after the pool closed, the master's TTL does it."""
