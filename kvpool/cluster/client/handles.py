@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -120,6 +120,11 @@ class RemoteBlockWriter(BlockWriter):
         if time.monotonic() > self.deadline:
             raise KVPoolError("this block's reservation expired before it was written; retry")
 
+    def _replicas(self) -> Iterator[tuple[tuple[int, str], Placement, WriteStamp]]:
+        """Per replica: (its client and node, to batch by), where, and its stamp."""
+        for placement, stamp in zip(self._placements, self._stamps, strict=True):
+            yield (id(self._session), placement.node_id), placement, stamp
+
     @classmethod
     def write_group(cls, writes: Sequence[tuple[BlockWriter, int, Region]]) -> None:
         """Every piece to every replica, one exchange per node for the lot
@@ -130,9 +135,8 @@ class RemoteBlockWriter(BlockWriter):
         for writer, offset, src in writes:
             assert isinstance(writer, RemoteBlockWriter)  # write_pieces groups by class
             writer._check_writable()
-            for placement, stamp in zip(writer._placements, writer._stamps, strict=True):
+            for node, placement, stamp in writer._replicas():
                 piece = (stamp, placement.offset + offset, src)
-                node = (id(writer._session), placement.node_id)
                 by_node.setdefault(node, []).append((writer, placement, piece))
         for (_, node_id), items in by_node.items():
             session = items[0][0]._session
@@ -201,8 +205,7 @@ class RemoteBlockWriter(BlockWriter):
         by_node: dict[tuple[int, str], list[tuple[RemoteBlockWriter, Placement, WriteStamp]]]
         by_node = {}
         for writer in group:
-            for placement, stamp in zip(writer._placements, writer._stamps, strict=True):
-                node = (id(writer._session), placement.node_id)
+            for node, placement, stamp in writer._replicas():
                 by_node.setdefault(node, []).append((writer, placement, stamp))
         for (_, node_id), items in by_node.items():
             control = items[0][0]._session.control(node_id)
