@@ -124,21 +124,23 @@ def free_page_reporting(virtio: str, reporting: str) -> str | None:
         devices = os.listdir(virtio)
     except OSError:
         return None
-    offered = False
-    for name in devices:
-        kind = _read(os.path.join(virtio, name, "device"))
-        features = _read(os.path.join(virtio, name, "features")) or ""
-        if (
-            kind == _BALLOON_DEVICE
-            and features[_BALLOON_F_REPORTING : _BALLOON_F_REPORTING + 1] == "1"
-        ):
-            offered = True
-    if not offered:
+    if not any(_offers_reporting(os.path.join(virtio, name)) for name in devices):
         return "off"
     order = _read(os.path.join(reporting, "page_reporting_order"))
     if order is None or not order.isdigit():
         return "on"
-    return f"on, {(4096 << int(order)) >> 20 or 1} MiB blocks"
+    kib = 4 << int(order)  # blocks of 2^order pages of 4 KiB
+    return f"on, {kib >> 10} MiB blocks" if kib >= 1024 else f"on, {kib} KiB blocks"
+
+
+def _offers_reporting(device: str) -> bool:
+    """Whether the virtio device at ``device`` is a balloon offering free page reporting
+    (its ``features`` string: one character per feature bit)."""
+    features = _read(os.path.join(device, "features")) or ""
+    return (
+        _read(os.path.join(device, "device")) == _BALLOON_DEVICE
+        and features[_BALLOON_F_REPORTING : _BALLOON_F_REPORTING + 1] == "1"
+    )
 
 
 def _chosen(path: str) -> str | None:

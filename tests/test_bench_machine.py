@@ -188,6 +188,8 @@ def test_memory_size_numa_nodes_and_huge_pages(tmp_path: Path) -> None:
     }
     (virtio / "virtio1" / "features").write_text("0110010100000000\n")
     assert free_page_reporting(str(virtio), str(reporting)) == "on, 2 MiB blocks"
+    (reporting / "page_reporting_order").write_text("0\n")  # single 4 KiB pages
+    assert free_page_reporting(str(virtio), str(reporting)) == "on, 4 KiB blocks"
     (reporting / "page_reporting_order").unlink()
     assert free_page_reporting(str(virtio), str(reporting)) == "on"  # order unknown
     missing = tmp_path / "missing"
