@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvpool.args import positive_int, sizes_arg
 from kvpool.bench.common import write_json
+from kvpool.bench.idle_rtt import raw_wake_us
 from kvpool.bench.machine import (
     STEAL_NOTE_PCT,
     CpuTimes,
@@ -253,6 +254,7 @@ def run_all(
     during each suite and seconds taken)."""
     facts = machine_facts()
     facts["load_before"] = load_average()
+    facts["wake_us"] = {"before": raw_wake_us()}
     facts["steal_pct"] = {}
     start, started = time.monotonic(), CpuTimes.now()
     rows: list[BenchRow] = []
@@ -278,6 +280,7 @@ def run_all(
         facts["steal_pct"][suite] = steal_since(before)
     facts["steal_pct"]["all"] = steal_since(started)
     facts["load_after"] = load_average()
+    facts["wake_us"]["after"] = raw_wake_us()
     facts["seconds"] = round(time.monotonic() - start, 1)
     return rows, facts
 
@@ -341,6 +344,10 @@ def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool
               f"reporting to the host: {mem.get('free_page_reporting')}")  # fmt: skip
         native = facts["native"]
         print(f"TCP receive spin: {native['tcp_recv']}; same-host checks: {native['shm_copy']}")
+    if "wake_us" in facts:  # (facts written before session 36 lack it)
+        wake = [f"{when} {w['0']:.0f} / {w['20']:.0f} us" for when, w in facts["wake_us"].items()]
+        print("hand-off between processes (raw TCP ping-pong p50 after 0 / 20 ms idle): "
+              + ", ".join(wake))  # fmt: skip
     if "ssd_dir" in facts:
         print("\n".join(storage_lines(facts["ssd_dir"])))
     for suite, ways in facts.get("copy", {}).items():  # each suite ran in its own process

@@ -82,19 +82,42 @@ def run_idle_rtt(idle_ms: Sequence[float], samples: int, pin: bool = True) -> li
     return rows
 
 
-def _alternate(
-    gap_s: float, samples: int, ours: Callable[[], object], base: Callable[[], object]
-) -> tuple[float, float]:
-    """p50 microseconds of each op, each timed right after ``gap_s`` of sleep."""
-    times: tuple[list[float], list[float]] = ([], [])
+def raw_wake_us(idle_ms: Sequence[float] = (0.0, 20.0), samples: int = 40) -> dict[str, float]:
+    """p50 microseconds of a raw 40-byte TCP ping-pong to an echo process on the
+    benchmarks' server CPUs, timed right after each idle gap (keys: the gap in ms):
+    what a hand-off between processes costs on this machine at this hour. Every
+    row that crosses processes pays it, more often than its baseline does, so a
+    slow hour lowers those ratios (``kvpool bench all`` prints it before and after
+    its suites; bench/RESULTS.md, session 36: 88 / 568 us in an hour whose remote
+    rows ran 0.5-0.8, against 48 / 215 us on a quiet machine)."""
+    from kvpool.bench.remote_transport import split_cpus
+
+    split = split_cpus()
+    client_cpus, server_cpus = split if split else (None, None)
+    saved = os.sched_getaffinity(0)
+    out = {}
+    with _echo(server_cpus) as echo:
+        if client_cpus:
+            os.sched_setaffinity(0, client_cpus)
+        try:
+            for gap in idle_ms:
+                out[f"{gap:g}"] = _alternate(gap / 1e3, samples, lambda: _ping(echo))[0]
+        finally:
+            os.sched_setaffinity(0, saved)
+    return out
+
+
+def _alternate(gap_s: float, samples: int, *ops: Callable[[], object]) -> list[float]:
+    """p50 microseconds of each op, alternated, each timed right after ``gap_s`` of sleep."""
+    times: list[list[float]] = [[] for _ in ops]
     for _ in range(samples + 10):  # the first 10 warm up
-        for i, op in enumerate((ours, base)):
+        for i, op in enumerate(ops):
             if gap_s:
                 time.sleep(gap_s)
             start = time.perf_counter()
             op()
             times[i].append(time.perf_counter() - start)
-    return tuple(float(np.median(t[10:]) * 1e6) for t in times)  # type: ignore[return-value]
+    return [float(np.median(t[10:]) * 1e6) for t in times]
 
 
 def _ping(sock: socket.socket) -> None:

@@ -211,6 +211,23 @@ class KVStore(Protocol):
         """Reserve ``size`` bytes for ``key`` to fill piecewise; None if already stored."""
         ...
 
+    def reserve_batch(
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        parents: Sequence[bytes | None] | None = None,
+        *,
+        device: bool = False,
+    ) -> Sequence[BlockWriter | None]:
+        """``reserve`` for each item (a cluster: one master round trip for all).
+
+        Every argument is checked before anything is reserved. All or nothing:
+        a batch that raises (no room for some block) leaves no reservation. A
+        key already stored, being written, or named earlier in the batch gets
+        None in its place.
+        """
+        ...
+
     def get(self, key: bytes) -> bytes | None:
         """A copy of the block's bytes, or None on a miss."""
         ...

@@ -93,6 +93,16 @@ def check_reserve_size(size: object) -> int:
     return size
 
 
+def check_reserve_batch(
+    keys: Sequence[bytes], sizes: Sequence[int], parents: Sequence[bytes | None] | None
+) -> list[bytes | None]:
+    """A ``reserve_batch``'s arguments; returns ``parents`` as a list (None-filled)."""
+    filled = check_batch(keys, sizes, parents, what="sizes")
+    for size in sizes:
+        check_reserve_size(size)
+    return filled
+
+
 def check_read_range(offset: object, length: object) -> None:
     """A ranged read's arguments (the block's size is checked by the store)."""
     if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:

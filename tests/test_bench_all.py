@@ -22,7 +22,7 @@ KEYS = ["suite", "store", "op", "path", "size", "value", "unit", "baseline", "ba
 OPS = {"put", "get_into", "put_batch", "get_into_batch", "prefix_match", "store", "load"}
 FACTS = {"date_utc", "cpu_model", "cores", "cpuidle_driver", "kernel", "load_before",
          "load_after", "seconds", "steal_pct", "tcp_congestion", "memory", "native",
-         "ssd_dir"}  # fmt: skip
+         "ssd_dir", "wake_us"}  # fmt: skip
 
 
 def _bench(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
@@ -156,6 +156,10 @@ def test_machine_facts_are_written_and_printed(quick_run: tuple[list[dict], dict
     )
     ssd = facts["ssd_dir"]  # where the SSD rows' files lived
     assert f"SSD rows: {ssd['dir']} on {ssd['filesystem']} (" in stdout
+    wake = facts["wake_us"]  # a hand-off between processes, before and after the suites
+    assert set(wake) == {"before", "after"} and all(set(w) == {"0", "20"} for w in wake.values())
+    assert all(us > 0 for w in wake.values() for us in w.values())
+    assert "hand-off between processes (raw TCP ping-pong p50 after 0 / 20 ms idle): " in stdout
     cc = facts["tcp_congestion"]  # the host's and the one kvpool's data path runs
     assert f"host default {cc['host_default']}, data path and raw baselines" in stdout
     steal = facts["steal_pct"]  # every suite's share of CPU time stolen, and the whole run's

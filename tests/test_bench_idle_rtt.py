@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.bench.idle_rtt import register_idle_rtt, run_idle_rtt
+from kvpool.bench.idle_rtt import raw_wake_us, register_idle_rtt, run_idle_rtt
 
 
 def test_bench_idle_rtt_json_shape(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -30,3 +30,9 @@ def test_bench_idle_rtt_rejects_bad_arguments() -> None:
         run_idle_rtt([0.0], samples=0)
     with pytest.raises(ValueError, match="idle"):
         run_idle_rtt([-1.0], samples=3)
+
+
+def test_raw_wake_us_names_each_gap() -> None:
+    """``bench all``'s hand-off fact: a p50 per idle gap, keyed by the gap in ms."""
+    got = raw_wake_us((0.0, 1.5), samples=3)
+    assert list(got) == ["0", "1.5"] and all(us > 0 for us in got.values())

@@ -272,6 +272,64 @@ def test_abort_and_exceptions_leave_nothing(store: KVStore, keys: list[bytes]) -
     assert store.get(keys[0]) == payload(1).tobytes()
 
 
+def test_reserve_batch_answers_each_key_in_order(loaded: KVStore, keys: list[bytes]) -> None:
+    """One writer or None per key, in order: None for a stored key, a key another
+    writer reserved, and a key named again later in the same batch."""
+    elsewhere = loaded.reserve(keys[3], BLOCK)
+    assert elsewhere is not None
+    batch = [keys[0], keys[3], keys[4], keys[4]]
+    writers = loaded.reserve_batch(batch, [BLOCK] * 4, [None, None, keys[3], keys[3]])
+    assert [w is None for w in writers] == [True, True, False, True]
+    writer = writers[2]
+    assert writer is not None and writer.key == keys[4] and writer.size == BLOCK
+    writer.write(0, payload(4))
+    assert loaded.exists(keys[3:5]) == [False, False]  # invisible until committed
+    BlockWriter.commit_all([writer])
+    elsewhere.abort()
+    assert loaded.get(keys[4]) == payload(4).tobytes()
+    assert loaded.exists(keys[3:5]) == [False, True]
+    assert loaded.reserve_batch([], []) == []
+
+
+def test_reserve_batch_is_all_or_nothing(loaded: KVStore, keys: list[bytes], kind: str) -> None:
+    """A batch with a block no node or tier can hold raises (the documented error of
+    each store) and leaves no reservation: every key of it can be reserved again."""
+    blocks = loaded.stats()["blocks"]
+    expected = PoolFullError if kind.startswith("cluster") else BlockTooLargeError
+    with pytest.raises(expected):
+        loaded.reserve_batch(keys[3:5], [BLOCK, 128 << 20])
+    for w in loaded.reserve_batch(keys[3:5], [BLOCK, BLOCK]):  # nothing was left reserved
+        assert w is not None
+        w.abort()
+    assert_intact(loaded, keys, blocks)
+
+
+@pytest.mark.parametrize(
+    ("sizes", "parents", "error", "match"),
+    [
+        ([BLOCK], None, ValueError, "same length"),
+        ([BLOCK, BLOCK], [None], ValueError, "same length"),
+        ([BLOCK, 0], None, BufferSpecError, "size must be a positive int"),
+        ([BLOCK, 1.5], None, BufferSpecError, "size must be a positive int"),
+        ([BLOCK, BLOCK], [None, b"short"], InvalidKeyError, None),
+    ],
+)
+def test_bad_reserve_batches_reserve_nothing(
+    loaded: KVStore,
+    keys: list[bytes],
+    sizes: list[object],
+    parents: list[bytes | None] | None,
+    error: type[Exception],
+    match: str | None,
+) -> None:
+    with pytest.raises(error, match=match):
+        loaded.reserve_batch(keys[3:5], sizes, parents)  # type: ignore[arg-type]
+    assert_intact(loaded, keys)
+    for w in loaded.reserve_batch(keys[3:5], [BLOCK, BLOCK]):  # nothing was left reserved
+        assert w is not None
+        w.abort()
+
+
 def test_pieces_of_several_blocks_in_one_batch(store: KVStore, keys: list[bytes]) -> None:
     """``write_pieces`` / ``commit_all`` (what the layer writer uses): pieces of several
     reserved blocks, interleaved and in any order within a block, land as their own

@@ -277,24 +277,15 @@ class WorkerTransfers:
         layer: int,
         gathered: list[torch.Tensor],
     ) -> None:
-        """One layer of every op: reserve the blocks this step saves on first use (a
-        block already stored is skipped; one whose reservation fails is left out),
-        then all their pieces in one ``BlockWriter.write_pieces`` (the cluster client:
-        one exchange per node). A failed write aborts the blocks of the batch."""
-        store = self.store.get()
+        """One layer of every op: reserve the blocks this step saves on first use, in
+        one ``reserve_batch`` (a block already stored is skipped; when the batch
+        fails, its blocks are left out), then all their pieces in one
+        ``BlockWriter.write_pieces`` (the cluster client: one exchange per node). A
+        failed write aborts the blocks of the batch."""
+        keys = [op.keys[self.tp_rank] for op in ops]
+        self._reserve_new(writers, [k for k in dict.fromkeys(keys) if k not in writers])
         pieces: list[tuple[BlockWriter, int, torch.Tensor]] = []
-        for op, pages in zip(ops, gathered, strict=True):
-            key = op.keys[self.tp_rank]
-            if key not in writers:
-                try:
-                    size = self.geometry.pool_block_bytes
-                    writers[key] = None if store is None else store.reserve(key, size)
-                except (KVPoolError, OSError) as exc:
-                    self.store.failed(exc)
-                    writers[key] = None  # not retried for its later layers
-                    continue
-                if writers[key] is None and store is not None:
-                    self.counters.add(skipped_blocks=1)
+        for key, pages in zip(keys, gathered, strict=True):
             writer = writers[key]
             if writer is not None and not writer.done:
                 pieces.append((writer, self.geometry.layer_offset(layer), pages))
@@ -309,23 +300,46 @@ class WorkerTransfers:
         for writer, _, _ in pieces:
             layers[writer.key] = layers.get(writer.key, 0) + 1
 
+    def _reserve_new(self, writers: dict[bytes, BlockWriter | None], new: list[bytes]) -> None:
+        """Reserve ``new`` (one allocation round trip on a cluster); each gets its
+        writer, or None (already stored, no store, or the batch failed: not retried
+        for its later layers)."""
+        store = self.store.get()
+        reserved: Sequence[BlockWriter | None] = [None] * len(new)
+        if new and store is not None:
+            try:
+                sizes = [self.geometry.pool_block_bytes] * len(new)
+                reserved = store.reserve_batch(new, sizes)
+                self.counters.add(skipped_blocks=reserved.count(None))
+            except (KVPoolError, OSError) as exc:
+                self.store.failed(exc)
+        writers.update(zip(new, reserved, strict=True))
+
     def _commit(self, writers: dict[bytes, BlockWriter | None], layers: dict[bytes, int]) -> None:
+        """Commit the step's blocks that got every layer, in one ``commit_all`` (the
+        cluster client: one seal exchange per node, one master round trip); abort the
+        rest. When the batch fails, the blocks it stored are counted by ``exists``."""
         started = time.perf_counter()
-        saved = failed = 0
+        whole: list[BlockWriter] = []
+        failed = 0
         for key, writer in writers.items():
             if writer is None:
                 continue
             if writer.done or layers.get(key, 0) != self.geometry.num_layers:
                 _abort(writer)
                 failed += 1
-                continue
-            try:
-                writer.commit()
-                saved += 1
-            except (KVPoolError, OSError) as exc:
-                self.store.failed(exc)
-                _abort(writer)
-                failed += 1
+            else:
+                whole.append(writer)
+        saved, store = len(whole), self.store.get()  # (before ``failed`` hides it)
+        try:
+            if whole:  # (BlockWriter.commit_all: bindings never import kvpool.api)
+                whole[0].commit_all(whole)
+        except (KVPoolError, OSError) as exc:
+            self.store.failed(exc)
+            for writer in whole:
+                _abort(writer)  # a no-op for those committed
+            saved = _stored(store, [writer.key for writer in whole])
+        failed += len(whole) - saved
         self.counters.add(
             saved_blocks=saved,
             saved_bytes=saved * self.geometry.pool_block_bytes,
@@ -335,6 +349,14 @@ class WorkerTransfers:
 
     def close(self) -> None:
         self._finish_load()
+
+
+def _stored(store: KVStore | None, keys: list[bytes]) -> int:
+    """How many of ``keys`` ``store`` holds (0 when it cannot say)."""
+    try:
+        return 0 if store is None else sum(store.exists(keys))
+    except (KVPoolError, OSError):
+        return 0
 
 
 def _abort(writer: BlockWriter) -> None:

@@ -35,6 +35,7 @@ from kvpool.args import (
     check_out_fits,
     check_parent,
     check_read_range,
+    check_reserve_batch,
     check_reserve_size,
     data_region,
     out_region,
@@ -137,6 +138,18 @@ class Pool(LayerwiseMethods):
         check_parent(parent)
         check_reserve_size(size)
         return self._reservations.reserve(key, size, parent, device)
+
+    def reserve_batch(
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        parents: Sequence[bytes | None] | None = None,
+        *,
+        device: bool = False,
+    ) -> list[EmbeddedBlockWriter | None]:
+        """``reserve`` for each item, every argument checked first; all or nothing."""
+        filled = check_reserve_batch(keys, sizes, parents)
+        return self._reservations.reserve_batch(keys, sizes, filled, device)
 
     def lease(self, keys: Sequence[bytes], *, prefix: bool = True) -> EmbeddedLease:
         """Pin the longest stored prefix of ``keys`` (every stored key with

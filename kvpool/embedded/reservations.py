@@ -16,6 +16,8 @@ Invariants:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from kvpool.bindings.buffers import Region, copy_region, region_is_device, region_nbytes
@@ -149,6 +151,26 @@ class Reservations:
             )
             self._writing[key] = writer
             return writer
+
+    def reserve_batch(
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        parents: Sequence[bytes | None],
+        device: bool,
+    ) -> list[EmbeddedBlockWriter | None]:
+        """``reserve`` of each item; a batch that fails part-way (no room) aborts
+        the blocks it reserved before it raises, so it leaves no reservation."""
+        writers: list[EmbeddedBlockWriter | None] = []
+        try:
+            for key, size, parent in zip(keys, sizes, parents, strict=True):
+                writers.append(self.reserve(key, size, parent, device))
+        except BaseException:
+            for writer in writers:
+                if writer is not None:
+                    self._finish(writer, commit=False)
+            raise
+        return writers
 
     def _write(self, writer: EmbeddedBlockWriter, offset: int, src: Region) -> None:
         blocks = self._blocks

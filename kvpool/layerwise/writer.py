@@ -6,15 +6,16 @@
             writer.write_layer(layer, k, v)  # returns at once; copied in the background
     # leaving the block waited: every block is committed, or none is visible
 
-The writer reserves every block of ``keys`` that is not stored yet
-(``Pool.reserve``); blocks already stored (or being written by someone else)
-are skipped and their part of each layer is dropped. ``write_layer`` only
-checks its arguments and queues the layer; one background thread copies it
-into the reserved blocks (large numpy/torch copies release the GIL, so the
-copy overlaps the caller's compute). ``wait()`` joins the copies and commits
-all blocks, so a block appears only with all of its layers. If any copy
-failed or any layer was never written, ``wait()`` aborts every reservation
-and raises: nothing half-written ever becomes visible.
+The writer reserves every block of ``keys`` that is not stored yet, in one
+``reserve_batch`` (the cluster client: one master round trip); blocks already
+stored (or being written by someone else) are skipped and their part of each
+layer is dropped. ``write_layer`` only checks its arguments and queues the
+layer; one background thread copies it into the reserved blocks (large
+numpy/torch copies release the GIL, so the copy overlaps the caller's
+compute). ``wait()`` joins the copies and commits all blocks, so a block
+appears only with all of its layers. If any copy failed or any layer was
+never written, ``wait()`` aborts every reservation and raises: nothing
+half-written ever becomes visible.
 
 The caller must not modify ``k``/``v`` until ``wait()`` returns (or
 ``layer_done(layer)`` is true) unless it passes ``copy=True``, which
@@ -25,7 +26,7 @@ Always finish a writer with ``wait()``, ``abort()`` or a ``with`` block: until
 then its reservations hold pool space and its thread waits for layers.
 ``write_layer`` is meant to be called from one producer thread.
 
-Only ``reserve`` and ``BlockWriter``'s ``write_pieces``, ``commit_all`` and
+Only ``reserve_batch`` and ``BlockWriter``'s ``write_pieces``, ``commit_all`` and
 ``abort`` of the store contract are used, so the distributed client works as well as the
 embedded pool; each layer's pieces go in one ``write_pieces`` (the cluster
 client: one exchange per node for the layer, not one or two per block) and the
@@ -88,15 +89,10 @@ class LayerWriter:
             raise ValueError(f"parents has {len(parents)} entries for {n} keys")
         self._copy = copy
         self._layer_nbytes = n * layout.half_layer_bytes
-        self._writers: list[BlockWriter | None] = []
-        try:
-            for key, parent in zip(self.keys, parents, strict=True):
-                self._writers.append(
-                    pool.reserve(key, layout.block_bytes, parent=parent, device=device)
-                )
-        except BaseException:
-            self._abort_all()
-            raise
+        # one allocation round trip for every block (all or nothing: KVStore.reserve_batch)
+        self._writers: list[BlockWriter | None] = list(
+            pool.reserve_batch(self.keys, [layout.block_bytes] * n, parents, device=device)
+        )
         self._skipped = [k for k, w in zip(self.keys, self._writers, strict=True) if w is None]
         self._queued: set[int] = set()
         self._done: set[int] = set()

@@ -9,7 +9,9 @@ the work to the parts that share one ``ClientSession``:
 
 - ``puts.RemotePutter``: allocate (or use a grant), write, commit;
 - ``reads.LeasedReads``: leases, the lease cache, replica fall-back;
-- ``handles``: ``RemoteBlockWriter`` (reserve, export/adopt), ``RemoteLease``.
+- ``reservations``: reserved blocks (``handles.RemoteBlockWriter``), one
+  allocation round trip per batch, or adopted from another process;
+- ``handles``: ``RemoteLease``.
 
 Reads run under a lease, so the master cannot free or reuse a block's range
 while it is copied; a read that outlives its lease, or whose node fails, is
@@ -20,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlparse
@@ -34,6 +35,7 @@ from kvpool.args import (
     check_keys,
     check_parent,
     check_read_range,
+    check_reserve_batch,
     check_reserve_size,
     data_region,
     out_region,
@@ -47,10 +49,10 @@ from kvpool.cluster.client.put_modes import pipelined_default
 from kvpool.cluster.client.puts import RemotePutter
 from kvpool.cluster.client.reads import LeasedReads
 from kvpool.cluster.client.replica_reads import read_replicas
+from kvpool.cluster.client.reservations import adopt, reserve_blocks
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.cluster.client.warm_up import TransportWarmUp
 from kvpool.cluster.wire import (
-    ALLOCATE,
     COMMIT,
     EXISTS,
     LOCATE,
@@ -59,8 +61,6 @@ from kvpool.cluster.wire import (
     REPLICATE,
     REVOKE,
     STATS,
-    AllocateReply,
-    AllocateRequest,
     IdsRequest,
     KeysRequest,
     ReplicateReply,
@@ -69,7 +69,6 @@ from kvpool.cluster.wire import (
 from kvpool.config import DEFAULT_PORT
 from kvpool.errors import KVPoolError, PoolFullError, PutCommitError
 from kvpool.layerwise.api import LayerwiseMethods
-from kvpool.transport.base import RegionInfo
 from kvpool.transport.fencing import WriteStamp
 
 
@@ -191,38 +190,25 @@ class RemotePool(LayerwiseMethods):
         check_key(key)
         check_parent(parent)
         check_reserve_size(size)
-        session = self._session
-        session.check_open()
-        request = AllocateRequest([key], [size], [parent], avoid=session.suspects.current())
-        reply = session.rpc.call(ALLOCATE, request, response_type=AllocateReply)
-        session.learn(reply.nodes)
-        if reply.error:
-            raise PoolFullError(reply.error)
-        allocations = reply.placements[0]
-        if allocations is None:
-            return None
-        deadline = time.monotonic() + 0.9 * reply.ttl
-        return RemoteBlockWriter(
-            session, key, size, allocations, deadline, epoch=reply.epoch, parent=parent
-        )
+        return reserve_blocks(self._session, [key], [size], [parent])[0]
+
+    def reserve_batch(
+        self,
+        keys: Sequence[bytes],
+        sizes: Sequence[int],
+        parents: Sequence[bytes | None] | None = None,
+        *,
+        device: bool = False,
+    ) -> list[RemoteBlockWriter | None]:
+        """``reserve`` for each item in one master round trip; all or nothing
+        (kvpool.cluster.client.reservations)."""
+        filled = check_reserve_batch(keys, sizes, parents)
+        return reserve_blocks(self._session, keys, sizes, filled)
 
     def adopt(self, ticket: ReservationTicket) -> RemoteBlockWriter:
         """A writer onto a reservation another process exported
-        (``RemoteBlockWriter.export``): writes go to the same reserved space; the
-        deadline is the ticket's time left, re-based on this process's clock."""
-        session = self._session
-        session.check_open()
-        session.learn({n: RegionInfo.from_dict(d) for n, d in ticket.nodes.items()})
-        deadline = time.monotonic() + ticket.ttl_s
-        return RemoteBlockWriter(
-            session,
-            ticket.key,
-            ticket.size,
-            ticket.allocations,
-            deadline,
-            epoch=ticket.epoch,
-            parent=ticket.parent,
-        )
+        (``RemoteBlockWriter.export``; kvpool.cluster.client.reservations)."""
+        return adopt(self._session, ticket)
 
     # -- reads --------------------------------------------------------------------
 

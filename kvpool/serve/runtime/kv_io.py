@@ -40,7 +40,7 @@ import torch
 import xxhash
 from torch import Tensor
 
-from kvpool.api import KVStore
+from kvpool.api import BlockWriter, KVStore
 from kvpool.index.keys import Namespace, token_array
 from kvpool.layout import KVLayout
 
@@ -116,13 +116,13 @@ class BlockLayerWriter:
         parents = [parent, *self.keys[:-1]]
         api = _pick(pool, "writer", native)
         self._native: Any = None if api is None else api(self.keys, layout, parents)
-        self._writers: list[Any] = []
+        self._writers: list[BlockWriter | None] = []
         self._futures: list[Future[None]] = []
         self._executor = executor
         self._done = False
-        if self._native is None:
-            for key, par in zip(self.keys, parents, strict=True):
-                self._writers.append(pool.reserve(key, layout.block_bytes, parent=par))
+        if self._native is None:  # one allocation round trip for all (KVStore.reserve_batch)
+            sizes = [layout.block_bytes] * len(self.keys)
+            self._writers = list(pool.reserve_batch(self.keys, sizes, parents))
 
     @property
     def stored_blocks(self) -> int:
@@ -143,11 +143,14 @@ class BlockLayerWriter:
     def _copy_layer(self, layer: int, k: Tensor, v: Tensor) -> None:
         lay, bt = self.layout, self.layout.block_tokens
         base = layer * lay.layer_bytes
+        pieces: list[tuple[BlockWriter, int, Tensor]] = []
         for i, writer in enumerate(self._writers):
-            if writer is None:
-                continue
-            writer.write(base, _byte_view(k[i * bt : (i + 1) * bt]))
-            writer.write(base + lay.half_layer_bytes, _byte_view(v[i * bt : (i + 1) * bt]))
+            if writer is not None:
+                pieces.append((writer, base, _byte_view(k[i * bt : (i + 1) * bt])))
+                pieces.append(
+                    (writer, base + lay.half_layer_bytes, _byte_view(v[i * bt : (i + 1) * bt]))
+                )
+        BlockWriter.write_pieces(pieces)  # the cluster client: one exchange per node
 
     def wait(self) -> None:
         """Finish every copy and commit; on any failure abort all and re-raise."""
@@ -160,12 +163,10 @@ class BlockLayerWriter:
         try:
             for fut in self._futures:
                 fut.result()
+            BlockWriter.commit_all([w for w in self._writers if w is not None])
         except BaseException:
-            self._abort()
+            self._abort()  # (a no-op for the blocks committed before an error)
             raise
-        for writer in self._writers:
-            if writer is not None:
-                writer.commit()
 
     def abort(self) -> None:
         if self._done:

@@ -243,11 +243,12 @@ def pipeline_prefill(
     regions: dict[str, dict[str, Any]] = {}
     tail = None
     try:
-        for i in range(hit, len(keys)):
-            parent = keys[i - 1] if i else None
-            w = pool.reserve(keys[i], layout.block_bytes, parent=parent)
+        new = keys[hit:]  # reserved in one allocation round trip
+        parents = [keys[i - 1] if i else None for i in range(hit, len(keys))]
+        reserved = pool.reserve_batch(new, [layout.block_bytes] * len(new), parents)
+        writers += [w for w in reserved if w is not None]  # aborted below on any error
+        for i, w in enumerate(reserved, start=hit):
             if w is not None:
-                writers.append(w)
                 writes.append(_write_spec(w.export(), i * bt, bt, regions))
         if store_tail and total % bt:
             start = (total // bt) * bt
