@@ -12,6 +12,7 @@ import pytest
 from clusterhelpers import Cluster, spawn, start_cluster, wait_until
 
 import kvpool
+from kvpool.api import BlockWriter
 from kvpool.errors import StaleWriteError
 
 MIB = 1 << 20
@@ -73,6 +74,37 @@ def test_a_stale_writer_is_fenced_after_a_restart() -> None:
         out = np.empty(MIB, np.uint8)
         assert other.get_into(k2, out) == MIB and np.array_equal(out, payload(2))
         assert not first.exists([k1])[0]
+        first.close()
+        other.close()
+    finally:
+        cluster.stop()
+
+
+def test_a_stale_writer_in_a_commit_all_is_refused_alone() -> None:
+    """``BlockWriter.commit_all`` of a stale writer (reserved in the old term) and a
+    fresh one (reserved after the restart, on the same node, in one seal
+    exchange): the stale seal is refused and raises, the fresh block commits, and
+    the block now owning the stale writer's range reads back exactly."""
+    cluster = start_cluster(["2MiB"])  # two blocks of room: the new term reuses both
+    try:
+        first = kvpool.connect(cluster.url, timeout=5, transport="tcp")
+        other = kvpool.connect(cluster.url, timeout=5)
+        k1, k2, k3 = b"\x11" * 16, b"\x22" * 16, b"\x33" * 16
+        stale = first.reserve(k1, MIB)
+        assert stale is not None
+        stale.write(0, payload(1))
+        cluster.master.kill()
+        cluster.master = cluster.restart_master_process()
+        assert other.put(k2, payload(2))
+        [fresh] = first.reserve_batch([k3], [MIB])
+        assert fresh is not None
+        fresh.write(0, payload(3))
+        with pytest.raises(StaleWriteError, match="refused to seal"):
+            BlockWriter.commit_all([stale, fresh])
+        assert first.exists([k1, k2, k3]) == [False, True, True]
+        out = np.empty(MIB, np.uint8)
+        for key, i in ((k2, 2), (k3, 3)):
+            assert first.get_into(key, out) == MIB and np.array_equal(out, payload(i))
         first.close()
         other.close()
     finally:

@@ -97,6 +97,28 @@ def test_a_page_missing_one_piece_is_a_miss_and_rewritten_alone(python: Path, tm
     assert out["same"] == [True] * PAGES
 
 
+def test_calls_whose_counts_disagree_raise_and_store_nothing(python: Path, tmp_path: Path):
+    cluster = start_cluster(["64MiB"])
+    try:
+        job = {"step": "mismatch", "seed": 12, "extra": {"url": cluster.url}}
+        out = run_step(python, tmp_path, job)
+    finally:
+        cluster.stop()
+    assert out["unregistered"] == (
+        "RuntimeError: KVPoolStorage: register_mem_pool_host was not called"
+    )
+    assert out["set_v1"] == (
+        "RuntimeError: KVPoolStorage: 2 page buffers for 2 pages of 2 from the host pool"
+    )
+    assert out["get_v1"] == (
+        "RuntimeError: KVPoolStorage: 6 page buffers for 2 pages of 2 from the host pool"
+    )
+    assert out["batch_set"] == "ValueError: KVPoolStorage: 1 values for 2 keys"
+    assert out["batch_get"] == "ValueError: KVPoolStorage: 1 targets for 2 keys"
+    assert out["hit_after_errors"] == 0  # nothing was stored by the refused calls
+    assert out["wrote"] == [True, True] and out["hit"] == 2
+
+
 def test_pool_down_is_a_miss(python: Path, tmp_path: Path):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -192,6 +192,34 @@ def partial(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
+def mismatch(job: dict[str, Any]) -> dict[str, Any]:
+    """Calls whose counts disagree (an engine bug) raise a clear error and store or
+    read nothing; the same backend then works."""
+    pool = PageFirstHostPool(4 * PAGE, seed=job["seed"])
+    storage = backend(job["extra"])
+    keys = page_keys(job["seed"], 2)
+    flat = [pool.page(0).reshape(-1)]
+    calls = {
+        "unregistered": lambda: storage.batch_set_v1(keys, torch.arange(2 * PAGE)),
+        "set_v1": lambda: storage.batch_set_v1(keys, torch.arange(PAGE)),
+        "get_v1": lambda: storage.batch_get_v1(keys, torch.arange(3 * PAGE)),
+        "batch_set": lambda: storage.batch_set(keys, flat),
+        "batch_get": lambda: storage.batch_get(keys, flat),
+    }
+    out: dict[str, Any] = {}
+    for name, call in calls.items():
+        if name == "set_v1":
+            storage.register_mem_pool_host(pool)
+        try:
+            out[name] = f"returned {call()!r}"
+        except (RuntimeError, ValueError) as exc:
+            out[name] = f"{type(exc).__name__}: {exc}"
+    out["hit_after_errors"] = storage.batch_exists(keys)
+    out["wrote"] = storage.batch_set_v1(keys, torch.arange(2 * PAGE))
+    out["hit"] = storage.batch_exists(keys)
+    return out
+
+
 def down(job: dict[str, Any]) -> dict[str, Any]:
     """A pool that is not there: misses and failed writes, quickly, no exception."""
     pool = PageFirstHostPool(2 * PAGE, seed=0)
@@ -211,6 +239,7 @@ def down(job: dict[str, Any]) -> dict[str, Any]:
 if __name__ == "__main__":
     with open(sys.argv[1]) as f:
         job = json.load(f)
-    result = {"write": write, "read": read, "partial": partial, "down": down}[job["step"]](job)
+    steps = {"write": write, "read": read, "partial": partial, "mismatch": mismatch, "down": down}
+    result = steps[job["step"]](job)
     with open(sys.argv[2], "w") as f:
         json.dump(result, f)
