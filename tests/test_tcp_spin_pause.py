@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -135,11 +134,33 @@ def test_a_bad_pause_rule_is_refused(args: tuple[int, int, int]) -> None:
     assert native.counters()["next_pause_us"] == before
 
 
+def _timed_puts_and_reads(
+    pool: kvpool.RemotePool, keys: list[bytes], datas: list[np.ndarray], outs: list[np.ndarray]
+) -> tuple[list[float], list[float]]:
+    """Seconds of each put, then (the commits flushed) of each read of it back."""
+    puts, reads = [], []
+    for k, data in zip(keys, datas, strict=True):
+        started = time.monotonic()
+        assert pool.put(k, data)
+        puts.append(time.monotonic() - started)
+    pool.flush()
+    for k, out in zip(keys, outs, strict=True):
+        started = time.monotonic()
+        assert pool.get_into(k, out) == out.nbytes
+        reads.append(time.monotonic() - started)
+    return puts, reads
+
+
 @needs_native
 def test_tcp_puts_and_reads_beside_a_busy_co_runner_do_not_pay_its_slice_each() -> None:
-    """The client on one CPU with a hog: every put and read exact, and the median
-    call far under the hog's slice (each paid ~4 ms on the Intel VM when every
-    spin yielded to it; 0.2-1.4 ms with the pause: bench/RESULTS.md, session 30)."""
+    """The client on one CPU with a hog: every put and read exact; only a handful of
+    spins met the hog (a long yield: each hands it a whole slice, ~4 ms on the Intel
+    VM, which every call paid before the pause: bench/RESULTS.md, session 30), and
+    every other receive slept at once. What that saves is measured there, not
+    asserted here: the wall time of a call beside a hog is the machine's (an
+    absolute bound of 2 ms a call failed on a slow hour of the VM, session 36, where
+    a read's wake-ups alone took 1.7-3.5 ms beside the hog, and a control run with
+    no pause paid the slice in three runs of four)."""
     cluster = start_cluster(["64MiB"])
     size, n = 256 << 10, 24
     datas = [np.random.default_rng(700 + i).integers(0, 256, size, np.uint8) for i in range(n)]
@@ -150,22 +171,20 @@ def test_tcp_puts_and_reads_beside_a_busy_co_runner_do_not_pay_its_slice_each() 
             assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
             with pause_rule(500, 10, 1000), on_one_cpu() as cpu, busy_co_runner(cpu):
                 before = tcp_recv.counters()
-                puts, reads = [], []
                 for k, data in zip(keys, datas, strict=True):
-                    started = time.monotonic()
                     assert pool.put(k, data)
-                    puts.append(time.monotonic() - started)
                 pool.flush()
                 for k, out in zip(keys, outs, strict=True):
-                    started = time.monotonic()
                     assert pool.get_into(k, out) == size
-                    reads.append(time.monotonic() - started)
                 after = tcp_recv.counters()
             assert pool.stats()["transport"] == "tcp"
         for data, out in zip(datas, outs, strict=True):
             assert np.array_equal(out, data)
-        assert after["long_yields"] > before["long_yields"]
-        assert after["paused"] > before["paused"]
-        assert statistics.median(puts) < 0.002 and statistics.median(reads) < 0.002
+        # each long yield pauses the spins >= 10 ms (doubling while they follow): a
+        # handful met the hog (3-5 of ~50 waits in session 36's runs), never most
+        waits = after["waits"] - before["waits"]
+        met = after["long_yields"] - before["long_yields"]
+        assert met >= 1 and 3 * met <= waits
+        assert after["paused"] - before["paused"] >= n  # the other receives slept at once
     finally:
         cluster.stop()
