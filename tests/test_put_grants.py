@@ -16,6 +16,8 @@ from clusterhelpers import Cluster, start_cluster, wait_until
 from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool
+from kvpool.cluster.client.claims import GrantClaims
+from kvpool.cluster.client.fenced import OK
 from kvpool.cluster.client.grants import (
     BASE_STOCK,
     MAX_STOCK,
@@ -58,6 +60,56 @@ def test_stock_refills_at_half_and_only_once_at_a_time() -> None:
     stock.take(BLOCK)
     assert stock.wants_refill(BLOCK) == 3
     assert GrantStock(0).wants_refill(BLOCK) == 0  # grants off
+
+
+class _Control:
+    """A node's control connection that answers every claim OK, or fails a chunk."""
+
+    def __init__(self, fail_at: int = -1) -> None:
+        self.chunks: list[int] = []
+        self.fail_at = fail_at
+
+    def stamped(self, items: list[tuple[int, bytes, int, None]]) -> list[int]:
+        if len(self.chunks) == self.fail_at:
+            self.chunks.append(len(items))
+            raise ConnectionLostError("the node went away")
+        self.chunks.append(len(items))
+        return [OK] * len(items)
+
+
+class _Session:
+    """What ``GrantClaims`` asks of a client session: a same-host node "n1"."""
+
+    def __init__(self, control: _Control) -> None:
+        self.regions = {"n1": object()}
+        self._control = control
+
+    def transport(self, node_id: str) -> object:
+        return object()  # not a TcpTransport: claims are taken ahead
+
+    def control(self, node_id: str) -> _Control:
+        return self._control
+
+
+@pytest.mark.parametrize(
+    ("fail_at", "chunks", "claimed"), [(-1, [32, 64, 4], 100), (1, [32, 64], 32)]
+)
+def test_claims_go_oldest_first_in_growing_chunks(
+    fail_at: int, chunks: list[int], claimed: int
+) -> None:
+    """A refill's grants are claimed 32 first, then twice as many each exchange (so
+    the oldest, which the straight path takes next, are usable early); a chunk that
+    fails ends the claiming, and its grants and the rest are left unclaimed (not
+    stuck as being claimed: the next ``to_claim`` offers them again)."""
+    stock = GrantStock()
+    stock.add(BLOCK, [grant(i) for i in range(1, 101)])
+    control = _Control(fail_at)
+    claims = GrantClaims(_Session(control), stock)  # type: ignore[arg-type]
+    claims.claim_soon()
+    claims.close()  # waits for the claiming
+    assert control.chunks == chunks
+    assert stock.claimed_in_stock() == claimed
+    assert [g.alloc_id for g, _ in stock.to_claim()] == list(range(claimed + 1, 101))
 
 
 def test_a_stock_deepens_when_its_refill_comes_too_late_once_per_refill() -> None:
