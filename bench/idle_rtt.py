@@ -13,7 +13,6 @@ master, alternating, and reports the median of each and their ratio.
 from __future__ import annotations
 
 import argparse
-import os
 import socket
 import subprocess
 import sys
@@ -57,27 +56,24 @@ def register_idle_rtt(suites: Any) -> None:
 
 def run_idle_rtt(idle_ms: Sequence[float], samples: int, pin: bool = True) -> list[IdleRow]:
     from kvpool.bench.remote import connect_client, local_cluster
-    from kvpool.bench.remote_transport import split_cpus
+    from kvpool.bench.remote_transport import pinned, split_cpus
 
     if samples < 1 or any(g < 0 for g in idle_ms):
         raise ValueError("--samples must be >= 1 and idle gaps >= 0")
     split = split_cpus() if pin else None
     client_cpus, server_cpus = split if split else (None, None)
-    saved = os.sched_getaffinity(0)
     rows = []
     with local_cluster(64 << 20, server_cpus) as url, _echo(server_cpus) as echo:
         pool = connect_client(url, "tcp")
-        if client_cpus:
-            os.sched_setaffinity(0, client_cpus)
         try:
-            key = [b"\0" * 16]
-            for gap in idle_ms:
-                master, raw = _alternate(
-                    gap / 1e3, samples, lambda: pool.exists(key), lambda: _ping(echo)
-                )
-                rows.append(IdleRow(gap, master, raw, master / raw))
+            with pinned(client_cpus):
+                key = [b"\0" * 16]
+                for gap in idle_ms:
+                    master, raw = _alternate(
+                        gap / 1e3, samples, lambda: pool.exists(key), lambda: _ping(echo)
+                    )
+                    rows.append(IdleRow(gap, master, raw, master / raw))
         finally:
-            os.sched_setaffinity(0, saved)
             pool.close()
     return rows
 
@@ -90,21 +86,14 @@ def raw_wake_us(idle_ms: Sequence[float] = (0.0, 20.0), samples: int = 40) -> di
     slow hour lowers those ratios (``kvpool bench all`` prints it before and after
     its suites; bench/RESULTS.md, session 36: 88 / 568 us in an hour whose remote
     rows ran 0.5-0.8, against 48 / 215 us on a quiet machine)."""
-    from kvpool.bench.remote_transport import split_cpus
+    from kvpool.bench.remote_transport import pinned, split_cpus
 
     split = split_cpus()
     client_cpus, server_cpus = split if split else (None, None)
-    saved = os.sched_getaffinity(0)
-    out = {}
-    with _echo(server_cpus) as echo:
-        if client_cpus:
-            os.sched_setaffinity(0, client_cpus)
-        try:
-            for gap in idle_ms:
-                out[f"{gap:g}"] = _alternate(gap / 1e3, samples, lambda: _ping(echo))[0]
-        finally:
-            os.sched_setaffinity(0, saved)
-    return out
+    with _echo(server_cpus) as echo, pinned(client_cpus):
+        return {
+            f"{gap:g}": _alternate(gap / 1e3, samples, lambda: _ping(echo))[0] for gap in idle_ms
+        }
 
 
 def _alternate(gap_s: float, samples: int, *ops: Callable[[], object]) -> list[float]:

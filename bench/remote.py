@@ -40,7 +40,6 @@ right after ours of that size; otherwise it prints why it skipped.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import time
@@ -57,7 +56,7 @@ from kvpool.bench.common import count_for, faulted, paired, write_json
 from kvpool.bench.machine import CpuTimes, steal_since
 from kvpool.bench.mooncake_peer import mooncake_peer
 from kvpool.bench.remote_rows import Baselines, RemoteRow, on_cpus, print_rows, remote_row
-from kvpool.bench.remote_transport import RawClient, split_cpus
+from kvpool.bench.remote_transport import RawClient, pinned, split_cpus
 from kvpool.cluster.client.grants import DEFAULT_GRANT_BYTES
 from kvpool.cluster.client.remote_pool import RemotePool
 from kvpool.procs import spawn_kvpool, stop_by_stdin
@@ -330,7 +329,6 @@ def run_remote(
     dram = region + region // 4 + (16 << 20) + room
     split = split_cpus() if pin else None
     client_cpus, server_cpus = split if split else (None, None)
-    saved = os.sched_getaffinity(0)
     rows: list[RemoteRow] = []
     with ExitStack() as running:
         url = running.enter_context(local_cluster(dram, server_cpus, room / dram))
@@ -340,9 +338,7 @@ def run_remote(
         mooncake = running.enter_context(mooncake_peer(region, server_cpus)) if peer else None
         raw = RawClient(raw_port)
         running.callback(raw.sock.close)
-        running.callback(os.sched_setaffinity, 0, saved)
-        if client_cpus:
-            os.sched_setaffinity(0, client_cpus)
+        running.enter_context(pinned(client_cpus))
         for size in sizes:
             bufs = _Buffers.make(size, counts[size])
             for t in usable:

@@ -31,7 +31,8 @@ import struct
 import subprocess
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -201,6 +202,19 @@ def split_cpus() -> tuple[set[int], set[int]] | None:
     return set(cpus[:half]), set(cpus[half:])
 
 
+@contextmanager
+def pinned(cpus: set[int] | None) -> Iterator[None]:
+    """This process on ``cpus`` for the block (None or empty: left where it is), its
+    CPU set restored afterwards: the client side of ``split_cpus``."""
+    saved = os.sched_getaffinity(0)
+    if cpus:
+        os.sched_setaffinity(0, cpus)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, saved)
+
+
 def run_remote_transport(
     sizes: Sequence[int],
     transports: Sequence[str] = ("tcp", "shm"),
@@ -216,7 +230,6 @@ def run_remote_transport(
     """
     region = max(count_for(s, WORKING_SET) * s for s in sizes)
     split = split_cpus() if pin else None
-    saved = os.sched_getaffinity(0)
     cmd = [sys.executable, "-m", "kvpool.bench.remote_transport", "--node", str(region)]
     if "ucx" in transports:
         from kvpool.transport.ucx import ucx_available
@@ -234,17 +247,16 @@ def run_remote_transport(
     )
     assert node.stdout is not None and node.stdin is not None
     try:
-        if split:
-            os.sched_setaffinity(0, split[0])
-        tcp_port, raw_port, shm_name, host_id, ucx_port, ucx_addr = node.stdout.readline().split()
-        info = RegionInfo("bench", region, host_id, "127.0.0.1", int(tcp_port), shm_name)
-        if ucx_addr != "-":
-            info.ucx = UcxInfo("127.0.0.1", int(ucx_port), bytes.fromhex(ucx_addr))
-        raw = RawClient(int(raw_port))
-        rows = [r for s in sizes for r in _sizes_rows(s, info, raw, transports, rounds)]
-        raw.sock.close()
+        with pinned(split[0] if split else None):
+            fields = node.stdout.readline().split()
+            tcp_port, raw_port, shm_name, host_id, ucx_port, ucx_addr = fields
+            info = RegionInfo("bench", region, host_id, "127.0.0.1", int(tcp_port), shm_name)
+            if ucx_addr != "-":
+                info.ucx = UcxInfo("127.0.0.1", int(ucx_port), bytes.fromhex(ucx_addr))
+            raw = RawClient(int(raw_port))
+            rows = [r for s in sizes for r in _sizes_rows(s, info, raw, transports, rounds)]
+            raw.sock.close()
     finally:
-        os.sched_setaffinity(0, saved)
         node.stdin.close()
         node.wait(timeout=30)
     write_json(json_path, rows)
