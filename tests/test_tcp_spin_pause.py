@@ -185,6 +185,6 @@ def test_tcp_puts_and_reads_beside_a_busy_co_runner_do_not_pay_its_slice_each() 
         waits = after["waits"] - before["waits"]
         met = after["long_yields"] - before["long_yields"]
         assert met >= 1 and 3 * met <= waits
-        assert after["paused"] - before["paused"] >= n  # the other receives slept at once
+        assert after["paused"] > before["paused"]  # receives slept at once while it held
     finally:
         cluster.stop()
