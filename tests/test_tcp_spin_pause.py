@@ -156,7 +156,7 @@ def test_tcp_puts_and_reads_beside_a_busy_co_runner_do_not_pay_its_slice_each() 
     """The client on one CPU with a hog: every put and read exact; only a handful of
     spins met the hog (a long yield: each hands it a whole slice, ~4 ms on the Intel
     VM, which every call paid before the pause: bench/RESULTS.md, session 30), and
-    every other receive slept at once. What that saves is measured there, not
+    the others slept at once or found their reply ready. What that saves is measured there, not
     asserted here: the wall time of a call beside a hog is the machine's (an
     absolute bound of 2 ms a call failed on a slow hour of the VM, session 36, where
     a read's wake-ups alone took 1.7-3.5 ms beside the hog, and a control run with
