@@ -57,6 +57,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.args import seconds_arg
 from kvpool.bench.gpu_common import MiB, environment
 
 
@@ -98,7 +99,7 @@ def register_gpu(suites: Any) -> None:
     p.add_argument("--only", default=None, help=f"comma list of sections ({', '.join(SECTIONS)})")
     p.add_argument("--out", default=None, help="report folder (default $OUT, else bench/out/gpu)")
     p.add_argument("--budget", action="append", default=[], metavar="SECTION=SECONDS")
-    p.add_argument("--total-budget", type=float, default=TOTAL_BUDGET_S, metavar="SECONDS")
+    p.add_argument("--total-budget", type=seconds_arg, default=TOTAL_BUDGET_S, metavar="SECONDS")
     p.add_argument("--layer-tokens", type=int, default=4096, help="layerwise: prompt tokens")
     p.add_argument("--long-tokens", type=int, default=16384, help="serve: the long prompt")
     p.set_defaults(func=run)

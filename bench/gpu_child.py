@@ -22,6 +22,7 @@ import json
 import time
 import traceback
 
+from kvpool.args import seconds_arg
 from kvpool.bench.gpu_common import Section, SectionTimeout
 
 
@@ -32,7 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--inputs", default="[]", help="JSON list of the function's arguments")
     p.add_argument("--device", required=True)
     p.add_argument("--dry-run", action="store_true")
-    p.add_argument("--seconds", type=float, required=True, help="the section's budget")
+    p.add_argument("--seconds", type=seconds_arg, required=True, help="the section's budget")
     p.add_argument("--record", required=True, help="where to keep the section's record (JSON)")
     args = p.parse_args(argv)
 

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from kvpool.api import KVStore
-from kvpool.args import positive_int, size_arg
+from kvpool.args import positive_int, seconds_arg, size_arg
 from kvpool.bench.common import write_json
 from kvpool.procs import Child, spawn_kvpool
 
@@ -69,7 +69,7 @@ def register_hot(suites: Any) -> None:
     parser.add_argument("--readers", type=positive_int, default=3)
     parser.add_argument("--blocks", type=positive_int, default=4)
     parser.add_argument("--block-size", type=size_arg, default="4MiB")
-    parser.add_argument("--seconds", type=float, default=5.0)
+    parser.add_argument("--seconds", type=seconds_arg, default=5.0)
     parser.add_argument(
         "--transport", default="tcp", help="what readers use (tcp: served by nodes)"
     )

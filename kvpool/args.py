@@ -17,6 +17,7 @@ Two kinds live here:
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -223,24 +224,30 @@ _positive_int = _int_at_least(1, "a positive integer")
 _non_negative_int = _int_at_least(0, "an integer >= 0")
 
 
-def _share(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise ValueError(f"expected a share from 0 to 1, got {text!r}") from None
-    if not 0.0 <= x <= 1.0:  # also refuses nan
-        raise ValueError(f"expected a share from 0 to 1, got {text!r}")
-    return x
+def _float_in(
+    what: str, low: float, *, low_open: bool, high: float = math.inf
+) -> Callable[[str], float]:
+    """A parser of finite floats from ``low`` (excluded when ``low_open``) to ``high``
+    (included when finite); its error says ``expected WHAT, got 'TEXT'``. Every float
+    option goes through one: a bare ``float`` takes nan, inf and negative values."""
+
+    def parse(text: str) -> float:
+        try:
+            x = float(text)
+        except ValueError:
+            raise ValueError(f"expected {what}, got {text!r}") from None
+        above = x > low if low_open else x >= low
+        if not (above and x <= high and math.isfinite(x)):  # nan fails every comparison
+            raise ValueError(f"expected {what}, got {text!r}")
+        return x
+
+    return parse
 
 
-def _seconds(text: str) -> float:
-    try:
-        x = float(text)
-    except ValueError:
-        raise ValueError(f"expected a positive number of seconds, got {text!r}") from None
-    if not 0.0 < x < float("inf"):  # also refuses nan
-        raise ValueError(f"expected a positive number of seconds, got {text!r}")
-    return x
+_share = _float_in("a share from 0 to 1", 0.0, low_open=False, high=1.0)
+_seconds = _float_in("a positive number of seconds", 0.0, low_open=True)
+_positive_float = _float_in("a positive number", 0.0, low_open=True)
+_non_negative_float = _float_in("a number >= 0", 0.0, low_open=False)
 
 
 def _port(text: str) -> int:
@@ -267,6 +274,10 @@ port_arg = _argtype("port", _port)
 share_arg = _argtype("share", _share)
 #: "2.5" -> 2.5 (a positive, finite number of seconds).
 seconds_arg = _argtype("seconds", _seconds)
+#: "1.5" -> 1.5 (finite, > 0): rates, factors, SLO multiples.
+positive_float = _argtype("positive number", _positive_float)
+#: "0" -> 0.0 (finite, >= 0): thresholds that may be off.
+non_negative_float = _argtype("number >= 0", _non_negative_float)
 
 
 #: "512,1024" -> [512, 1024] (each > 0, at least one).

@@ -8,6 +8,7 @@ exactly like ``kvpool serve``.
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -15,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from kvpool.cli import main
+from kvpool.cli import build_parser, main
 
 MISSING = "/nonexistent/kvpool-trace.jsonl"
 NO_FILE = f"No such file or directory: {MISSING!r}"
@@ -66,6 +67,45 @@ BAD_ARGUMENTS = [
     (
         ["master", "--alloc-ttl", "inf"],
         "master: error: argument --alloc-ttl: expected a positive number of seconds, got 'inf'",
+    ),
+    (
+        ["master", "--node-ttl", "-1"],
+        "master: error: argument --node-ttl: expected a positive number of seconds, got '-1'",
+    ),
+    (
+        ["master", "--lease-ttl", "nan"],
+        "master: error: argument --lease-ttl: expected a positive number of seconds, got 'nan'",
+    ),
+    (
+        ["master", "--half-life", "0"],
+        "master: error: argument --half-life: expected a positive number of seconds, got '0'",
+    ),
+    (
+        ["master", "--hot-reads", "-1"],
+        "master: error: argument --hot-reads: expected a positive number, got '-1'",
+    ),
+    (
+        ["master", "--cool-reads", "inf"],
+        "master: error: argument --cool-reads: expected a number >= 0, got 'inf'",
+    ),
+    (
+        ["node", "--master", "h:1", "--heartbeat", "-1"],
+        "node: error: argument --heartbeat: expected a positive number of seconds, got '-1'",
+    ),
+    (["sim", MISSING, "--speed", "0"], "sim: error: argument --speed: expected a positive number"),
+    (
+        ["sim", MISSING, "--balance-threshold", "1.5"],
+        "sim: error: argument --balance-threshold: expected a share from 0 to 1",
+    ),
+    (["plan", MISSING, "--attainment", "nan"], "plan: error: argument --attainment: expected"),
+    (["replay", MISSING, "--timeout", "0"], "replay: error: argument --timeout: expected"),
+    (
+        ["trace", "synth", "--rate", "-2"],
+        "trace synth: error: argument --rate: expected a positive number, got '-2'",
+    ),
+    (
+        ["trace", "synth", "--system-prompts", "0"],
+        "trace synth: error: argument --system-prompts: expected a positive integer",
     ),
     (["demo", "--dram", "0"], "demo: error: argument --dram: a size must be positive"),
     (["demo", "--requests", "-1"], "demo: error: argument --requests: expected an integer >= 0"),
@@ -139,6 +179,12 @@ EXPECTED_FAILURES = [
         "is not a multiple of --cpp-group",
     ),
     (["serve", "--model", "nope"], 1, "serve: error: ", "unknown model preset 'nope'"),
+    (
+        ["master", "--cool-reads", "9"],  # not below the default --hot-reads 8: would flap
+        1,
+        "master: error: ",
+        "replication needs 0 <= cool reads < hot reads (finite), got cool 9.0, hot 8.0",
+    ),
     # A trace that cannot be read: the trace loader's own line (exit status 2).
     (["trace", "stats", MISSING], 2, "trace stats: ", NO_FILE),
     (["cachesim", MISSING], 2, "cachesim: ", NO_FILE),
@@ -172,9 +218,9 @@ def test_sim_bad_value_is_one_line(capsys: pytest.CaptureFixture[str], tmp_path:
     trace = tmp_path / "t.jsonl"
     record = '{"timestamp": 0, "input_length": 600, "output_length": 4, "hash_ids": [1, 2]}'
     trace.write_text(record + "\n")
-    rc, err = _fails(capsys, ["sim", str(trace), "--speed", "0"])
+    rc, err = _fails(capsys, ["sim", str(trace), "--decode-headroom", "0"])
     assert rc == 1
-    assert "speed must be > 0" in _one_error_line(err, "kvpool sim: error: ")
+    assert "decode_headroom must be in (0, 1]" in _one_error_line(err, "kvpool sim: error: ")
 
 
 def test_traceback_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -220,3 +266,23 @@ def test_installed_entry_points_as_processes(
     )
     assert done.returncode == status, done.stderr
     _one_error_line(done.stderr, line)
+
+
+def _float_options(parser: argparse.ArgumentParser, words: str) -> list[str]:
+    """``COMMAND --option`` for each option of ``parser`` and its subcommands parsed
+    by a bare ``float``. (argparse lists its actions only in ``_actions``.)"""
+    found = []
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for name, sub in action.choices.items():
+                found += _float_options(sub, f"{words} {name}")
+        elif action.type is float:
+            found.append(f"{words} {'/'.join(action.option_strings) or action.dest}")
+    return found
+
+
+def test_no_option_parses_a_bare_float() -> None:
+    """A bare ``float`` takes nan, inf and negative values (a master ran with
+    ``--node-ttl -1`` and dropped every node); each float option has a checked type
+    from ``kvpool.args`` instead."""
+    assert _float_options(build_parser(), "kvpool") == []

@@ -187,13 +187,17 @@ def test_sim_cli_bad_fidelity_options(tmp_path: Path, capsys: pytest.CaptureFixt
     trace = tmp_path / "t.jsonl"
     write_trace(synthesize(requests=20, seed=2), str(trace))
     argv = ["sim", str(trace), "--prefill", "1", "--decode", "1"]
-    assert main([*argv, "--load-series", str(tmp_path / "s.json"), "--load-interval", "0"]) == 1
-    assert "--load-interval must be > 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # a usage error (kvpool.args.seconds_arg)
+        main([*argv, "--load-series", str(tmp_path / "s.json"), "--load-interval", "0"])
+    assert "--load-interval: expected a positive number of seconds" in capsys.readouterr().err
     bad = tmp_path / "lw.json"
     bad.write_text(json.dumps({"layers": 32}))
     assert main([*argv, "--layerwise-calibration", str(bad)]) == 1
     assert "not a kvpool bench layerwise result: missing 'compute_s'" in capsys.readouterr().err
-    assert main([*argv, "--find-rate", "--attainment", "1.5"]) == 1
+    with pytest.raises(SystemExit):
+        main([*argv, "--find-rate", "--attainment", "1.5"])
+    assert "--attainment: expected a share from 0 to 1" in capsys.readouterr().err
+    assert main([*argv, "--find-rate", "--attainment", "0"]) == 1
     assert "attainment must be in (0, 1]" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main([*argv, "--hardware", "b200"])

@@ -12,7 +12,9 @@ import logging
 from typing import Any
 
 from kvpool.args import (
+    non_negative_float,
     port_arg,
+    positive_float,
     positive_int,
     seconds_arg,
     share_arg,
@@ -43,8 +45,12 @@ def register(subparsers: Any) -> None:
     master.add_argument("--port", type=port_arg, default=DEFAULT_PORT)
     master.add_argument("--token", default=None, help="shared token (default $KVPOOL_TOKEN)")
     master.add_argument("--policy", default="lru", help="eviction policy for every node")
-    master.add_argument("--node-ttl", type=float, default=5.0, help="seconds without heartbeat")
-    master.add_argument("--lease-ttl", type=float, default=30.0)
+    master.add_argument(
+        "--node-ttl", type=seconds_arg, default=5.0, help="seconds without heartbeat"
+    )
+    master.add_argument(
+        "--lease-ttl", type=seconds_arg, default=30.0, help="seconds a read lease lasts"
+    )
     master.add_argument(
         "--alloc-ttl",
         type=seconds_arg,
@@ -55,12 +61,15 @@ def register(subparsers: Any) -> None:
     master.add_argument("--metrics-port", type=port_arg, default=None, help="serve /metrics here")
     master.add_argument(
         "--hot-reads",
-        type=float,
+        type=positive_float,
         default=8.0,
         help="decayed reads that earn a block one more replica",
     )
     master.add_argument(
-        "--cool-reads", type=float, default=2.0, help="below this a block loses its extra replicas"
+        "--cool-reads",
+        type=non_negative_float,
+        default=2.0,
+        help="below this a block loses its extra replicas",
     )
     master.add_argument(
         "--grant-share",
@@ -69,7 +78,9 @@ def register(subparsers: Any) -> None:
         help="share of the cluster's DRAM all clients' put grants may hold together "
         "(default 1/16; 0: lend none, every put asks the master for its space)",
     )
-    master.add_argument("--half-life", type=float, default=10.0, help="read-heat half-life (s)")
+    master.add_argument(
+        "--half-life", type=seconds_arg, default=10.0, help="read-heat half-life (s)"
+    )
     master.add_argument("--max-replicas", type=positive_int, default=3)
     master.add_argument("--no-auto-replicate", action="store_true")
     master.add_argument(
@@ -80,7 +91,7 @@ def register(subparsers: Any) -> None:
     )
     master.add_argument("--cluster", default="default", help="the cluster's name in etcd")
     master.add_argument(
-        "--leader-ttl", type=float, default=3.0, help="leader lease seconds (HA, >= 1)"
+        "--leader-ttl", type=seconds_arg, default=3.0, help="leader lease seconds (HA, >= 1)"
     )
     master.add_argument(
         "--advertise", default="", help="HOST:PORT callers are sent to (HA; default: bind)"
@@ -104,7 +115,9 @@ def register(subparsers: Any) -> None:
     node.add_argument("--data-port", type=port_arg, default=0)
     node.add_argument("--token", default=None, help="shared token (default $KVPOOL_TOKEN)")
     node.add_argument("--node-id", default=None)
-    node.add_argument("--heartbeat", type=float, default=1.0, help="seconds between heartbeats")
+    node.add_argument(
+        "--heartbeat", type=seconds_arg, default=1.0, help="seconds between heartbeats"
+    )
     node.add_argument("--metrics-port", type=port_arg, default=None, help="serve /metrics here")
     node.add_argument("--log-level", default="INFO", type=str.upper, choices=LOG_LEVELS)
     node.set_defaults(func=_run_node)

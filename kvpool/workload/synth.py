@@ -57,6 +57,8 @@ class SynthConfig:
             raise ValueError("sessions must be >= 1")
         if self.mean_turns < 1:
             raise ValueError("mean_turns must be >= 1")
+        if not (self.think_time_s >= 0 and self.think_sigma >= 0):  # also refuses nan
+            raise ValueError("think_time_s and think_sigma must be >= 0")
         if self.system_prompts < 1:
             raise ValueError("system_prompts must be >= 1")
         if self.block_tokens < 1 or self.max_input_tokens < self.block_tokens:
@@ -100,7 +102,7 @@ def synthesize(config: SynthConfig | None = None, **overrides: Any) -> list[Trac
         return int(np.clip(round(median * math.exp(cfg.sigma * g.standard_normal())), lo, hi))
 
     def think(g: np.random.Generator) -> float:
-        if cfg.think_sigma <= 0:
+        if cfg.think_sigma <= 0 or cfg.think_time_s == 0:  # (0: every think time is 0)
             return float(g.exponential(cfg.think_time_s))
         mu = math.log(cfg.think_time_s) - cfg.think_sigma**2 / 2  # mean = think_time_s
         return float(g.lognormal(mu, cfg.think_sigma))

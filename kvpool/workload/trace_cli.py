@@ -7,6 +7,7 @@ import json
 import sys
 from typing import Any
 
+from kvpool.args import non_negative_float, positive_float, positive_int, share_arg
 from kvpool.workload.synth import SynthConfig
 from kvpool.workload.traces import DEFAULT_BLOCK_TOKENS
 
@@ -39,12 +40,17 @@ def register(subparsers: Any) -> None:
     synth.add_argument("--seed", type=int, default=d.seed)
     synth.add_argument("--out", default=None, help="output file (default: stdout)")
     opt = synth.add_argument  # options whose default depends on the profile: None = its default
-    opt("--rate", type=float, default=None, help=f"mean requests per second ({d.rate})")
-    opt("--sessions", type=int, default=None, help="number of chat sessions (default: derived)")
-    opt("--mean-turns", type=float, default=None, help=f"({d.mean_turns})")
+    opt("--rate", type=positive_float, default=None, help=f"mean requests per second ({d.rate})")
+    opt(
+        "--sessions",
+        type=positive_int,
+        default=None,
+        help="number of chat sessions (default: derived)",
+    )
+    opt("--mean-turns", type=positive_float, default=None, help=f"({d.mean_turns})")
     opt(
         "--think-time",
-        type=float,
+        type=non_negative_float,
         default=None,
         help=f"seconds: synthetic, the mean think time ({d.think_time_s}); conversation, "
         "the median time spent on the next message at 8k tokens of context (60; reading "
@@ -52,24 +58,26 @@ def register(subparsers: Any) -> None:
     )
     opt(
         "--think-sigma",
-        type=float,
+        type=non_negative_float,
         default=None,
         help=f"lognormal shape of think times, 0 = exponential ({d.think_sigma})",
     )
-    opt("--doc-fraction", type=float, default=None, help=f"({d.doc_fraction})")
-    opt("--system-prompts", type=int, default=None, help=f"({d.system_prompts})")
-    opt("--zipf", type=float, default=None, help=f"system prompt popularity ({d.zipf})")
-    opt("--system-tokens", type=int, default=None, help=f"median ({d.system_tokens})")
-    opt("--user-tokens", type=int, default=None, help=f"median ({d.user_tokens})")
-    opt("--reply-tokens", type=int, default=None, help=f"median ({d.reply_tokens})")
-    opt("--doc-tokens", type=int, default=None, help=f"median ({d.doc_tokens})")
-    opt("--max-input-tokens", type=int, default=None, help=f"({d.max_input_tokens})")
-    synth.add_argument("--block-tokens", type=int, default=d.block_tokens)
+    opt("--doc-fraction", type=share_arg, default=None, help=f"({d.doc_fraction})")
+    opt("--system-prompts", type=positive_int, default=None, help=f"({d.system_prompts})")
+    opt(
+        "--zipf", type=non_negative_float, default=None, help=f"system prompt popularity ({d.zipf})"
+    )
+    opt("--system-tokens", type=positive_int, default=None, help=f"median ({d.system_tokens})")
+    opt("--user-tokens", type=positive_int, default=None, help=f"median ({d.user_tokens})")
+    opt("--reply-tokens", type=positive_int, default=None, help=f"median ({d.reply_tokens})")
+    opt("--doc-tokens", type=positive_int, default=None, help=f"median ({d.doc_tokens})")
+    opt("--max-input-tokens", type=positive_int, default=None, help=f"({d.max_input_tokens})")
+    synth.add_argument("--block-tokens", type=positive_int, default=d.block_tokens)
     synth.set_defaults(func=_run_synth)
 
     stats = sub.add_parser("stats", help="summarise a trace (requests, blocks, reuse)")
     stats.add_argument("trace")
-    stats.add_argument("--block-tokens", type=int, default=DEFAULT_BLOCK_TOKENS)
+    stats.add_argument("--block-tokens", type=positive_int, default=DEFAULT_BLOCK_TOKENS)
     stats.set_defaults(func=_run_stats)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from kvpool.cluster.wire import DEFAULT_ALLOC_TTL
@@ -13,6 +14,15 @@ SSD_CLEAN_BATCH = 256 << 20  # bytes per node per reaper pass
 #: blocks deepens up to 512 (kvpool.cluster.client.grants.MAX_STOCK), refilled at half;
 #: 256 grants cost the master ~1 ms of one call (64: 0.6 ms, 1024: 3.7 ms round trip).
 MAX_GRANTS = 256
+#: The timeouts a master cannot run with at 0, negative or infinite (nan neither).
+_POSITIVE_SECONDS = (
+    "node_ttl",
+    "lease_ttl",
+    "alloc_ttl",
+    "reap_interval",
+    "grant_ttl",
+    "leader_ttl",
+)
 
 
 @dataclass(frozen=True)
@@ -53,3 +63,7 @@ class MasterConfig:
     def __post_init__(self) -> None:
         if not 0.0 <= self.grant_share <= 1.0:  # also refuses nan
             raise ValueError(f"grant_share must be from 0 to 1, got {self.grant_share!r}")
+        for name in _POSITIVE_SECONDS:
+            value = getattr(self, name)
+            if not 0.0 < value < math.inf:  # also refuses nan
+                raise ValueError(f"{name} must be a positive number of seconds, got {value!r}")

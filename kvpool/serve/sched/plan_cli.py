@@ -9,7 +9,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvpool.args import non_negative_int, non_negative_ints, positive_int, positive_ints
+from kvpool.args import (
+    non_negative_int,
+    non_negative_ints,
+    positive_float,
+    positive_int,
+    positive_ints,
+    share_arg,
+)
 from kvpool.serve.sched import plan as planner
 from kvpool.serve.sched.conductor import SLO
 from kvpool.serve.sched.cost_model import analytic_cluster, get_hardware
@@ -29,9 +36,9 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("trace", help="JSON-lines trace")
     p.add_argument("--nodes", type=positive_int, default=20, help="cluster size to split")
-    p.add_argument("--slo-ttft", type=float, default=10.0, help="x unloaded TTFT (P90)")
-    p.add_argument("--slo-tbt", type=float, default=5.0, help="x unloaded TBT (P90)")
-    p.add_argument("--speed", type=float, default=1.0, help="arrival rate multiplier")
+    p.add_argument("--slo-ttft", type=positive_float, default=10.0, help="x unloaded TTFT (P90)")
+    p.add_argument("--slo-tbt", type=positive_float, default=5.0, help="x unloaded TBT (P90)")
+    p.add_argument("--speed", type=positive_float, default=1.0, help="arrival rate multiplier")
     p.add_argument(
         "--cpp-groups", type=positive_ints, default="1,2", help="pipeline group sizes to try"
     )
@@ -42,8 +49,10 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("--policy", default="lru", help="eviction policy in the cluster simulation")
     p.add_argument("--limit", type=non_negative_int, default=0, help="first N requests only")
-    p.add_argument("--target-speed", type=float, default=None, help="for the smallest cluster")
-    p.add_argument("--attainment", type=float, default=0.9, help="share within both SLOs")
+    p.add_argument(
+        "--target-speed", type=positive_float, default=None, help="for the smallest cluster"
+    )
+    p.add_argument("--attainment", type=share_arg, default=0.9, help="share within both SLOs")
     p.add_argument("--max-nodes", type=positive_int, default=128)
     p.add_argument("--policies", default="lru,s3fifo,leaf-s3", help="pool sizing policies")
     p.add_argument(

@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from kvpool.args import non_negative_int, positive_int
+from kvpool.args import non_negative_int, positive_float, positive_int, seconds_arg
 from kvpool.serve.sched.cost_model import PrefillCostModel
 from kvpool.serve.sched.replay import replay
 from kvpool.workload.traces import load_for_command
@@ -22,7 +22,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument("trace", help="JSON-lines trace (kvpool trace synth)")
     p.add_argument("--url", default="http://127.0.0.1:8000")
-    p.add_argument("--speed", type=float, default=1.0, help="arrival rate multiplier")
+    p.add_argument("--speed", type=positive_float, default=1.0, help="arrival rate multiplier")
     p.add_argument("--limit", type=non_negative_int, default=0, help="first N requests only")
     p.add_argument(
         "--block-tokens", type=positive_int, default=512, help="tokens per trace block sent"
@@ -30,11 +30,11 @@ def register(subparsers: Any) -> None:
     p.add_argument("--trace-block-tokens", type=positive_int, default=512)
     p.add_argument(
         "--scale-input",
-        type=float,
+        type=positive_float,
         default=None,
         help="prompt length factor (default block-tokens / trace-block-tokens)",
     )
-    p.add_argument("--scale-output", type=float, default=1.0, help="reply length factor")
+    p.add_argument("--scale-output", type=positive_float, default=1.0, help="reply length factor")
     p.add_argument(
         "--max-input", type=non_negative_int, default=0, help="cap prompt tokens (0: none)"
     )
@@ -44,12 +44,12 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--vocab-size", type=positive_int, default=256, help="token ids drawn below this"
     )
-    p.add_argument("--ttft-slo", type=float, default=10.0, help="x unloaded TTFT")
-    p.add_argument("--tbt-slo", type=float, default=5.0, help="x unloaded TBT")
-    p.add_argument("--ttft-slo-s", type=float, default=None, help="absolute TTFT SLO (s)")
-    p.add_argument("--tbt-slo-s", type=float, default=None, help="absolute TBT SLO (s)")
+    p.add_argument("--ttft-slo", type=positive_float, default=10.0, help="x unloaded TTFT")
+    p.add_argument("--tbt-slo", type=positive_float, default=5.0, help="x unloaded TBT")
+    p.add_argument("--ttft-slo-s", type=seconds_arg, default=None, help="absolute TTFT SLO (s)")
+    p.add_argument("--tbt-slo-s", type=seconds_arg, default=None, help="absolute TBT SLO (s)")
     p.add_argument("--cost-model", default=None, help="kvpool calibrate JSON for TTFT SLOs")
-    p.add_argument("--timeout", type=float, default=600.0, help="per-request timeout (s)")
+    p.add_argument("--timeout", type=seconds_arg, default=600.0, help="per-request timeout (s)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--json", default=None, help="write the summary here")
     p.add_argument("--plot", default=None, metavar="DIR", help="write latency CDF PNGs here")

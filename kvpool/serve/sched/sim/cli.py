@@ -7,7 +7,7 @@ import json
 from dataclasses import replace
 from typing import Any
 
-from kvpool.args import non_negative_int, positive_int
+from kvpool.args import non_negative_int, positive_float, positive_int, seconds_arg, share_arg
 from kvpool.serve.sched.admission import REJECTIONS
 from kvpool.serve.sched.conductor import ROUTE_FNS, SLO
 from kvpool.serve.sched.cost_model import HARDWARE
@@ -31,7 +31,7 @@ def register(subparsers: Any) -> None:
     p.add_argument(
         "--coupled", type=non_negative_int, default=0, help="N coupled prefill+decode nodes instead"
     )
-    p.add_argument("--speed", type=float, default=1.0, help="arrival rate multiplier")
+    p.add_argument("--speed", type=positive_float, default=1.0, help="arrival rate multiplier")
     p.add_argument("--router", choices=sorted(ROUTE_FNS), default="conductor")
     p.add_argument(
         "--rejection",
@@ -44,12 +44,12 @@ def register(subparsers: Any) -> None:
         "--capacity-blocks", type=non_negative_int, default=8192, help="pool blocks per node"
     )
     p.add_argument("--policy", default="lru", help="eviction policy (kvpool.eviction names)")
-    p.add_argument("--ttft-slo", type=float, default=10.0, help="x unloaded TTFT (P90)")
-    p.add_argument("--tbt-slo", type=float, default=5.0, help="x unloaded TBT (P90)")
-    p.add_argument("--balance-threshold", type=float, default=0.8)
+    p.add_argument("--ttft-slo", type=positive_float, default=10.0, help="x unloaded TTFT (P90)")
+    p.add_argument("--tbt-slo", type=positive_float, default=5.0, help="x unloaded TBT (P90)")
+    p.add_argument("--balance-threshold", type=share_arg, default=0.8)
     p.add_argument(
         "--decode-headroom",
-        type=float,
+        type=share_arg,
         default=0.9,
         help="admission targets this share of the decode pool's capacity",
     )
@@ -69,7 +69,7 @@ def register(subparsers: Any) -> None:
     )
     p.add_argument(
         "--attainment",
-        type=float,
+        type=share_arg,
         default=0.9,
         help="with --find-rate: share of requests within both SLOs (default 0.9)",
     )
@@ -80,7 +80,9 @@ def register(subparsers: Any) -> None:
         help="write the prefill queue and decode load over time here (JSON; the result "
         "gets load_oscillation); a .png name draws them instead (matplotlib)",
     )
-    p.add_argument("--load-interval", type=float, default=1.0, help="seconds between load samples")
+    p.add_argument(
+        "--load-interval", type=seconds_arg, default=1.0, help="seconds between load samples"
+    )
     p.add_argument("--json", default=None, help="write the result object here")
     p.set_defaults(func=_run_cli)
 
@@ -119,8 +121,6 @@ def _run_cli(args: argparse.Namespace) -> int:
 
     from kvpool.workload.traces import load_for_command
 
-    if args.load_series and args.load_interval <= 0:
-        raise ValueError("--load-interval must be > 0")
     records = load_for_command(args.trace, "sim", block_tokens=args.block_tokens, limit=args.limit)
     if records is None:
         return 2
