@@ -317,3 +317,59 @@ def test_a_stalled_load_times_out_and_never_writes_late() -> None:
     assert time.monotonic() - started < 2.0
     time.sleep(1.2)  # the stalled reads finish now: their bytes must not land
     assert not any(t.any() for t in dst.values())
+
+
+def test_a_failed_batch_commit_counts_the_blocks_stored(caplog: pytest.LogCaptureFixture) -> None:
+    """The saver's ``commit_all`` failure branch against a real cluster: block A is
+    reserved and written, then its reservation expires at the master (``--alloc-ttl``
+    2 s); block B is reserved and written after that; the step's commit of both stores
+    B and raises for A. The worker counts by ``exists``: 1 saved, 1 failed; A is not
+    stored and B reads back as the pages it was saved from."""
+    from clusterhelpers import start_cluster, wait_until
+
+    from kvpool.bindings.vllm.plan import LoadOp, SaveOp
+
+    g = geometry()
+    cluster = start_cluster(["64MiB"], "--alloc-ttl", "2")
+    try:
+        store, counters = StoreHandle(StoreConfig(url=cluster.url, timeout=10.0)), CounterSink()
+        src = kv_caches()
+        fill(src, seed=4)
+        saver = WorkerTransfers(g, store, counters)
+        saver.register(src, NUM_BLOCKS)
+        ids = request("r", 600).prompt_token_ids
+        key_a, key_b = (g.keys(ids, salt)[0][0] for salt in ("a", "b"))
+        save_a, save_b = (
+            SaveOp("a", [key_a], list(range(1, 17))),
+            SaveOp("b", [key_b], list(range(17, 33))),
+        )
+        for name, tensor in src.items():
+            saver.save_layer(name, tensor, [save_a])
+        pool = store.get()
+        assert pool is not None
+        # A's reservation expires (the master's reaper runs every 0.5 s)
+        time.sleep(3.5)
+        for name, tensor in src.items():
+            saver.save_layer(name, tensor, [save_b])
+        saver.finish_saves([save_a, save_b])
+        taken = counters.take()
+        assert (taken.saved_blocks, taken.save_failed_blocks) == (1, 1)
+        # the commit raised: A's range went to B (A's seal refused) or A was lost
+        assert "refused to seal" in caplog.text or "not stored" in caplog.text
+        assert wait_until(lambda: pool.exists([key_a, key_b]) == [False, True])
+        reader = StoreHandle(StoreConfig(url=cluster.url, timeout=10.0))
+        dst = kv_caches()
+        loader = WorkerTransfers(g, reader, CounterSink())
+        loader.register(dst, NUM_BLOCKS)
+        loader.start_load([LoadOp("b", [[key_b]], [0], [16], list(range(40, 56)))])
+        for name in dst:
+            loader.wait_layer(name)
+        assert loader.take_failed() == set()
+        dim = loader.pages.block_dim if loader.pages else -1
+        for name in src:
+            for i in range(16):
+                assert torch.equal(page(dst[name], 40 + i, dim), page(src[name], 17 + i, dim))
+        reader.close()
+        store.close()
+    finally:
+        cluster.stop()
