@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -144,6 +145,34 @@ def check_out_fits(out: Region, nbytes: int) -> None:
 
 
 # -- command-line types ---------------------------------------------------------
+
+
+def check_client_options(
+    timeout: float,
+    lease_cache_s: float,
+    lease_cache_bytes: int,
+    contribute_dram: int,
+    put_grant_bytes: int | None,
+) -> None:
+    """``kvpool.connect``'s numeric options, checked before anything connects: a
+    ValueError naming the bad one (a socket's own "Timeout value out of range", or
+    a lease cache that never holds, would come later and say less)."""
+    if not 0 < timeout < math.inf:  # also refuses nan
+        raise ValueError(f"timeout must be a positive number of seconds, got {timeout!r}")
+    if not 0 <= lease_cache_s < math.inf:
+        raise ValueError(
+            f"lease_cache_s must be >= 0 seconds (0: no lease cache), got {lease_cache_s!r}"
+        )
+    byte_counts = [("lease_cache_bytes", lease_cache_bytes), ("contribute_dram", contribute_dram)]
+    if put_grant_bytes is not None:  # (None: $KVPOOL_PUT_GRANT_BYTES or the default)
+        byte_counts.append(("put_grant_bytes", put_grant_bytes))
+    for name, value in byte_counts:
+        try:
+            bad = isinstance(value, bool) or operator.index(value) < 0
+        except TypeError:
+            bad = True
+        if bad:
+            raise ValueError(f"{name} must be an integer >= 0 (bytes), got {value!r}")
 
 
 def _argtype(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:

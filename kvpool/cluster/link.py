@@ -31,6 +31,7 @@ must not hold a closing client for the failover deadline).
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -76,8 +77,8 @@ def failover_deadline(explicit: float | None = None) -> float:
             value = float(raw) if raw else DEFAULT_FAILOVER_S
         except ValueError:
             raise ValueError(f"KVPOOL_FAILOVER_S must be a number, got {raw!r}") from None
-    if value < 0:
-        raise ValueError("the failover deadline must be >= 0 seconds")
+    if not 0 <= value < math.inf:  # also refuses nan: a call must end
+        raise ValueError(f"the failover deadline must be >= 0 seconds (finite), got {value!r}")
     return value
 
 

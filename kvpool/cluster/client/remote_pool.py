@@ -31,6 +31,7 @@ import numpy as np
 from kvpool.api import Buffer
 from kvpool.args import (
     check_batch,
+    check_client_options,
     check_key,
     check_keys,
     check_parent,
@@ -107,6 +108,9 @@ class RemotePool(LayerwiseMethods):
         ``$KVPOOL_FAILOVER_S``). ``pipelined_puts``: a put returns once its node
         holds the block, its master commit answered in the background (default
         True, ``$KVPOOL_PUT_PIPELINE=0`` turns it off; kvpool.cluster.client.commits)."""
+        check_client_options(
+            timeout, lease_cache_s, lease_cache_bytes, contribute_dram, put_grant_bytes
+        )
         self.token, self.timeout = token, timeout
         pipelined = pipelined_default(pipelined_puts)  # a bad setting fails before connecting
         self._session = ClientSession(
