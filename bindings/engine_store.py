@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import json
 import logging
+import math
 import threading
 import time
 from collections.abc import Mapping
@@ -168,6 +169,6 @@ class StoreHandle:
 
 
 def _positive(value: Any, name: str, owner: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value < math.inf:
         raise ValueError(f"{owner}: {name!r} must be a positive number, got {value!r}")
     return float(value)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from dataclasses import dataclass
@@ -44,6 +45,22 @@ def env_int(name: str, default: int, high: int) -> int:
         value = -1
     if not 0 <= value <= high:
         raise ValueError(f"${name} must be an integer from 0 to {high}, got {text!r}")
+    return value
+
+
+def env_seconds(name: str, default: float) -> float:
+    """A duration knob from the environment, read by the caller once (at import):
+    ``default`` when unset or blank; ValueError naming the variable when it is not
+    a finite number of seconds >= 0."""
+    text = os.environ.get(name, "").strip()
+    if not text:
+        return default
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if not 0 <= value < math.inf:  # also refuses nan
+        raise ValueError(f"${name} must be a number of seconds >= 0, got {text!r}")
     return value
 
 

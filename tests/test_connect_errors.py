@@ -4,6 +4,9 @@ connecting would surface as a connection error instead)."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -38,3 +41,22 @@ def test_a_bad_failover_setting_in_the_environment(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("KVPOOL_FAILOVER_S", "nan")
     with pytest.raises(ValueError, match="the failover deadline must be >= 0 seconds"):
         kvpool.connect(NOWHERE)
+
+
+def test_a_bad_grant_budget_in_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVPOOL_PUT_GRANT_BYTES", "-3")
+    with pytest.raises(ValueError, match="KVPOOL_PUT_GRANT_BYTES must be an integer >= 0"):
+        kvpool.connect(NOWHERE)
+
+
+def test_a_bad_lease_hold_in_the_environment_names_it() -> None:
+    """Read once at import (as the other tuning knobs: ``kvpool.config.env_int``)."""
+    proc = subprocess.run(
+        [sys.executable, "-c", "import kvpool.cluster.client.lease_cache"],
+        env={**os.environ, "KVPOOL_LEASE_CACHE_S": "nan"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode != 0
+    assert "$KVPOOL_LEASE_CACHE_S must be a number of seconds >= 0, got 'nan'" in proc.stderr

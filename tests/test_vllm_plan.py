@@ -199,6 +199,8 @@ def test_pool_down_is_a_miss_without_waiting_per_request() -> None:
         {"url": 5},
         {"embedded": 3},
         {"embedded": True, "timeout": 0},
+        {"embedded": True, "timeout": float("nan")},
+        {"embedded": True, "retry_s": float("inf")},
     ],
 )
 def test_bad_store_config_is_a_clear_error(extra: dict[str, Any]) -> None:

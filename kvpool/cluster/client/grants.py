@@ -344,6 +344,9 @@ def grant_budget(explicit: int | None = None) -> int:
         return explicit
     raw = os.environ.get("KVPOOL_PUT_GRANT_BYTES", "")
     try:
-        return int(raw) if raw else DEFAULT_GRANT_BYTES
+        budget = int(raw) if raw else DEFAULT_GRANT_BYTES
     except ValueError:
-        raise ValueError(f"KVPOOL_PUT_GRANT_BYTES must be an integer, got {raw!r}") from None
+        budget = -1
+    if budget < 0:
+        raise ValueError(f"KVPOOL_PUT_GRANT_BYTES must be an integer >= 0, got {raw!r}")
+    return budget

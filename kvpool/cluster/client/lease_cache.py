@@ -26,15 +26,16 @@ at most ``hold_s`` after the master last said the block was there: the
 
 from __future__ import annotations
 
-import os
 import time
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvpool.config import env_seconds
+
 # Overridable per process (0 turns the cache off: every read asks the master).
-DEFAULT_HOLD_S = float(os.environ.get("KVPOOL_LEASE_CACHE_S", "1.0"))
+DEFAULT_HOLD_S = env_seconds("KVPOOL_LEASE_CACHE_S", 1.0)
 DEFAULT_MAX_BYTES = 1 << 30
 
 

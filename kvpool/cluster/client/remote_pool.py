@@ -112,12 +112,13 @@ class RemotePool(LayerwiseMethods):
             timeout, lease_cache_s, lease_cache_bytes, contribute_dram, put_grant_bytes
         )
         self.token, self.timeout = token, timeout
-        pipelined = pipelined_default(pipelined_puts)  # a bad setting fails before connecting
+        pipelined = pipelined_default(pipelined_puts)  # bad settings fail before connecting
+        budget = grant_budget(put_grant_bytes)
         self._session = ClientSession(
             master, token=token, timeout=timeout, transport=transport, failover_s=failover_s
         )
         self._reads = LeasedReads(self._session, lease_cache_s, lease_cache_bytes)
-        self._putter = RemotePutter(self._session, grant_budget(put_grant_bytes), pipelined)
+        self._putter = RemotePutter(self._session, budget, pipelined)
         self._stop = threading.Event()
         self._janitor = threading.Thread(
             target=self._hand_back_loop, name="kvpool-lease-cache", daemon=True
