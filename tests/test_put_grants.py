@@ -6,6 +6,7 @@ processes) with clients that put through grants, lose them, and give them back.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import Future
@@ -235,6 +236,40 @@ def test_take_claimed_leaves_a_grant_too_old_to_use_with_its_claim() -> None:
     assert [g.alloc_id for g, _ in stock.claims_of([1])] == [1]
 
 
+def test_take_claimed_waits_for_a_claim_on_its_way() -> None:
+    """With ``wait_s``, a put that finds its oldest grant's claim on the way waits for
+    it (the lock released) instead of going the general way; no longer than asked."""
+    stock = GrantStock()
+    stock.add(BLOCK, [grant(1), grant(2)])
+    claiming = stock.to_claim()
+    started = time.monotonic()
+    assert stock.take_claimed(BLOCK, wait_s=0.05) is None  # nothing lands: gives up
+    assert 0.04 <= time.monotonic() - started < 1.0
+    landing = threading.Timer(0.05, stock.claimed, (claiming, [True, True], 7))
+    landing.start()
+    taken = stock.take_claimed(BLOCK, wait_s=5.0)
+    landing.join()
+    assert taken is not None and taken[0].alloc_id == 1 and taken[1] == 7
+
+
+def test_claims_grown_old_are_claimed_again_without_deepening_the_stock() -> None:
+    """``claims_older_than`` hands back the grants whose claim was sent before the
+    cutoff, oldest first, as being claimed again: ``take_claimed`` cannot use them
+    until the renewal lands (with its new clock), and waiting for a renewal is no
+    sign of a thin stock."""
+    stock = GrantStock()
+    stock.add(BLOCK, [grant(1), grant(2), grant(3)])
+    claiming = stock.to_claim()
+    assert stock.claimed(claiming[:2], [True, True], at_ns=5) == []
+    assert stock.claimed(claiming[2:], [True], at_ns=100) == []
+    old = stock.claims_older_than(50)
+    assert [g.alloc_id for g, _ in old] == [1, 2] and stock.claims_older_than(50) == []
+    assert stock.take_claimed(BLOCK) is None and stock.target(BLOCK) == BASE_STOCK
+    assert stock.claimed(old, [True, True], at_ns=200) == []
+    taken = stock.take_claimed(BLOCK)
+    assert taken is not None and taken[0].alloc_id == 1 and taken[1] == 200
+
+
 def test_take_this_takes_only_the_grant_looked_at_while_oldest_and_fresh() -> None:
     stock = GrantStock()
     stock.add(BLOCK, [grant(1), grant(2)])
@@ -311,6 +346,23 @@ def test_puts_after_the_first_ride_on_grants(pool: RemotePool) -> None:
     assert pool.exists(keys) == [True] * 40 and pool.prefix_match(keys) == 40
     check_bytes(pool, keys)
     assert put_all(pool, keys[:3]) == [False] * 3  # already stored, through grants too
+
+
+def test_claims_grown_old_in_the_stock_are_renewed_not_bypassed(pool: RemotePool) -> None:
+    """Same host, real processes: after an idle spell past the claims' seal deadline
+    (0.49 s) but inside the grants' window (1 s), the next puts renew the stock's
+    claims and seal in shared memory in time. Before renewals every such put went
+    the general way, its record late and its seal over TCP (~100 us against ~10)."""
+    keys = make_keys(8, seed=21)
+    assert put_all(pool, keys[:4]) == [True] * 4  # the first brings grants, claimed ahead
+    time.sleep(0.55)
+    before = pool.stats()["client"]
+    assert put_all(pool, keys[4:], first=4) == [True] * 4
+    after = pool.stats()["client"]
+    assert after.get("seals_shm_late", 0) == before.get("seals_shm_late", 0)
+    # all 4 in time (3 if a slow runner let the grants expire: a refill then)
+    assert after["seals_shm"] - before["seals_shm"] >= 3
+    check_bytes(pool, keys)
 
 
 def test_grants_go_back_when_idle_and_on_close(cluster: Cluster, pool: RemotePool) -> None:

@@ -28,7 +28,7 @@ from kvpool.cluster.block_table import CLAIMED, COMMITTED, WRITTEN, BlockTable
 from kvpool.cluster.client import fenced
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import RegionInfo
-from kvpool.transport.fencing import FENCE_OK, FENCE_STALE, WriteStamp
+from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, FENCE_STALE, WriteStamp
 from kvpool.transport.shm_seal import Deadline, SealRecords
 from kvpool.transport.tcp import TcpTransport
 from kvpool.transport.tcp_server import TcpDataServer
@@ -160,6 +160,47 @@ def test_a_new_term_waits_no_longer_than_the_deadline(tmp_path) -> None:
     assert 0.14 <= waited < 1.0
     assert t.listing() == [] and t.state_of(0) == CLAIMED  # aborted, held by its writer
     assert t.claim(ahead(6), object()) == FENCE_STALE
+
+
+def test_a_claim_taken_ahead_again_restarts_its_deadline(tmp_path) -> None:
+    """Its writer renews a claim that grew old in its stock (kvpool.cluster.client.
+    claims): a new term waits for the renewed deadline, not the first one. Real
+    clock; the bound is from the renewal, so a slow runner only shortens the wait."""
+    node, _ = records(tmp_path, hold_ms=150, margin_ms=10)
+    t = table(node)
+    assert t.claim(ahead(6), object()) == FENCE_OK
+    time.sleep(0.1)  # the first deadline (+ margin) is 60 ms away now
+    renewed_at = time.monotonic()
+    assert t.claim(ahead(6), object()) == FENCE_OK
+    t.suspend()
+    assert time.monotonic() - renewed_at >= 0.15
+    assert t.state_of(0) == CLAIMED and t.listing() == []  # aborted at the renewed deadline
+
+
+def test_a_renewed_claim_is_held_once(tmp_path) -> None:
+    """A renewal sent on another pooled connection adds no write in flight: one
+    release ends the claim, and the range's next allocation is granted at once
+    (a second hold would have kept it BUSY until the connection closed)."""
+    node, _ = records(tmp_path)
+    t = table(node, Clock())
+    first, other = object(), object()
+    assert t.claim(ahead(6), first) == FENCE_OK
+    assert t.claim(ahead(6), other) == FENCE_OK  # the renewal
+    assert t.finish(ahead(6), other, ok=False, seal=False, any_owner=True) == FENCE_OK
+    started = time.monotonic()
+    assert t.claim(ahead(7), object()) == FENCE_OK  # a newer allocation of the range
+    assert time.monotonic() - started < 0.1  # (claim_wait is 0.2 s)
+
+
+def test_a_claim_not_taken_ahead_is_held_again(tmp_path) -> None:
+    """A put's own claim (its real key) of a grant claimed ahead is a second write
+    in flight, as before renewals: releasing the claim taken ahead leaves it held."""
+    node, _ = records(tmp_path)
+    t = table(node, Clock())
+    assert t.claim(ahead(6), "background") == FENCE_OK
+    assert t.claim(real(6), "put") == FENCE_OK
+    assert t.finish(ahead(6), "background", ok=False, seal=False) == FENCE_OK
+    assert t.claim(ahead(7), object()) == FENCE_BUSY  # the put still holds it
 
 
 def test_claims_not_taken_ahead_are_not_waited_for(tmp_path) -> None:

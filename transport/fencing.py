@@ -98,7 +98,10 @@ class WriteFence(Protocol):
     """
 
     def claim(self, stamp: WriteStamp, owner: object) -> int:
-        """FENCE_OK (the range is this stamp's; one write in flight), STALE or BUSY."""
+        """FENCE_OK (the range is this stamp's; one write in flight), STALE or BUSY.
+        A claim taken ahead (placeholder key) sent again for a range its allocation
+        still holds claimed renews its shared-memory seal deadline, and adds no write
+        in flight while one is held (kvpool.cluster.sealed_claims)."""
         ...
 
     def finish(

@@ -101,6 +101,9 @@ class BlockTable:
                 if entry is not None and entry.stamp.same_allocation(stamp):
                     if entry.aborted or entry.state != CLAIMED:
                         return FENCE_STALE  # written blocks are immutable
+                    claims = self._claims if stamp.key == NO_KEY else None
+                    if claims is not None and claims.renewed(entry) and entry.inflight:
+                        return FENCE_OK  # a claim taken ahead, renewed: held once still
                     self._holders.hold(entry, owner)
                     return FENCE_OK
                 overlapped = self._entries.overlapping(stamp.offset, stamp.size)

@@ -54,6 +54,18 @@ class SealedClaims:
             if self.wake is not None:
                 self.wake()
 
+    def renewed(self, entry: Entry) -> bool:
+        """Its writer claimed ``entry`` ahead again (its stock held the grant past half
+        its deadline, kvpool.cluster.client.claims): if it is open (claimed, no record
+        adopted), its deadline starts again now; False if not open. Safe: a later
+        ``granted_ns`` only delays a new term's abort of the claim, and the writer's
+        test uses its own clock read before it sent the renewal (as for a first
+        claim); a record sealed before the renewal is adopted as any other."""
+        if self.open.get(entry.stamp.offset) is not entry:
+            return False
+        entry.granted_ns = self._clock()
+        return True
+
     def find(self, entry: Entry) -> WriteStamp | None:
         """The stamp its writer sealed in ``entry``'s record (a claim taken ahead,
         still claimed, not aborted: the caller checks it is the table's entry)."""

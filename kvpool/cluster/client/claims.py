@@ -55,7 +55,16 @@ class GrantClaims:
     def claim_soon(self) -> None:
         """Claim the unclaimed stocked grants on a background thread."""
         with contextlib.suppress(RuntimeError):  # shut down: the client is closing
-            self._worker.submit(self._claim)
+            self._worker.submit(lambda: self._claim_items(self._grants.to_claim()))
+
+    def renew(self, items: list[tuple[Grant, int]]) -> None:
+        """Claim these stocked grants again on a background thread (the stock marked
+        them as being claimed: ``GrantStock.claims_older_than``): the node restarts
+        their deadline for seals in shared memory (kvpool.cluster.sealed_claims)."""
+        try:
+            self._worker.submit(self._claim_items, items)
+        except RuntimeError:  # shut down: the client is closing
+            self._release(self._grants.claimed(items, [False] * len(items)))
 
     def release(self, ids: list[int]) -> None:
         """Release the claims of grants dropped unused (best effort)."""
@@ -72,13 +81,13 @@ class GrantClaims:
     def close(self) -> None:
         self._worker.shutdown(wait=True, cancel_futures=True)
 
-    def _claim(self) -> None:
-        """Claim every unclaimed stocked grant, node by node, oldest first, in chunks
-        of ``FIRST_CHUNK`` doubling up to ``MAX_CHUNK``: the straight path takes the
-        oldest grant and needs its claim, so the first few arrive after a short
+    def _claim_items(self, grants: list[tuple[Grant, int]]) -> None:
+        """Claim ``grants`` (marked as being claimed), node by node, oldest first, in
+        chunks of ``FIRST_CHUNK`` doubling up to ``MAX_CHUNK``: the straight path takes
+        the oldest grant and needs its claim, so the first few arrive after a short
         exchange instead of after all of a refill's (see ``FIRST_CHUNK``)."""
         by_node: dict[str, list[tuple[Grant, int]]] = {}
-        for grant, size in self._grants.to_claim():
+        for grant, size in grants:
             by_node.setdefault(grant.node_id, []).append((grant, size))
         for node_id, items in by_node.items():
             start, chunk = 0, FIRST_CHUNK
