@@ -34,10 +34,10 @@ Invariants (all under one lock):
   published once it is whole (WRITTEN or COMMITTED) and retracted when its entry goes or another
   entry starts there, always before a claim that lets new bytes into the range is granted;
 - shared-memory seals (kvpool.transport.shm_seal): a claim taken ahead (placeholder key) has its
-  record cleared before it is granted; a record naming it (claimed, not aborted) is adopted as a
-  ``SEAL`` would be, and a new term aborts it only once past its deadline + margin (waits for
-  that); a block whose record asks for the node's commit is owed it once (sealed_claims), as
-  is one whose final TCP write asked for it (``owe``).
+  record cleared before it is granted, its deadline restarted when sent again (``renewed``); a
+  record naming it (claimed, not aborted) is adopted as a ``SEAL`` would be, and a new term aborts
+  it only once past its deadline + margin (waits); a block whose record asks for the node's
+  commit is owed it once (sealed_claims), as is one whose final TCP write asked for it (``owe``).
 """
 
 from __future__ import annotations
@@ -101,10 +101,8 @@ class BlockTable:
                 if entry is not None and entry.stamp.same_allocation(stamp):
                     if entry.aborted or entry.state != CLAIMED:
                         return FENCE_STALE  # written blocks are immutable
-                    claims = self._claims if stamp.key == NO_KEY else None
-                    if claims is not None and claims.renewed(entry) and entry.inflight:
-                        return FENCE_OK  # a claim taken ahead, renewed: held once still
-                    self._holders.hold(entry, owner)
+                    if self._claims is None or not self._claims.renewed(entry, stamp):
+                        self._holders.hold(entry, owner)  # (renewed while held: held once)
                     return FENCE_OK
                 overlapped = self._entries.overlapping(stamp.offset, stamp.size)
                 for other in overlapped:
@@ -224,8 +222,7 @@ class BlockTable:
         visible at ``offset``: the entry to checksum, or None when the table holds no
         entry of that allocation there (freed, taken over, or another block's now)."""
         with self._lock:
-            entry = self._entries.get(offset)
-            if entry is None:
+            if (entry := self._entries.get(offset)) is None:
                 return None  # never recreated: see the invariants above
             s = entry.stamp
             named = entry.named_by(alloc_id, self.epoch) and s.key == key
@@ -399,5 +396,4 @@ class BlockTable:
 
     def _publish(self, entry: Entry) -> None:
         if self._idents is not None:
-            s = entry.stamp
-            self._idents.publish(s.offset, s.size, s.key)
+            self._idents.publish(entry.stamp.offset, entry.stamp.size, entry.stamp.key)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 
-from kvpool.cluster.block_entry import CLAIMED, Entry
+from kvpool.cluster.block_entry import CLAIMED, NO_KEY, Entry
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.shm_seal import SealRecords
 
@@ -54,17 +54,19 @@ class SealedClaims:
             if self.wake is not None:
                 self.wake()
 
-    def renewed(self, entry: Entry) -> bool:
-        """Its writer claimed ``entry`` ahead again (its stock held the grant past half
-        its deadline, kvpool.cluster.client.claims): if it is open (claimed, no record
-        adopted), its deadline starts again now; False if not open. Safe: a later
+    def renewed(self, entry: Entry, stamp: WriteStamp) -> bool:
+        """Its writer claimed ``entry`` ahead again with ``stamp`` (the placeholder key:
+        its stock held the grant past half its deadline, kvpool.cluster.client.sealed_put):
+        if it is open (claimed, no record adopted), its deadline starts again now. Whether
+        it is held already: then the renewal adds no write in flight (one release still
+        ends it); False for any other claim of the allocation (a put's own). Safe: a later
         ``granted_ns`` only delays a new term's abort of the claim, and the writer's
         test uses its own clock read before it sent the renewal (as for a first
         claim); a record sealed before the renewal is adopted as any other."""
-        if self.open.get(entry.stamp.offset) is not entry:
+        if stamp.key != NO_KEY or self.open.get(entry.stamp.offset) is not entry:
             return False
         entry.granted_ns = self._clock()
-        return True
+        return entry.inflight > 0
 
     def find(self, entry: Entry) -> WriteStamp | None:
         """The stamp its writer sealed in ``entry``'s record (a claim taken ahead,
