@@ -144,9 +144,6 @@ def check_out_fits(out: Region, nbytes: int) -> None:
         raise BufferSpecError(f"out has {have} bytes but {nbytes} are asked")
 
 
-# -- command-line types ---------------------------------------------------------
-
-
 def check_client_options(
     timeout: float,
     lease_cache_s: float,
@@ -173,6 +170,9 @@ def check_client_options(
             bad = True
         if bad:
             raise ValueError(f"{name} must be an integer >= 0 (bytes), got {value!r}")
+
+
+# -- command-line types ---------------------------------------------------------
 
 
 def _argtype(name: str, parse: Callable[[str], Any]) -> Callable[[str], Any]:

@@ -92,13 +92,12 @@ class GrantSupply:
         if grants:
             self._claims.claim_soon()  # same-host puts then skip their claim
 
-    def renew_claims(self, cutoff_ns: int) -> bool:
+    def renew_claims(self, cutoff_ns: int) -> None:
         """Claim again, in the background, every stocked grant whose claim was sent
-        before ``cutoff_ns``; whether there was any."""
+        before ``cutoff_ns``."""
         old = self.stock.claims_older_than(cutoff_ns)
         if old:
             self._claims.renew(old)
-        return bool(old)
 
     def forget_node(self, node_id: str) -> None:
         """The node's region changed or failed: its grants are useless now (the
