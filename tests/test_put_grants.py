@@ -252,6 +252,28 @@ def test_take_claimed_waits_for_a_claim_on_its_way() -> None:
     assert taken is not None and taken[0].alloc_id == 1 and taken[1] == 7
 
 
+def test_puts_waiting_for_claims_on_their_way_each_take_one() -> None:
+    """Two puts wait for the same oldest grant's claim; when the claims land one
+    takes it and the other the next, neither gives up."""
+    stock = GrantStock()
+    stock.add(BLOCK, [grant(1), grant(2)])
+    claiming = stock.to_claim()
+    got: list[int] = []
+
+    def put() -> None:
+        taken = stock.take_claimed(BLOCK, wait_s=5.0)
+        got.append(-1 if taken is None else taken[0].alloc_id)
+
+    waiters = [threading.Thread(target=put) for _ in range(2)]
+    for waiter in waiters:
+        waiter.start()
+    time.sleep(0.05)  # (both waiting now, or about to find theirs landed)
+    assert stock.claimed(claiming, [True, True], at_ns=3) == []
+    for waiter in waiters:
+        waiter.join(10)
+    assert sorted(got) == [1, 2]
+
+
 def test_claims_grown_old_are_claimed_again_without_deepening_the_stock() -> None:
     """``claims_older_than`` hands back the grants whose claim was sent before the
     cutoff, oldest first, as being claimed again: ``take_claimed`` cannot use them
