@@ -292,6 +292,20 @@ def test_claims_grown_old_are_claimed_again_without_deepening_the_stock() -> Non
     assert taken is not None and taken[0].alloc_id == 1 and taken[1] == 200
 
 
+def test_a_failed_renewal_hands_its_first_claim_back() -> None:
+    """A renewal the node refused (a new master term aborted the claim) leaves the
+    first claim held there: returned for release, the grant left unclaimed."""
+    stock = GrantStock()
+    stock.add(BLOCK, [grant(1), grant(2)])
+    assert stock.claimed(stock.to_claim(), [True, True], at_ns=5) == []
+    old = stock.claims_older_than(50)
+    orphans = stock.claimed(old, [False, True], at_ns=60)
+    assert [g.alloc_id for g, _ in orphans] == [1]
+    assert stock.take_claimed(BLOCK) is None  # grant 1: no claim any more
+    assert stock.take(BLOCK).alloc_id == 1 and stock.was_claimed(1) == 0  # type: ignore[union-attr]
+    assert stock.was_claimed(2) == 60
+
+
 def test_take_this_takes_only_the_grant_looked_at_while_oldest_and_fresh() -> None:
     stock = GrantStock()
     stock.add(BLOCK, [grant(1), grant(2)])

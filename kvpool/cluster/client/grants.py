@@ -53,12 +53,10 @@ BASE_STOCK = 64
 #: (a slower client), so an idle one holds few (issue 17, session 31).
 MAX_STOCK = 512
 MAX_USE_S = 1.0  # below the master's default re-join grace (2 s)
-#: How long the straight path waits for the claim of its oldest grant when that claim
-#: is on its way (``take_claimed``), before the put goes the general way instead. A
-#: burst of same-host puts reaches a refill's first grants while their claims are out
-#: (1% of the puts of 512-put bursts), and each such put went the general way: an
-#: allocation and a commit round trip, 0.3-3 ms, most of the burst's time (issue 17,
-#: session 37). A chunk of claims comes back in 0.1-2.2 ms on the Intel VM.
+#: How long the straight path waits for its oldest grant's claim on its way before the
+#: put goes the general way (``take_claimed``): 1% of the puts of 512-put bursts met a
+#: refill's claims out, and each general-way put cost 0.3-3 ms, most of the burst's time;
+#: a chunk of claims comes back in 0.1-2.2 ms on the Intel VM (issue 17, session 37).
 CLAIM_WAIT_S = 0.003
 
 
@@ -291,18 +289,21 @@ class GrantStock:
         that put made its own claim (``was_claimed`` said no), so this one is
         redundant -- and it may have reached the node after the put's seal, its
         commit and a remove had ended the block, holding the freed range for
-        nothing (seen under load: every later claim there waited 2 s, BUSY)."""
+        nothing (seen under load: every later claim there waited 2 s, BUSY). So is a
+        failed renewal (``claims_older_than``): its first claim is still held, after a
+        master restart by an aborted entry no fresh allocation could claim past."""
         orphans = []
         with self._lock:
             stocked = {g.alloc_id for stock in self._stock.values() for g in stock}
             for (grant, size), good in zip(grants, ok, strict=True):
                 self._claiming.discard(grant.alloc_id)
+                renewal = grant.alloc_id in self._renewing
                 self._renewing.discard(grant.alloc_id)
                 taken = grant.alloc_id in self._taken_while_claiming
                 self._taken_while_claiming.discard(grant.alloc_id)
                 if good and grant.alloc_id in stocked and not taken:
                     self._claimed[grant.alloc_id] = (grant, size, at_ns)
-                elif good:
+                elif good or renewal:
                     orphans.append((grant, size))
             self._claims_landed.notify_all()
         return orphans
