@@ -50,7 +50,8 @@ def test_a_bad_grant_budget_in_the_environment(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_a_bad_lease_hold_in_the_environment_names_it() -> None:
-    """Read once at import (as the other tuning knobs: ``kvpool.config.env_int``)."""
+    """Read once at import (``kvpool.config.env_seconds``, as ``env_int`` reads the
+    other tuning knobs)."""
     proc = subprocess.run(
         [sys.executable, "-c", "import kvpool.cluster.client.lease_cache"],
         env={**os.environ, "KVPOOL_LEASE_CACHE_S": "nan"},

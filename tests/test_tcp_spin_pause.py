@@ -134,23 +134,6 @@ def test_a_bad_pause_rule_is_refused(args: tuple[int, int, int]) -> None:
     assert native.counters()["next_pause_us"] == before
 
 
-def _timed_puts_and_reads(
-    pool: kvpool.RemotePool, keys: list[bytes], datas: list[np.ndarray], outs: list[np.ndarray]
-) -> tuple[list[float], list[float]]:
-    """Seconds of each put, then (the commits flushed) of each read of it back."""
-    puts, reads = [], []
-    for k, data in zip(keys, datas, strict=True):
-        started = time.monotonic()
-        assert pool.put(k, data)
-        puts.append(time.monotonic() - started)
-    pool.flush()
-    for k, out in zip(keys, outs, strict=True):
-        started = time.monotonic()
-        assert pool.get_into(k, out) == out.nbytes
-        reads.append(time.monotonic() - started)
-    return puts, reads
-
-
 @needs_native
 def test_tcp_puts_and_reads_beside_a_busy_co_runner_do_not_pay_its_slice_each() -> None:
     """The client on one CPU with a hog: every put and read exact; only a handful of
