@@ -212,7 +212,7 @@ class BlockTable:
                     continue
                 entry.checksum = actual
                 report.append(entry.wire())
-                entry.state = COMMITTED
+                self._entries.set_state(entry, COMMITTED)
             return report
 
     def committed(
@@ -229,14 +229,14 @@ class BlockTable:
             if not ((entry.is_allocation(alloc_id, self.epoch) or named) and s.size == size):
                 return None  # another (newer) allocation of the range holds it now
             if self._adopt_sealed(entry):
-                entry.state = COMMITTED
+                self._entries.set_state(entry, COMMITTED)
                 return entry
             if entry.state == CLAIMED and not entry.aborted:
                 # Committed before its seal arrived (seal and commit run in parallel;
                 # the master commits only once the bytes are in place): whole now.
                 entry.stamp = dataclasses.replace(s, key=key, parent=parent)
                 self._publish(entry)
-            entry.state = COMMITTED
+            self._entries.set_state(entry, COMMITTED)
             return entry
 
     def promoted(
@@ -296,10 +296,10 @@ class BlockTable:
         return entry.checksum
 
     def used_bytes(self) -> tuple[int, int]:
-        """(bytes held in whole blocks, number of such blocks)."""
+        """(bytes held in whole blocks, their number): O(claims taken ahead), not O(blocks)."""
         with self._lock:
-            whole = [e.stamp.size for e in self._adopt_all() if e.state != CLAIMED]
-            return sum(whole), len(whole)
+            self._adopt_open()
+            return self._entries.whole_bytes, self._entries.whole_count
 
     def state_of(self, offset: int) -> str | None:
         with self._lock:
@@ -326,11 +326,9 @@ class BlockTable:
             return self._claims is not None and self._claims.pending()
 
     def adopt_owed(self) -> list[Entry]:
-        """Adopt the records sealed for claims taken ahead; hand over the blocks whose
-        writers asked the node to commit them (each once, in the order sealed)."""
+        """Adopt the sealed claims taken ahead; the blocks owed the node's commit, once each."""
         with self._lock:
-            for entry in [] if self._claims is None else self._claims.sealed_open():
-                self._adopt_sealed(entry)
+            self._adopt_open()
             return [] if self._claims is None else self._claims.take_owed()
 
     # -- helpers (under the lock) -------------------------------------------------------
@@ -340,7 +338,7 @@ class BlockTable:
         self._holders.sealed(entry)
         was = entry.state  # COMMITTED: the commit event overtook this seal
         entry.stamp = stamp
-        entry.state = COMMITTED if was == COMMITTED else WRITTEN
+        self._entries.set_state(entry, COMMITTED if was == COMMITTED else WRITTEN)
         if was == CLAIMED:
             self._unconfirmed.sealed(entry, self._entries)
             self._publish(entry)
@@ -357,12 +355,15 @@ class BlockTable:
             self._seal(entry, found)
         return found is not None
 
+    def _adopt_open(self) -> None:
+        """Adopt the records sealed for claims taken ahead (O(such claims))."""
+        for entry in [] if self._claims is None else self._claims.sealed_open():
+            self._adopt_sealed(entry)
+
     def _adopt_all(self) -> list[Entry]:
         """Every entry, after adopting the shared-memory seals written so far."""
-        entries = list(self._entries.values())
-        for entry in entries:
-            self._adopt_sealed(entry)
-        return entries
+        self._adopt_open()  # only claims taken ahead have records (sealed_claims)
+        return list(self._entries.values())
 
     def _begin_read(self, key: bytes, block_offset: int, offset: int, length: int) -> Entry | None:
         entry = self._entries.get(block_offset)

@@ -23,6 +23,7 @@ from kvpool.args import (
 )
 from kvpool.cluster.wire import DEFAULT_ALLOC_TTL
 from kvpool.config import DEFAULT_PORT
+from kvpool.gc_policy import ServerGc
 from kvpool.stop_signals import StopSignals
 
 LOG_LEVELS = ["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"]
@@ -154,11 +155,14 @@ def _run_master(args: argparse.Namespace) -> int:
     )
     master = Master(config)
     host, port = master.start()
+    collector = ServerGc()
+    collector.start()
     logging.getLogger("kvpool.cluster.master").info(
         "master listening on %s:%d (metrics port %s)", host, port, master.metrics_port
     )
     print(f"kvpool master ready on {host}:{port} (metrics port {master.metrics_port})", flush=True)
     stops.wait()
+    collector.stop()
     master.close()
     return 0
 
@@ -182,6 +186,8 @@ def _run_node(args: argparse.Namespace) -> int:
     )
     node = StorageNode(config)
     node.start()
+    collector = ServerGc()
+    collector.start()
     host, port = node.exposed.tcp.address
     print(
         f"kvpool node {node.node_id} serving {node.arena.size} bytes on {host}:{port} "
@@ -189,6 +195,7 @@ def _run_node(args: argparse.Namespace) -> int:
         flush=True,
     )
     stops.wait()
+    collector.stop()
     node.close()
     return 0
 
