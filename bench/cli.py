@@ -18,6 +18,7 @@ SUITES = [
     ("policy_cost", "register"),
     ("cpp", "register_cpp"),
     ("idle_rtt", "register_idle_rtt"),
+    ("burst", "register_burst"),  # back-to-back puts into a full pool: the mean per put
     ("messages", "register_messages"),  # CPU per control-plane message vs msgpack
     ("stream_copy", "register_copy"),  # kvpool bench copy: streaming stores vs numpy copy
     ("gpu_check", "register_gpu"),  # kvpool bench gpu: the CUDA paths (--dry-run on CPU)

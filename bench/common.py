@@ -28,6 +28,14 @@ def faulted(nbytes: int, fill: int | None = None) -> np.ndarray:
     return buffer
 
 
+PAGE = 4096
+
+
+def page_rounded(size: int) -> int:
+    """``size`` rounded up to whole 4 KiB pages (what an arena allocation takes)."""
+    return -(-size // PAGE) * PAGE
+
+
 def count_for(size: int, working_set: int = 128 << 20, lo: int = 8, hi: int = 2048) -> int:
     """Buffers to rotate through so the working set exceeds the CPU caches.
 

@@ -19,13 +19,11 @@ import tempfile
 
 import numpy as np
 
-from kvpool.bench.common import Row, count_for, faulted, interleaved, make_row
+from kvpool.bench.common import Row, count_for, faulted, interleaved, make_row, page_rounded
 from kvpool.embedded.pool import Pool
 from kvpool.eviction import make_policy
 from kvpool.index.keys import Namespace, block_keys
 from kvpool.storage.ssd_tier import SsdRecord, SsdTier
-
-_PAGE = 4096
 
 
 def run_local(sizes: list[int], tiers: list[str], ssd_dir: str | None, rounds: int) -> list[Row]:
@@ -42,16 +40,12 @@ def _keys(n: int) -> list[bytes]:
     return block_keys(np.arange(n * 4), Namespace("bench"), block_tokens=4)
 
 
-def _rounded(size: int) -> int:
-    return -(-size // _PAGE) * _PAGE
-
-
 def _dram_rows(size: int, rounds: int) -> list[Row]:
     count = count_for(size)
     sources = [faulted(size) for _ in range(count)]
     outs = [faulted(size, fill=0) for _ in range(count)]
     keys = _keys(count)
-    with Pool.embedded(dram_bytes=count * _rounded(size)) as pool:
+    with Pool.embedded(dram_bytes=count * page_rounded(size)) as pool:
 
         def remove_all() -> None:
             for key in keys:
@@ -72,7 +66,7 @@ def _dram_rows(size: int, rounds: int) -> list[Row]:
 
 def _ssd_rows(size: int, rounds: int, ssd_dir: str | None) -> list[Row]:
     count = count_for(size, working_set=256 << 20, lo=8, hi=256)
-    rounded = _rounded(size)
+    rounded = page_rounded(size)
     aligned = _aligned_buffer(count * rounded)  # page-aligned, like arena slots
     slots = [aligned[i * rounded : (i + 1) * rounded] for i in range(count)]
     keys = _keys(count)

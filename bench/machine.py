@@ -185,6 +185,13 @@ class CpuTimes:
         return round(100 * (self.steal - before.steal) / (self.total - before.total), 1)
 
 
+def process_cpu_s(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # after the command name
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def steal_since(before: CpuTimes | None) -> float | None:
     """Percent of CPU time stolen since ``before`` (``CpuTimes.now()`` taken earlier)."""
     now = CpuTimes.now()

@@ -52,18 +52,17 @@ import numpy as np
 
 from kvpool.api import KVStore
 from kvpool.args import positive_int, size_arg, sizes_arg
-from kvpool.bench.common import count_for, faulted, paired, write_json
+from kvpool.bench.common import PAGE, count_for, faulted, page_rounded, paired, write_json
 from kvpool.bench.machine import CpuTimes, steal_since
 from kvpool.bench.mooncake_peer import mooncake_peer
 from kvpool.bench.remote_rows import Baselines, RemoteRow, on_cpus, print_rows, remote_row
 from kvpool.bench.remote_transport import RawClient, pinned, split_cpus
 from kvpool.cluster.client.grants import DEFAULT_GRANT_BYTES
 from kvpool.cluster.client.remote_pool import RemotePool
-from kvpool.procs import spawn_kvpool, stop_by_stdin
+from kvpool.procs import Child, spawn_kvpool, stop_by_stdin
 
 WORKING_SET = 64 << 20
 TRANSPORTS = ("shm", "tcp", "ucx")
-_PAGE = 4096
 
 
 # --- processes ------------------------------------------------------------------------
@@ -95,6 +94,15 @@ def local_cluster(
 ) -> Iterator[str]:
     """A master and one node (``dram`` bytes) as separate processes; yields the URL.
     ``grant_share``: the master's ``--grant-share`` (None: its default)."""
+    with cluster_processes(dram, cpus, grant_share) as (url, _):
+        yield url
+
+
+@contextmanager
+def cluster_processes(
+    dram: int, cpus: set[int] | None, grant_share: float | None = None
+) -> Iterator[tuple[str, list[Child]]]:
+    """``local_cluster``, yielding the processes too: (URL, [master, node])."""
     master_args = ["master", "--host", "127.0.0.1", "--port", "0"]
     if grant_share is not None:
         master_args += ["--grant-share", repr(grant_share)]
@@ -103,7 +111,7 @@ def local_cluster(
     try:
         node_args = ["node", "--master", master.address, "--dram", str(dram)]
         procs.append(spawn_kvpool([*node_args, "--heartbeat", "0.5"], cpus=cpus))
-        yield f"kvpool://{master.address}"
+        yield f"kvpool://{master.address}", procs
     finally:
         for proc in reversed(procs):
             proc.stop()
@@ -120,10 +128,6 @@ def connect_client(url: str, transport: str) -> RemotePool:
             raise RuntimeError("no node registered with the master")
         time.sleep(0.05)
     return pool
-
-
-def _rounded(size: int) -> int:
-    return -(-size // _PAGE) * _PAGE
 
 
 def _count(size: int, batch: int, working_set: int = WORKING_SET) -> int:
@@ -287,8 +291,8 @@ def _connect_quiet(url: str, transport: str) -> Iterator[str]:
         return
     try:
         try:
-            pool.put(key, np.zeros(_PAGE, np.uint8))
-            pool.get_into(key, np.empty(_PAGE, np.uint8))
+            pool.put(key, np.zeros(PAGE, np.uint8))
+            pool.get_into(key, np.empty(PAGE, np.uint8))
             pool.remove(key)
             why = ""
         except (KVPoolError, OSError) as exc:
@@ -317,7 +321,7 @@ def run_remote(
     if peer not in (None, "mooncake"):
         raise ValueError(f"unknown peer {peer!r} (supported: mooncake)")
     counts = {s: _count(s, batch, working_set) for s in sizes}
-    region = max(counts[s] * _rounded(s) for s in sizes)
+    region = max(counts[s] * page_rounded(s) for s in sizes)
     # Headroom, plus room for the put grants of every client (one per transport):
     # each stocks up to DEFAULT_GRANT_BYTES per block size, and right after a size
     # change still holds the previous size's for up to grants.MAX_USE_S. With the
