@@ -17,14 +17,16 @@ The servers' rule instead (``ServerGc``):
 - once started, ``gc.freeze()``: what startup built (modules, classes, the
   config, the arena's bookkeeping) is never garbage and is left out of every
   later pass;
-- the young generations still run by counts, but every ``YOUNG_ALLOCATIONS``
-  net allocations instead of 700: a cycle that a request made (an exception's
-  traceback, a frame) goes within a few thousand requests, at a fraction of
-  the passes;
+- the young and middle generations run by counts as CPython sets them (700
+  allocations, 10 young passes): short, bounded passes that free a request's
+  cycles (an exception's traceback, a frame) soon. Raising them trades CPU for
+  pauses: at 50,000 allocations a young pass held the process 26 ms, at 700
+  0.2 ms (a middle pass 2.4 ms; scratch ``gcpause.py``, issue 17 session 38);
 - the whole heap only on a timer, every ``FULL_EVERY_S`` seconds, never by
-  counts: a cycle that outlived the young passes is reclaimed at most that
-  long after it became garbage, and the pause comes once a minute instead of
-  whenever the catalog has grown or churned by a quarter.
+  counts: a cycle that outlived the middle generation is reclaimed at most that
+  long after it became garbage, and the full pass (~50 ms per 400k tracked
+  objects on the Intel VM, as long as before: it walks the same heap) comes once
+  a minute instead of each time the catalog has grown or churned by a quarter.
 
 Invariants: ``start`` changes the process's collector settings once and ``stop``
 puts the thresholds back and ends the timer thread; nothing is ever turned off
@@ -43,10 +45,6 @@ import time
 
 log = logging.getLogger("kvpool.gc_policy")
 
-#: Net allocations of tracked objects between young passes (CPython's default: 700).
-YOUNG_ALLOCATIONS = 50_000
-#: Young passes between passes of the middle generation (CPython's default: 10).
-MIDDLE_EVERY = 20
 #: Middle-generation passes before a full pass by counts: never, in practice (the
 #: timer runs the full passes). CPython's default: 10.
 NO_FULL_BY_COUNTS = 1 << 30
@@ -68,19 +66,17 @@ class ServerGc:
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
-        """Freeze what exists, raise the thresholds and start the timer (once)."""
+        """Freeze what exists, end full passes by counts and start the timer (once)."""
         if self._thread is not None:
             return
-        self._saved = gc.get_threshold()
+        self._saved = young, middle, _ = gc.get_threshold()
         gc.freeze()
-        gc.set_threshold(YOUNG_ALLOCATIONS, MIDDLE_EVERY, NO_FULL_BY_COUNTS)
+        gc.set_threshold(young, middle, NO_FULL_BY_COUNTS)
         self._thread = threading.Thread(target=self._loop, name="kvpool-gc", daemon=True)
         self._thread.start()
         log.info(
-            "garbage collector: %d objects frozen; young passes every %d allocations,"
-            " the whole heap every %g s",
+            "garbage collector: %d objects frozen; the whole heap every %g s, not by counts",
             gc.get_freeze_count(),
-            YOUNG_ALLOCATIONS,
             self.full_every_s,
         )
 
