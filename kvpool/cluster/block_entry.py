@@ -121,13 +121,14 @@ class EntriesByOffset(dict[int, Entry]):
     def overlapping(self, offset: int, size: int) -> list[Entry]:
         """The entries sharing a byte with ``[offset, offset + size)``, by offset."""
         offsets = self._sorted
-        found = []
         i = offsets.bisect_right(offset)
+        found = []
         if i and (before := self[offsets[i - 1]]).stamp.offset + before.stamp.size > offset:
             found.append(before)
-        found += [
-            self[at] for at in offsets.irange(offset, offset + size, inclusive=(False, False))
-        ]
+        end, count = offset + size, len(offsets)
+        while i < count and (at := offsets[i]) < end:  # (a loop: no generator to set up)
+            found.append(self[at])
+            i += 1
         return found
 
 
