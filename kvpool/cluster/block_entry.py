@@ -76,7 +76,7 @@ class EntriesByOffset(dict[int, Entry]):
     not a plain list kept sorted with ``bisect.insort``: that shifted every later
     offset on each put and each free at a random offset (a remove, an eviction's
     hole refilled): the table's free + claim + seal + commit there took 164 us at
-    600k blocks against 26 (16-17 us either way at 16k blocks)."""
+    600k blocks against 26 (15-17 us either way at 16k blocks)."""
 
     def __init__(self) -> None:
         super().__init__()
