@@ -39,7 +39,7 @@ class BurstRow:
     size: int  # bytes per put
     fill: int  # blocks in the pool before the bursts (each put evicts one)
     burst: int  # puts per burst
-    mean_us: float  # per put, the burst's wall time / its puts
+    mean_us: float  # per put: the mean of the burst's put latencies
     p50_us: float
     copy_us: float  # per np.copyto of the same bytes, the copy burst's mean
     ratio: float  # copy_us / mean_us
@@ -70,10 +70,11 @@ def _one_size(size: int, pool_bytes: int, burst: int, bursts: int, pin: bool) ->
 
     split = split_cpus() if pin else None
     client_cpus, server_cpus = split if split else (None, None)
-    fill = pool_bytes // page_rounded(size)
+    block = page_rounded(size)
+    fill = pool_bytes // block
     # Room for the fill and for the client's stock of grants: from the first burst on,
     # every new block's space comes from evicting an old one.
-    dram = fill * page_rounded(size) + DEFAULT_GRANT_BYTES
+    dram = fill * block + DEFAULT_GRANT_BYTES
     src = faulted(size)
     peers = [faulted(size, fill=1) for _ in range(count_for(size, 64 << 20))]
     puts: list[list[float]] = []
