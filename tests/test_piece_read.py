@@ -60,9 +60,10 @@ def _reading(tmp_path: Any, data: np.ndarray) -> Iterator[tuple[int, PieceReader
 
 
 def test_pieces_cover_the_read_in_order_aligned_and_at_most_max_pieces() -> None:
-    assert (2 * MiB, MiB, 2) == (PIECED_MIN, PIECE_MIN, MAX_PIECES)
+    assert (MiB, MiB // 2, 2) == (PIECED_MIN, PIECE_MIN, MAX_PIECES)
     assert pieces_of(4096) == [(0, 4096)]
-    assert pieces_of(MiB) == [(0, MiB)]
+    assert pieces_of(MiB // 2) == [(0, MiB // 2)]
+    assert pieces_of(MiB) == [(0, MiB // 2), (MiB // 2, MiB)]
     assert pieces_of(2 * MiB) == [(0, MiB), (MiB, 2 * MiB)]
     assert pieces_of(16 * MiB) == [(0, 8 * MiB), (8 * MiB, 16 * MiB)]
     odd = 3 * MiB + 4096  # halves rounded up to a page: the last piece is shorter

@@ -42,10 +42,14 @@ from kvpool.storage.aio_abi import (
     open_context,
 )
 
-#: Reads from this size go in pieces (smaller ones: one synchronous read).
-PIECED_MIN = 2 << 20
+#: Reads from this size go in pieces (smaller ones: one synchronous read). At 1 MiB
+#: the cold hash is ~100 us of a ~700 us read on the Intel VM's disk (issue 17,
+#: session 39): halves read 0.85-0.95x a raw read against 0.83-0.88x whole, and an
+#: SSD hit's read + copy on 0.81-0.85x against 0.71-0.76x; 512 KiB halves gained
+#: nothing, nor did four pieces of a 1 MiB read (0.85x: a wake-up per piece).
+PIECED_MIN = 1 << 20
 #: The smallest piece, and the most pieces per read.
-PIECE_MIN = 1 << 20
+PIECE_MIN = 512 << 10
 MAX_PIECES = 2
 #: AIO contexts per tier: concurrent pieced reads beyond this read synchronously.
 MAX_READERS = 4
