@@ -60,14 +60,17 @@ def _reading(tmp_path: Any, data: np.ndarray) -> Iterator[tuple[int, PieceReader
 
 
 def test_pieces_cover_the_read_in_order_aligned_and_at_most_max_pieces() -> None:
-    assert (MiB, MiB // 2, 2) == (PIECED_MIN, PIECE_MIN, MAX_PIECES)
+    assert (MiB, MiB, 8) == (PIECED_MIN, PIECE_MIN, MAX_PIECES)
     assert pieces_of(4096) == [(0, 4096)]
-    assert pieces_of(MiB // 2) == [(0, MiB // 2)]
-    assert pieces_of(MiB) == [(0, MiB // 2), (MiB // 2, MiB)]
+    assert pieces_of(MiB - 4096) == [(0, MiB - 4096)]
+    assert pieces_of(MiB) == [(0, MiB // 2), (MiB // 2, MiB)]  # two from PIECED_MIN
     assert pieces_of(2 * MiB) == [(0, MiB), (MiB, 2 * MiB)]
-    assert pieces_of(16 * MiB) == [(0, 8 * MiB), (8 * MiB, 16 * MiB)]
-    odd = 3 * MiB + 4096  # halves rounded up to a page: the last piece is shorter
-    assert pieces_of(odd) == [(0, 3 * MiB // 2 + 4096), (3 * MiB // 2 + 4096, odd)]
+    assert pieces_of(4 * MiB) == [(i * MiB, (i + 1) * MiB) for i in range(4)]
+    assert pieces_of(16 * MiB) == [(i * 2 * MiB, (i + 1) * 2 * MiB) for i in range(8)]
+    assert pieces_of(64 * MiB) == [(i * 8 * MiB, (i + 1) * 8 * MiB) for i in range(8)]
+    odd = 3 * MiB + 4096  # thirds rounded up to a page: the last piece is shorter
+    step = MiB + 4096
+    assert pieces_of(odd) == [(0, step), (step, 2 * step), (2 * step, odd)]
 
 
 def test_a_pieced_read_lands_exact_and_hands_each_piece_over_once_in_order(
@@ -104,12 +107,14 @@ def test_a_misaligned_buffer_is_refused_with_nothing_handed_over(tmp_path: Any) 
 
 
 def test_a_short_piece_stops_the_hand_over_and_answers_false(tmp_path: Any) -> None:
-    data = aligned(3 * MiB, 3)  # the second piece of a 4 MiB read runs past the end
+    data = aligned(3 * MiB, 3)  # the last piece of a 4 MiB read runs past the end
     with _reading(tmp_path, data) as (fd, reader):
         seen: list[tuple[int, int]] = []
         out = aligned(4 * MiB, 0)
         assert not reader.read(fd, out, 0, lambda lo, hi: seen.append((lo, hi)))
-        assert seen in ([], [(0, 2 * MiB)])  # the whole first piece at most
+        pieces = pieces_of(4 * MiB)
+        assert len(pieces) == 4 and seen == pieces[: len(seen)]  # in order, whole ones
+        assert len(seen) < 4  # never the short one
 
 
 def test_an_exception_from_each_is_raised_once_every_piece_landed(tmp_path: Any) -> None:
@@ -125,7 +130,7 @@ def test_an_exception_from_each_is_raised_once_every_piece_landed(tmp_path: Any)
         with pytest.raises(ValueError, match="hash failed"):
             reader.read(fd, out, 0, each)
         assert calls == [0]  # the hand-over stopped at the failure
-        assert np.array_equal(out, data)  # and returned only once both pieces landed
+        assert np.array_equal(out, data)  # and returned only once every piece landed
         assert reader.read(fd, out, 0, lambda lo, hi: None)  # nothing left in flight
 
 
@@ -158,7 +163,7 @@ def test_a_signal_after_completions_were_taken_loses_none_of_them(tmp_path: Any)
         out = aligned(4 * MiB, 0)
         with pytest.raises(KeyboardInterrupt):
             reader.read(fd, out, 0, lambda lo, hi: seen.append((lo, hi)))
-        assert fake.getevents == 1  # both completions counted from what the kernel wrote
+        assert fake.getevents == 1  # every completion counted from what the kernel wrote
         assert np.array_equal(out, data)
         assert seen == []  # nothing handed over once a signal's exception is pending
 

@@ -42,15 +42,20 @@ from kvpool.storage.aio_abi import (
     open_context,
 )
 
-#: Reads from this size go in pieces (smaller ones: one synchronous read). At 1 MiB
-#: the cold hash is ~100 us of a ~700 us read on the Intel VM's disk (issue 17,
-#: session 39): halves read 0.85-0.95x a raw read against 0.83-0.88x whole, and an
-#: SSD hit's read + copy on 0.81-0.85x against 0.71-0.76x; 512 KiB halves gained
-#: nothing, nor did four pieces of a 1 MiB read (0.85x: a wake-up per piece).
+#: Reads from this size go in pieces (smaller ones: one synchronous read), at least
+#: two, of at least ``PIECE_MIN`` each past that (so at most ``MAX_PIECES``): 1 MiB
+#: in halves, 2 MiB in halves, 4 MiB in four, 16 MiB in eight. Measured on the Intel
+#: VM's disk (issue 17, session 39; raw O_DIRECT ~1.4-1.7 GB/s), one tier read
+#: against a raw read in the same process: a 1 MiB read's cold hash is ~100 us of
+#: ~700, and halves read 0.85-0.95x against 0.83-0.88x whole; 4 MiB in four 0.93-0.95x
+#: against 0.90-0.91x in halves; 16 MiB in eight 0.97x against 0.91x (an SSD hit,
+#: hashed and copied on: 0.93 against 0.82-0.85). Pieces under 1 MiB past the halves
+#: cost more than they hide (1 MiB in four: 0.82-0.84x; 2 MiB in four: 0.86-0.88x): each
+#: landed piece is a wake-up of the reader.
 PIECED_MIN = 1 << 20
-#: The smallest piece, and the most pieces per read.
-PIECE_MIN = 512 << 10
-MAX_PIECES = 2
+#: The smallest piece past the first two, and the most pieces per read.
+PIECE_MIN = 1 << 20
+MAX_PIECES = 8
 #: AIO contexts per tier: concurrent pieced reads beyond this read synchronously.
 MAX_READERS = 4
 _ALIGN = 4096
@@ -58,9 +63,10 @@ _ALIGN = 4096
 
 def pieces_of(nbytes: int) -> list[tuple[int, int]]:
     """[lo, hi) of each piece of a read of ``nbytes`` (a multiple of 4096): as many
-    as fit up to ``MAX_PIECES`` of at least ``PIECE_MIN``, 4096-aligned, the last
-    one possibly shorter."""
-    count = max(1, min(MAX_PIECES, nbytes // PIECE_MIN))
+    as fit up to ``MAX_PIECES`` of at least ``PIECE_MIN``, and two from
+    ``PIECED_MIN`` up, 4096-aligned, the last one possibly shorter."""
+    count = min(MAX_PIECES, nbytes // PIECE_MIN)
+    count = max(count, 2 if nbytes >= PIECED_MIN else 1)
     step = -(-nbytes // count)
     step = -(-step // _ALIGN) * _ALIGN
     return [(lo, min(lo + step, nbytes)) for lo in range(0, nbytes, step)]
