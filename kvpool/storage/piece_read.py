@@ -42,18 +42,18 @@ from kvpool.storage.aio_abi import (
     open_context,
 )
 
-#: Reads from this size go in pieces (smaller ones: one synchronous read), at least
-#: two, of at least ``PIECE_MIN`` each past that (so at most ``MAX_PIECES``): 1 MiB
-#: in halves, 2 MiB in halves, 4 MiB in four, 16 MiB in eight. Measured on the Intel
+#: Reads from this size go in pieces (smaller ones: one synchronous read): as many of
+#: at least ``PIECE_MIN`` as fit, but at least two and at most ``MAX_PIECES`` (1 and
+#: 2 MiB in halves, 4 MiB in four, 16 MiB in eight). Measured on the Intel
 #: VM's disk (issue 17, session 39; raw O_DIRECT ~1.4-1.7 GB/s), one tier read
 #: against a raw read in the same process: a 1 MiB read's cold hash is ~100 us of
-#: ~700, and halves read 0.85-0.95x against 0.83-0.88x whole; 4 MiB in four 0.93-0.95x
+#: ~700, and halves read 0.85-0.95x against 0.83-0.88x whole; 4 MiB in four 0.91-0.95x
 #: against 0.90-0.91x in halves; 16 MiB in eight 0.97x against 0.91x (an SSD hit,
 #: hashed and copied on: 0.93 against 0.82-0.85). Pieces under 1 MiB past the halves
 #: cost more than they hide (1 MiB in four: 0.82-0.84x; 2 MiB in four: 0.86-0.88x): each
 #: landed piece is a wake-up of the reader.
 PIECED_MIN = 1 << 20
-#: The smallest piece past the first two, and the most pieces per read.
+#: The smallest piece (but for the halves of a read under 2 MiB), the most pieces.
 PIECE_MIN = 1 << 20
 MAX_PIECES = 8
 #: AIO contexts per tier: concurrent pieced reads beyond this read synchronously.
