@@ -194,6 +194,67 @@ def test_recv_all_fills_every_buffer_exactly_and_reads_no_further(pair, budget_n
     assert a.recv(64) == stream[sum(lengths) :].tobytes()  # the next reply's bytes stay put
 
 
+def _spins(before: dict[str, int]) -> dict[str, int]:
+    """How the native spins ended since ``before`` (``native.counters()``)."""
+    after = native.counters()
+    return {k: after[k] - before[k] for k in ("waits", "ready", "timeouts", "long_yields")}
+
+
+@needs_native
+def test_the_rest_of_a_large_reply_is_received_a_quarter_mib_at_a_time(pair) -> None:
+    """A reply that trickles in (64 sends of 16 KiB) is received exactly; each receive
+    (without MSG_WAITALL) waits, spinning, until a quarter MiB is queued (at most a
+    quarter of the socket's receive buffer), so it takes at most total / that many
+    receives, not one per send: in the loop's receives that shows whenever no spin
+    ran out first (then the receive takes what is there)."""
+    a, b = pair
+    data = np.random.default_rng(9).integers(0, 256, 1 << 20, dtype=np.uint8).tobytes()
+    out = bytearray(len(data))
+    want = min(256 << 10, a.getsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF) // 4)
+    before = native.counters()
+    sender = threading.Thread(target=send_in_pieces, args=(b, data, 64, 0.0002))
+    sender.start()
+    got = native.recv_all(a.fileno(), [memoryview(out)], 0, 1000 * MS)
+    sender.join()
+    assert got == len(data) and out == data
+    spins = _spins(before)
+    if spins["ready"] == spins["waits"]:
+        assert spins["waits"] <= -(-len(data) // want)
+
+
+@needs_native
+def test_a_reply_that_stalls_past_the_budget_is_received_whole(pair) -> None:
+    """The rest of a reply stops coming for longer than the spin budget: that spin
+    runs out and the receive blocks for what comes next, as without spinning."""
+    a, b = pair
+    data = bytes(range(256)) * 1200  # 300 KiB
+    out = bytearray(len(data))
+    before = native.counters()
+
+    def stall() -> None:
+        b.sendall(data[:100_000])
+        time.sleep(0.2)
+        b.sendall(data[100_000:])
+
+    threading.Thread(target=stall).start()
+    assert native.recv_all(a.fileno(), [memoryview(out)], 0, 20 * MS) == len(data)
+    assert out == data
+    assert _spins(before)["timeouts"] >= 1
+
+
+@needs_native
+def test_eof_in_the_middle_of_a_reply_ends_the_spin_at_once(pair) -> None:
+    """Readable with nothing queued is the peer's EOF: the spin waiting for a quarter
+    MiB ends there, not when its (here 5 s) budget runs out."""
+    a, b = pair
+    b.sendall(b"x" * 1000)
+    b.shutdown(socket.SHUT_WR)
+    started = time.monotonic()
+    out = bytearray(1 << 20)
+    assert native.recv_all(a.fileno(), [memoryview(out)], 0, 5000 * MS) == 1000
+    assert time.monotonic() - started < 2.0
+
+
 @needs_native
 def test_recv_all_with_waitall_and_into_numpy_views(pair) -> None:
     a, b = pair
@@ -319,8 +380,8 @@ def test_the_settings_reach_the_native_wait() -> None:
     status, state = out.stdout.splitlines()
     assert status == (
         "up to 250 us before each blocking receive (a write's acknowledgement: up to 1000 us"
-        " more, by its payload), 3 thread(s) at a time, paused 10-1000 ms after a yield of"
-        " 500 us"
+        " more, by its payload; the rest of a large reply: until 256 KiB are queued), 3"
+        " thread(s) at a time, paused 10-1000 ms after a yield of 500 us"
     )
     assert state.startswith("True {'waits': 0") and "'max_spinners': 3" in state
 

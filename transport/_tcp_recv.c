@@ -9,7 +9,8 @@
  *
  * recv_all(fd, views, flags, budget_ns) -> int: fill every writable buffer of the
  * list views, in order, from the socket: recvmsg calls on the part not filled yet,
- * each after a wait_readable of budget_ns (0: none), the GIL released throughout.
+ * each after a spin of up to budget_ns (0: none) for the bytes it will take (see "Why
+ * the rest of a large reply waits for a quarter MiB"), the GIL released throughout.
  * Returns the bytes received: all of them, or fewer when the peer closed the
  * connection. An error raises OSError (EAGAIN, the socket's SO_RCVTIMEO, as
  * BlockingIOError); a signal runs Python's handlers, and the receive goes on
@@ -18,7 +19,7 @@
  * read_blocks(fd, plan, first_rid, received, heads, waitall_max, budget_ns): a
  * pipelined batch of checked reads in one call: the requests built and sent, every
  * reply received as recv_all receives (header and pad into heads, payload into its
- * buffer), each header checked; see its comment below.
+ * buffer; each spin for any byte), each header checked; see its comment below.
  *
  * Why spin (issue 17): on VMs whose idle loop halts the vCPU at once (cpuidle
  * haltpoll with guest_halt_poll_ns = 0 on the 2 vCPU AMD EPYC machines), each
@@ -44,6 +45,21 @@
  * thread's co-runner may be its own process's busy thread: a client's background
  * claim thread yielded to its main thread's copies, and the pause it took made the
  * main thread's TCP puts that followed sleep (bench all, 1 MiB put 0.86 -> 0.78).
+ * Why the rest of a large reply waits for a quarter MiB (issue 17, session 39): a
+ * receive without MSG_WAITALL (the parts of a reply past waitall_max) spun until any
+ * byte was queued, so a 1 MiB reply over loopback came in many small receives, each
+ * taking the socket as the sender's segments arrived: a checked 1 MiB read ran at
+ * 0.83-0.85x a raw socket's blocking receives (spinning off: 0.88-0.89x). Its spin
+ * now ends once the receive's whole window or want_max bytes are queued (SIOCINQ
+ * after poll says readable), want_max being what arrives within the spin budget at
+ * loopback speed (2.5 bytes a ns), at most WANT_MAX and a quarter of the socket's
+ * receive buffer: 1 MiB reads 0.90-0.96x (a quarter MiB; 64 / 128 KiB: 0.88-0.93x;
+ * half a MiB, more than the budget brings: 0.80-0.81x); 4 / 16 MiB level. A spin that
+ * runs out of budget first receives what is there, as before. Receives with
+ * MSG_WAITALL (a reply of up to waitall_max, whole) still spin for any byte, and so do
+ * read_blocks' (a batch's replies, one gather send from the node): there the reader
+ * copies each part while the node still sends the rest, and waiting for a quarter MiB
+ * left more to copy after the last byte came (8 x 64 KiB: 0.88-0.89x -> 0.83-0.84x).
  * Why fill the whole list here: a pipelined batch's replies land in up to 128
  * buffers; a Python loop of recvmsg_into calls rebuilt that list and re-acquired
  * every buffer on each call, per chunk the kernel had ready. The node takes a
@@ -68,6 +84,10 @@
 #include <errno.h>
 #include <limits.h>
 #include <poll.h>
+#include <sys/ioctl.h>
+#ifndef POLLRDHUP /* Linux's (Python.h defines _GNU_SOURCE); elsewhere a peer's EOF */
+#define POLLRDHUP 0 /* ends a spin that wants more than a byte when its budget runs out */
+#endif
 #include <sched.h>
 #include <stdatomic.h>
 #include <stdlib.h>
@@ -95,9 +115,16 @@ static long long now_ns(void) {
     return (long long)t.tv_sec * 1000000000LL + t.tv_nsec;
 }
 
-/* The spin itself; call without the GIL. 1: readable, 0: budget passed, crowded,
- * a long yield (spinning paused from then on) or paused. */
-static int spin(int fd, long long budget_ns) {
+/* The most a spin before a receive without MSG_WAITALL waits to see queued (see
+ * "Why the rest of a large reply waits for a quarter MiB"), and the loopback speed
+ * that sizes it by the spin budget: WANT_PER_NS_X2 / 2 bytes a ns. */
+#define WANT_MAX (256 * 1024)
+#define WANT_PER_NS_X2 5
+
+/* The spin itself; call without the GIL. 1: readable (with want > 1: that many bytes
+ * queued, or EOF / an error), 0: budget passed, crowded, a long yield (spinning
+ * paused from then on) or paused. */
+static int spin(int fd, long long budget_ns, size_t want) {
     if (budget_ns <= 0)
         return 0;
     atomic_fetch_add_explicit(&n_waits, 1, memory_order_relaxed);
@@ -113,13 +140,19 @@ static int spin(int fd, long long budget_ns) {
     }
     atomic_llong *outcome = &n_timeouts;
     long long end = now + budget_ns, long_yield = atomic_load(&long_yield_ns);
-    struct pollfd p = {.fd = fd, .events = POLLIN};
+    struct pollfd p = {.fd = fd, .events = POLLIN | POLLRDHUP};
     for (;;) {
         /* > 0: readable, or POLLHUP / POLLERR / POLLNVAL: a receive will not sleep
-         * either (it returns EOF or fails) */
+         * either (it returns EOF or fails); wanting more than a byte, the spin goes on
+         * until that many are queued, or the peer shut its side (POLLRDHUP: no more
+         * will come) */
         if (poll(&p, 1, 0) > 0) {
-            outcome = &n_ready;
-            break;
+            int queued = 0;
+            if (want <= 1 || (p.revents & (POLLRDHUP | POLLHUP | POLLERR | POLLNVAL)) ||
+                ioctl(fd, FIONREAD, &queued) < 0 || (size_t)queued >= want) {
+                outcome = &n_ready;
+                break;
+            }
         }
         long long before = now_ns();
         sched_yield(); /* a thread waiting for this CPU (a commit sender, a peer) runs */
@@ -152,7 +185,7 @@ static PyObject *wait_readable(PyObject *self, PyObject *args) {
         return NULL;
     }
     Py_BEGIN_ALLOW_THREADS
-    ready = spin(fd, budget_ns);
+    ready = spin(fd, budget_ns, 1);
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(ready);
 }
@@ -163,13 +196,32 @@ static void release_all(Py_buffer *bufs, Py_ssize_t n) {
     PyMem_Free(bufs);
 }
 
+/* The most bytes a spin before one of recv_all's receives waits to see queued: 1
+ * (any) with MSG_WAITALL or no budget; else what the budget brings at loopback speed, at most
+ * WANT_MAX and a quarter of the socket's receive buffer (which must hold them). */
+static size_t want_limit(int fd, int flags, long long budget_ns) {
+    if ((flags & MSG_WAITALL) || budget_ns <= 0)
+        return 1;
+    long long want = budget_ns * WANT_PER_NS_X2 / 2;
+    if (want > WANT_MAX)
+        want = WANT_MAX;
+    int rcvbuf = 0;
+    socklen_t len = sizeof(rcvbuf);
+    if (getsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, &len) < 0 || rcvbuf <= 0)
+        return 1;
+    if (want > rcvbuf / 4)
+        want = rcvbuf / 4;
+    return want > 1 ? (size_t)want : 1;
+}
+
 /* Fill iov[0..n) from fd, in order: recvmsg calls of at most MAX_VIEWS buffers and
- * MAX_CALL_BYTES each, a spin of up to budget_ns before each. Call without the GIL.
+ * MAX_CALL_BYTES each, a spin of up to budget_ns before each (until the call's window
+ * or want_max bytes are queued; 1: any byte). Call without the GIL.
  * iov is consumed (filled entries zeroed, a part-filled one advanced), so a call
  * after an EINTR goes on where this one stopped. Returns the bytes received; *err:
  * 0, or the errno that stopped it. Fewer bytes than asked and *err 0: EOF. */
 static long long fill(int fd, struct iovec *iov, Py_ssize_t n, int flags, long long budget_ns,
-                      int *err) {
+                      size_t want_max, int *err) {
     Py_ssize_t first = 0; /* first buffer not full yet */
     long long got = 0;
     *err = 0;
@@ -192,7 +244,7 @@ static long long fill(int fd, struct iovec *iov, Py_ssize_t n, int flags, long l
             count++;
         }
         struct msghdr msg = {.msg_iov = &iov[first], .msg_iovlen = (size_t)count};
-        spin(fd, budget_ns);
+        spin(fd, budget_ns, window < want_max ? window : want_max);
         ssize_t r = recvmsg(fd, &msg, flags);
         if (cut)
             iov[first + count - 1].iov_len += cut;
@@ -224,12 +276,12 @@ static long long fill(int fd, struct iovec *iov, Py_ssize_t n, int flags, long l
  * or -1 with a Python error set (OSError; EAGAIN, the socket's timeout, as
  * BlockingIOError). */
 static long long fill_all(int fd, struct iovec *iov, Py_ssize_t n, int flags,
-                          long long budget_ns) {
+                          long long budget_ns, size_t want_max) {
     long long got = 0, r;
     int err;
     for (;;) {
         Py_BEGIN_ALLOW_THREADS
-        r = fill(fd, iov, n, flags, budget_ns, &err);
+        r = fill(fd, iov, n, flags, budget_ns, want_max, &err);
         Py_END_ALLOW_THREADS
         got += r;
         if (err == 0)
@@ -309,7 +361,7 @@ static PyObject *recv_all(PyObject *self, PyObject *args) {
         iov[i].iov_base = bufs[i].buf;
         iov[i].iov_len = (size_t)bufs[i].len;
     }
-    long long got = fill_all(fd, iov, n, flags, budget_ns);
+    long long got = fill_all(fd, iov, n, flags, budget_ns, want_limit(fd, flags, budget_ns));
     release_all(bufs, n);
     PyMem_Free(iov);
     return got < 0 ? NULL : PyLong_FromLongLong(got);
@@ -424,7 +476,8 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
     if (send_all(fd, (const char *)requests, (size_t)n * (REQ_SIZE + IDENT_SIZE)) < 0)
         goto done;
     long long total = at_stream - received;
-    long long got = fill_all(fd, iov, nv, total <= waitall_max ? MSG_WAITALL : 0, budget_ns);
+    /* any byte: see "Why the rest of a large reply waits for a quarter MiB" */
+    long long got = fill_all(fd, iov, nv, total <= waitall_max ? MSG_WAITALL : 0, budget_ns, 1);
     if (got < 0)
         goto done;
     if (got < total) {
@@ -527,4 +580,12 @@ static struct PyModuleDef module = {
     "How the TCP data path's client receives replies (see the source's header).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__tcp_recv(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__tcp_recv(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && (PyModule_AddIntConstant(m, "WANT_MAX", WANT_MAX) < 0 ||
+                      PyModule_AddIntConstant(m, "WANT_PER_NS_X2", WANT_PER_NS_X2) < 0)) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
