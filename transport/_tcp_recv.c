@@ -197,8 +197,9 @@ static void release_all(Py_buffer *bufs, Py_ssize_t n) {
 }
 
 /* The most bytes a spin before one of recv_all's receives waits to see queued: 1
- * (any) with MSG_WAITALL or no budget; else what the budget brings at loopback speed, at most
- * WANT_MAX and a quarter of the socket's receive buffer (which must hold them). */
+ * (any) with MSG_WAITALL or no budget; else what the budget brings at loopback
+ * speed, at most WANT_MAX and a quarter of the socket's receive buffer (which must
+ * hold them). */
 static size_t want_limit(int fd, int flags, long long budget_ns) {
     if ((flags & MSG_WAITALL) || budget_ns <= 0)
         return 1;
