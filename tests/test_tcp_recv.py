@@ -197,7 +197,7 @@ def test_recv_all_fills_every_buffer_exactly_and_reads_no_further(pair, budget_n
 def _spins(before: dict[str, int]) -> dict[str, int]:
     """How the native spins ended since ``before`` (``native.counters()``)."""
     after = native.counters()
-    return {k: after[k] - before[k] for k in ("waits", "ready", "timeouts", "long_yields")}
+    return {k: after[k] - before[k] for k in ("waits", "ready", "timeouts", "crowded")}
 
 
 @needs_native
@@ -239,7 +239,8 @@ def test_a_reply_that_stalls_past_the_budget_is_received_whole(pair) -> None:
     threading.Thread(target=stall).start()
     assert native.recv_all(a.fileno(), [memoryview(out)], 0, 20 * MS) == len(data)
     assert out == data
-    assert _spins(before)["timeouts"] >= 1
+    spins = _spins(before)  # the stalled receive's spin ran out (unless another thread spun)
+    assert spins["timeouts"] + spins["crowded"] >= 1
 
 
 @needs_native
