@@ -92,6 +92,24 @@ def test_a_closed_peer_is_ready_too(pair) -> None:
 
 
 @needs_native
+def test_a_wait_for_more_than_a_byte_ends_when_that_many_are_queued(pair) -> None:
+    """``want``: the spin ends once that many bytes are queued (not at the first),
+    runs out its budget while fewer are, and ends at once at the peer's EOF."""
+    a, b = pair
+    b.sendall(b"x" * 1000)
+    started = time.monotonic()
+    assert not native.wait_readable(a.fileno(), 50 * MS, 4096)  # 1000 < 4096 queued
+    assert time.monotonic() - started >= 0.04
+    b.sendall(b"y" * 3096)
+    started = time.monotonic()
+    assert native.wait_readable(a.fileno(), 5000 * MS, 4096)
+    assert time.monotonic() - started < 1.0
+    b.shutdown(socket.SHUT_WR)
+    assert native.wait_readable(a.fileno(), 5000 * MS, 1 << 20)  # EOF: no more will come
+    assert a.recv(8192) == b"x" * 1000 + b"y" * 3096  # poll and SIOCINQ only looked
+
+
+@needs_native
 def test_no_budget_means_no_spin_and_bad_arguments_are_refused(pair) -> None:
     before = native.counters()["waits"]
     assert native.wait_readable(pair[0].fileno(), 0) is False
@@ -381,7 +399,7 @@ def test_the_settings_reach_the_native_wait() -> None:
     status, state = out.stdout.splitlines()
     assert status == (
         "up to 250 us before each blocking receive (a write's acknowledgement: up to 1000 us"
-        " more, by its payload; the rest of a large reply: until 256 KiB are queued), 3"
+        " more, by its payload; a large reply: 256 KiB queued at a time), 3"
         " thread(s) at a time, paused 10-1000 ms after a yield of 500 us"
     )
     assert state.startswith("True {'waits': 0") and "'max_spinners': 3" in state

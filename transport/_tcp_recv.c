@@ -1,8 +1,9 @@
 /* kvpool.transport._tcp_recv: how the TCP data path's client receives replies.
  *
- * wait_readable(fd, budget_ns) -> bool: poll(fd, POLLIN, 0) in a loop, the GIL
- * released, until the socket is readable (True: data, EOF or an error is there, so
- * a receive will not sleep) or budget_ns passed (False: a receive would wait). At
+ * wait_readable(fd, budget_ns, want=1) -> bool: poll(fd, POLLIN, 0) in a loop, the
+ * GIL released, until the socket is readable (True: data, EOF or an error is there,
+ * so a receive will not sleep; with want > 1, until that many bytes are queued, at
+ * most want_limit's, or the peer shut its side) or budget_ns passed (False). At
  * most max_spinners threads of the process spin at once; a caller over that limit
  * returns False at once ("crowded"), as does a thread whose spinning is paused
  * after a long yield (see "Why spinning pauses" below).
@@ -55,7 +56,10 @@
  * loopback speed (2.5 bytes a ns), at most WANT_MAX and a quarter of the socket's
  * receive buffer: 1 MiB reads 0.90-0.96x (a quarter MiB; 64 / 128 KiB: 0.88-0.93x;
  * half a MiB, more than the budget brings: 0.80-0.81x); 4 / 16 MiB level. A spin that
- * runs out of budget first receives what is there, as before. Receives with
+ * runs out of budget first receives what is there, as before. The first receive of
+ * a single reply that large (kvpool.transport.tcp_conn) waits the same way, through
+ * wait_readable's want: through the pool, 1 MiB reads 0.84-0.90x -> 0.84-1.00x
+ * (seven pairs; data path alone level, 0.91-0.94x). Receives with
  * MSG_WAITALL (a reply of up to waitall_max, whole) still spin for any byte, and so do
  * read_blocks' (a batch's replies, one gather send from the node): there the reader
  * copies each part while the node still sends the rest, and waiting for a quarter MiB
@@ -175,17 +179,21 @@ static int spin(int fd, long long budget_ns, size_t want) {
     return outcome == &n_ready;
 }
 
+static size_t want_limit(int fd, int flags, long long budget_ns);
+
 static PyObject *wait_readable(PyObject *self, PyObject *args) {
     int fd, ready;
     long long budget_ns;
-    if (!PyArg_ParseTuple(args, "iL:wait_readable", &fd, &budget_ns))
+    Py_ssize_t want = 1;
+    if (!PyArg_ParseTuple(args, "iL|n:wait_readable", &fd, &budget_ns, &want))
         return NULL;
     if (fd < 0) {
         PyErr_SetString(PyExc_ValueError, "wait_readable: fd must be >= 0");
         return NULL;
     }
+    size_t most = want > 1 ? want_limit(fd, 0, budget_ns) : 1;
     Py_BEGIN_ALLOW_THREADS
-    ready = spin(fd, budget_ns, 1);
+    ready = spin(fd, budget_ns, (size_t)want < most ? (size_t)want : most);
     Py_END_ALLOW_THREADS
     return PyBool_FromLong(ready);
 }
@@ -554,8 +562,9 @@ static PyObject *counters(PyObject *self, PyObject *unused) {
 
 static PyMethodDef methods[] = {
     {"wait_readable", wait_readable, METH_VARARGS,
-     "wait_readable(fd, budget_ns) -> bool: poll fd until readable or budget_ns passed "
-     "(GIL released); False at once when max_spinners threads already spin."},
+     "wait_readable(fd, budget_ns, want=1) -> bool: poll fd until readable (want > 1: that "
+     "many bytes queued, capped) or budget_ns passed (GIL released); False at once when "
+     "max_spinners threads already spin."},
     {"recv_all", recv_all, METH_VARARGS,
      "recv_all(fd, views, flags, budget_ns) -> int: fill every buffer of the list views "
      "from fd, spinning up to budget_ns before each receive (GIL released); the bytes "

@@ -17,12 +17,13 @@ first made it faster than one (bench/RESULTS.md, "Session 11").
 
 A write is answered once the peer has taken its payload in: ``spin_ack``
 spins that much longer, by the payload's size (``ACK_EXTRA_MAX_US`` at most).
-The receives of ``recv_all`` that take what has arrived (no ``MSG_WAITALL``: the
-rest of a reply past ``tcp_wire.WAITALL_MAX``, a write's payload on the node) spin
-until a quarter MiB is queued (``WANT_MAX``; less where the budget at 2.5 GB/s or a
-quarter of the socket's receive buffer is less), not until the first byte: taken a
-few segments at a time, a 1 MiB read over loopback ran at 0.80-0.83x a raw socket,
-0.90-0.94x now (bench/RESULTS.md, "Session 39"; the C source's header says more).
+A receive that takes what has arrived (no ``MSG_WAITALL``: a reply over
+``tcp_wire.WAITALL_MAX``, its first receive through ``spin(fd, want)`` and the rest
+in ``recv_all``; a write's payload on the node) spins until a quarter MiB is queued
+(``WANT_MAX``; less where the budget at 2.5 GB/s or a quarter of the socket's
+receive buffer is less), not until the first byte: taken a few segments at a time, a
+1 MiB read over loopback ran at 0.80-0.83x a raw socket, 0.90-0.94x now (through the
+pool 0.83-0.86x -> 0.84-1.00x; bench/RESULTS.md, "Session 39"; the C source says more).
 
 What it costs: the CPU time of the spin, at most ``SPIN_US`` per receive (plus
 the extra of a write's answer), on at most ``SPINNERS`` threads of the process
@@ -87,8 +88,8 @@ else:
     _want = min(_module.WANT_MAX, _BUDGET_NS * _module.WANT_PER_NS_X2 // 2)  # (the C's rule)
     STATUS = (
         f"up to {SPIN_US} us before each blocking receive (a write's acknowledgement: up to"
-        f" {ACK_EXTRA_MAX_US} us more, by its payload; the rest of a large reply: until"
-        f" {_want >> 10} KiB are queued), {SPINNERS} thread(s) at a time,"
+        f" {ACK_EXTRA_MAX_US} us more, by its payload; a large reply: {_want >> 10} KiB"
+        f" queued at a time), {SPINNERS} thread(s) at a time,"
         f" paused {FIRST_PAUSE_MS}-{MAX_PAUSE_MS} ms after a yield of {LONG_YIELD_US} us"
     )
 _wait = _module.wait_readable if _module is not None and _BUDGET_NS else None
@@ -130,10 +131,11 @@ read_blocks: (
 ) = None if _module is None else _read_blocks
 
 
-def spin(fd: int) -> None:
-    """Poll ``fd`` until it is readable or the budget passed (no-op when off)."""
+def spin(fd: int, want: int = 1) -> None:
+    """Poll ``fd`` until it is readable or the budget passed (no-op when off);
+    ``want`` > 1: until that many bytes are queued (as ``recv_all``'s receives wait)."""
     if _wait is not None:
-        _wait(fd, _BUDGET_NS)
+        _wait(fd, _BUDGET_NS, want)
 
 
 def spin_ack(fd: int, payload: int) -> None:
