@@ -107,6 +107,9 @@ def test_a_wait_for_more_than_a_byte_ends_when_that_many_are_queued(pair) -> Non
     b.shutdown(socket.SHUT_WR)
     assert native.wait_readable(a.fileno(), 5000 * MS, 1 << 20)  # EOF: no more will come
     assert a.recv(8192) == b"x" * 1000 + b"y" * 3096  # poll and SIOCINQ only looked
+    # how much a receive of a large reply waits for: what the budget brings at 2.5 GB/s
+    budgets = (0, 40_000, 100_000, MS)
+    assert [native.want_for_budget(ns) for ns in budgets] == [0, 100_000, 250_000, 256 << 10]
 
 
 @needs_native
@@ -263,8 +266,8 @@ def test_a_reply_that_stalls_past_the_budget_is_received_whole(pair) -> None:
 
 @needs_native
 def test_eof_in_the_middle_of_a_reply_ends_the_spin_at_once(pair) -> None:
-    """Readable with nothing queued is the peer's EOF: the spin waiting for a quarter
-    MiB ends there, not when its (here 5 s) budget runs out."""
+    """The peer's EOF (POLLRDHUP) ends a spin waiting for a quarter MiB at once, not
+    when its (here 5 s) budget runs out."""
     a, b = pair
     b.sendall(b"x" * 1000)
     b.shutdown(socket.SHUT_WR)

@@ -204,16 +204,21 @@ static void release_all(Py_buffer *bufs, Py_ssize_t n) {
     PyMem_Free(bufs);
 }
 
+/* What a spin budget brings at loopback speed, at most WANT_MAX (0: no budget). */
+static long long budget_want(long long budget_ns) {
+    if (budget_ns >= WANT_MAX) /* (at >= 1 byte a ns that much brings WANT_MAX: no overflow) */
+        return WANT_MAX;
+    long long want = budget_ns > 0 ? budget_ns * WANT_PER_NS_X2 / 2 : 0;
+    return want < WANT_MAX ? want : WANT_MAX;
+}
+
 /* The most bytes a spin before one of recv_all's receives waits to see queued: 1
- * (any) with MSG_WAITALL or no budget; else what the budget brings at loopback
- * speed, at most WANT_MAX and a quarter of the socket's receive buffer (which must
- * hold them). */
+ * (any) with MSG_WAITALL or no budget; else budget_want, at most a quarter of the
+ * socket's receive buffer (which must hold them). */
 static size_t want_limit(int fd, int flags, long long budget_ns) {
     if ((flags & MSG_WAITALL) || budget_ns <= 0)
         return 1;
-    long long want = budget_ns * WANT_PER_NS_X2 / 2;
-    if (want > WANT_MAX)
-        want = WANT_MAX;
+    long long want = budget_want(budget_ns);
     int rcvbuf = 0;
     socklen_t len = sizeof(rcvbuf);
     if (getsockopt(fd, SOL_SOCKET, SO_RCVBUF, &rcvbuf, &len) < 0 || rcvbuf <= 0)
@@ -550,6 +555,13 @@ static PyObject *set_pause(PyObject *self, PyObject *args) {
     Py_RETURN_NONE;
 }
 
+static PyObject *want_for_budget(PyObject *self, PyObject *args) {
+    long long budget_ns;
+    if (!PyArg_ParseTuple(args, "L:want_for_budget", &budget_ns))
+        return NULL;
+    return PyLong_FromLongLong(budget_want(budget_ns));
+}
+
 static PyObject *counters(PyObject *self, PyObject *unused) {
     return Py_BuildValue(
         "{sLsLsLsLsLsLsisL}", "waits", (long long)atomic_load(&n_waits), "ready",
@@ -578,6 +590,9 @@ static PyMethodDef methods[] = {
      "set_pause(long_yield_ns, first_pause_ns, max_pause_ns): a yield at least long_yield_ns "
      "long pauses the thread's spins, first_pause_ns, doubling up to max_pause_ns while long "
      "yields follow (defaults 500 us, 10 ms, 1 s); ends the calling thread's pause in force."},
+    {"want_for_budget", want_for_budget, METH_VARARGS,
+     "want_for_budget(budget_ns) -> int: the most bytes a spin of that budget waits to see "
+     "queued before a large reply's receive (less where the receive buffer is small)."},
     {"counters", counters, METH_NOARGS,
      "counters() -> dict: waits, ready, timeouts, crowded, long_yields, paused (since "
      "import); max_spinners, next_pause_us (the pause a long yield of this thread starts "
@@ -590,12 +605,4 @@ static struct PyModuleDef module = {
     "How the TCP data path's client receives replies (see the source's header).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__tcp_recv(void) {
-    PyObject *m = PyModule_Create(&module);
-    if (m != NULL && (PyModule_AddIntConstant(m, "WANT_MAX", WANT_MAX) < 0 ||
-                      PyModule_AddIntConstant(m, "WANT_PER_NS_X2", WANT_PER_NS_X2) < 0)) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    return m;
-}
+PyMODINIT_FUNC PyInit__tcp_recv(void) { return PyModule_Create(&module); }

@@ -20,7 +20,7 @@ spins that much longer, by the payload's size (``ACK_EXTRA_MAX_US`` at most).
 A receive that takes what has arrived (no ``MSG_WAITALL``: a reply over
 ``tcp_wire.WAITALL_MAX``, its first receive through ``spin(fd, want)`` and the rest
 in ``recv_all``; a write's payload on the node) spins until a quarter MiB is queued
-(``WANT_MAX``; less where the budget at 2.5 GB/s or a quarter of the socket's
+(the C's ``WANT_MAX``; less where the budget at 2.5 GB/s or a quarter of the socket's
 receive buffer is less), not until the first byte: taken a few segments at a time, a
 1 MiB read over loopback ran at 0.80-0.83x a raw socket, 0.90-0.94x now (through the
 pool 0.83-0.86x -> 0.84-1.00x; bench/RESULTS.md, "Session 39"; the C source says more).
@@ -85,10 +85,10 @@ elif _module is None:
     STATUS = f"off ({_missing})"
 else:
     _module.set_max_spinners(SPINNERS)
-    _want = min(_module.WANT_MAX, _BUDGET_NS * _module.WANT_PER_NS_X2 // 2)  # (the C's rule)
+    _want_kib = _module.want_for_budget(_BUDGET_NS) >> 10
     STATUS = (
         f"up to {SPIN_US} us before each blocking receive (a write's acknowledgement: up to"
-        f" {ACK_EXTRA_MAX_US} us more, by its payload; a large reply: {_want >> 10} KiB"
+        f" {ACK_EXTRA_MAX_US} us more, by its payload; a large reply: {_want_kib} KiB"
         f" queued at a time), {SPINNERS} thread(s) at a time,"
         f" paused {FIRST_PAUSE_MS}-{MAX_PAUSE_MS} ms after a yield of {LONG_YIELD_US} us"
     )
