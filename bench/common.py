@@ -186,11 +186,12 @@ def make_row(op: str, tier: str, ours: Timing, base: Timing, baseline: str) -> R
 
 
 def print_table(rows: Sequence[Row]) -> None:
-    header = f"{'op':<9} {'tier':<7} {'size':>7} {'GB/s':>7} {'base':>7} {'ratio':>6} "
+    tier = max([7, *(len(r.tier) for r in rows)])  # a veth link's name runs longer
+    header = f"{'op':<9} {'tier':<{tier}} {'size':>7} {'GB/s':>7} {'base':>7} {'ratio':>6} "
     print(header + f"{'p50 us':>9} {'p99 us':>9}  baseline")
     for r in rows:
         print(
-            f"{r.op:<9} {r.tier:<7} {format_size(r.size):>7} {r.gbps:>7.2f} "
+            f"{r.op:<9} {r.tier:<{tier}} {format_size(r.size):>7} {r.gbps:>7.2f} "
             f"{r.baseline_gbps:>7.2f} {r.ratio:>6.2f} {r.p50_us:>9.1f} {r.p99_us:>9.1f}  "
             f"{r.baseline}"
         )

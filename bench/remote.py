@@ -340,7 +340,7 @@ def run_remote(
         usable = _usable(transports, url)
         pools = {t: running.enter_context(closing(connect_client(url, t))) for t in usable}
         mooncake = running.enter_context(mooncake_peer(region, server_cpus)) if peer else None
-        raw = RawClient(raw_port)
+        raw = RawClient("127.0.0.1", raw_port)
         running.callback(raw.sock.close)
         running.enter_context(pinned(client_cpus))
         for size in sizes:

@@ -20,12 +20,20 @@ Baseline and ours alternate op by op and GB/s comes from median latencies,
 so bursts from other processes on this shared machine hit both sides. Every
 buffer is pre-faulted before timing. Not wired into the CLI yet:
 call ``run_remote_transport`` or run the module.
+
+Loopback is not a network (a 64 KiB MTU; the sender's CPU runs the receive
+path). ``--veth`` (root) puts the node in a network namespace of its own
+behind a veth pair (kvpool.bench.veth): ``--veth-mtu``, ``--veth-no-gso``
+(every packet one MTU, as without segmentation offloads) and ``--veth-rate`` (a
+token bucket, ``10gbit``) shape the link, each end's receives run on its
+own side's CPUs, and the TCP rows -- ours and the raw socket's -- cross it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import secrets
 import socket
 import struct
 import subprocess
@@ -46,6 +54,8 @@ from kvpool.bench.common import (
     print_table,
     write_json,
 )
+from kvpool.bench.veth import Link, VethPeer, VethUnavailable, veth_peer
+from kvpool.rpc.auth import TOKEN_ENV
 from kvpool.transport import tcp_congestion
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import RegionInfo, UcxInfo
@@ -83,15 +93,15 @@ def _raw_serve(sock: socket.socket, region: memoryview) -> None:
         sock.close()
 
 
-def _node(size: int, with_ucx: bool) -> None:
+def _node(size: int, with_ucx: bool, host: str) -> None:
     from kvpool.storage.arena import SharedArena
     from kvpool.transport.base import host_identity
     from kvpool.transport.tcp_server import TcpDataServer
 
     arena = SharedArena(size)
     arena.view[:] = np.resize(np.arange(251, dtype=np.uint8), size)
-    tcp = TcpDataServer(arena.view, host="127.0.0.1", port=0)
-    raw = tcp_congestion.listen("127.0.0.1", 0)  # as kvpool's data server: same algorithm
+    tcp = TcpDataServer(arena.view, host=host, port=0)
+    raw = tcp_congestion.listen(host, 0)  # as kvpool's data server: same algorithm
     region = memoryview(arena.view)  # type: ignore[arg-type]
 
     def accept() -> None:
@@ -105,7 +115,7 @@ def _node(size: int, with_ucx: bool) -> None:
     if with_ucx:
         from kvpool.transport.ucx_server import UcxDataServer
 
-        ucx = UcxDataServer(arena.view, host="127.0.0.1")
+        ucx = UcxDataServer(arena.view, host=host)
         ucx_port, ucx_addr = ucx.port, ucx.worker_address.hex()
     tcp_port, raw_port = tcp.start()[1], raw.getsockname()[1]
     print(tcp_port, raw_port, arena.name, host_identity(), ucx_port, ucx_addr, flush=True)
@@ -120,8 +130,8 @@ def _node(size: int, with_ucx: bool) -> None:
 
 
 class RawClient:
-    def __init__(self, port: int) -> None:
-        self.sock = tcp_congestion.connect(("127.0.0.1", port), None)
+    def __init__(self, host: str, port: int) -> None:
+        self.sock = tcp_congestion.connect((host, port), None)
         w.tune(self.sock)
         self.ack = bytearray(1)
 
@@ -145,8 +155,15 @@ class RawClient:
 
 
 def _sizes_rows(
-    size: int, info: RegionInfo, raw: RawClient, transports: Sequence[str], rounds: int
+    size: int,
+    info: RegionInfo,
+    raw: RawClient,
+    transports: Sequence[str],
+    rounds: int,
+    tcp_path: str = "tcp",
+    token: str | None = None,
 ) -> list[Row]:
+    """The rows of one size; TCP's are labelled ``tcp_path`` (the link they crossed)."""
     count = count_for(size, WORKING_SET)
     outs = [faulted(size, fill=0) for _ in range(count)]
     srcs = [faulted(size) for _ in range(count)]
@@ -161,13 +178,13 @@ def _sizes_rows(
         rows.append(r)
 
     if "tcp" in transports:
-        tcp = TcpTransport(info, timeout=30)
-        row("get_into", "tcp", lambda i: raw.get(offs[i], outs[i]),
+        tcp = TcpTransport(info, token=token, timeout=30)
+        row("get_into", tcp_path, lambda i: raw.get(offs[i], outs[i]),
             lambda i: tcp.read_into(offs[i], outs[i]), "raw socket req/resp")  # fmt: skip
-        row("put", "tcp", lambda i: raw.put(offs[i], srcs[i]),
+        row("put", tcp_path, lambda i: raw.put(offs[i], srcs[i]),
             lambda i: tcp.write(offs[i], srcs[i]), "raw socket req/resp")  # fmt: skip
         groups = [list(range(g, min(count, g + BATCH))) for g in range(0, count, BATCH)]
-        row("get_batch", "tcp",
+        row("get_batch", tcp_path,
             lambda g: raw.stream(offs[groups[g][0]], [outs[i] for i in groups[g]]),
             lambda g: tcp.read_many([(offs[i], outs[i]) for i in groups[g]]),
             f"raw socket stream (x{BATCH})", len(groups), size * len(groups[0]))  # fmt: skip
@@ -221,16 +238,44 @@ def run_remote_transport(
     rounds: int = 5,
     json_path: str | None = None,
     pin: bool = True,
+    link: Link | None = None,
 ) -> list[Row]:
     """Start a node process, measure every (size, transport), return the rows.
 
     With ``pin`` (and >= 2 CPUs) client and node run on disjoint CPU sets:
     otherwise the scheduler's placement of each server thread (same CPU as
     the client or not) swings small-op results 2x from run to run.
+
+    With a ``link`` the node runs in a network namespace of its own, joined to
+    this one by a veth pair like it (its MTU, segmentation, rate; bench/veth.py;
+    root only), and TCP -- kvpool's and the raw baseline's alike -- crosses that
+    link instead of loopback. The node is then another host: shm and UCX rows are
+    left out.
     """
+    if link is None:
+        return _measure(sizes, transports, rounds, json_path, pin, None)
+    left_out = [t for t in transports if t != "tcp"]
+    if left_out:
+        print(f"{','.join(left_out)}: skipped (the node is on another host: TCP only)")
+    split = split_cpus() if pin else None
+    with veth_peer(link, rx_cpus=split) as peer:
+        return _measure(sizes, ["tcp"], rounds, json_path, pin, peer)
+
+
+def _measure(
+    sizes: Sequence[int],
+    transports: Sequence[str],
+    rounds: int,
+    json_path: str | None,
+    pin: bool,
+    peer: VethPeer | None,
+) -> list[Row]:
+    """``run_remote_transport`` with the node on loopback, or beyond ``peer``."""
     region = max(count_for(s, WORKING_SET) * s for s in sizes)
     split = split_cpus() if pin else None
+    host = "127.0.0.1" if peer is None else peer.remote
     cmd = [sys.executable, "-m", "kvpool.bench.remote_transport", "--node", str(region)]
+    cmd += ["--host", host]
     if "ucx" in transports:
         from kvpool.transport.ucx import ucx_available
 
@@ -238,8 +283,11 @@ def run_remote_transport(
             cmd.append("--ucx")
         else:
             print("ucx: skipped (ucxx is not installed: pip install 'kvpool[ucx]')")
+    # Off loopback the data server needs a shared token (kvpool.rpc.auth): one per run.
+    token = None if peer is None else secrets.token_hex(16)
     node = subprocess.Popen(
-        cmd,
+        cmd if peer is None else peer.prefix + cmd,
+        env=None if token is None else {**os.environ, TOKEN_ENV: token},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -249,12 +297,19 @@ def run_remote_transport(
     try:
         with pinned(split[0] if split else None):
             fields = node.stdout.readline().split()
+            if len(fields) != 6:
+                raise RuntimeError("the benchmark's node process did not start")
             tcp_port, raw_port, shm_name, host_id, ucx_port, ucx_addr = fields
-            info = RegionInfo("bench", region, host_id, "127.0.0.1", int(tcp_port), shm_name)
+            info = RegionInfo("bench", region, host_id, host, int(tcp_port), shm_name)
             if ucx_addr != "-":
-                info.ucx = UcxInfo("127.0.0.1", int(ucx_port), bytes.fromhex(ucx_addr))
-            raw = RawClient(int(raw_port))
-            rows = [r for s in sizes for r in _sizes_rows(s, info, raw, transports, rounds)]
+                info.ucx = UcxInfo(host, int(ucx_port), bytes.fromhex(ucx_addr))
+            raw = RawClient(host, int(raw_port))
+            tcp_path = "tcp" if peer is None else peer.link.name
+            rows = [
+                r
+                for s in sizes
+                for r in _sizes_rows(s, info, raw, transports, rounds, tcp_path, token)
+            ]
             raw.sock.close()
     finally:
         node.stdin.close()
@@ -270,15 +325,33 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=positive_int, default=5)
     p.add_argument("--json")
     p.add_argument("--no-pin", action="store_true", help="do not split CPUs between processes")
+    p.add_argument(
+        "--veth",
+        action="store_true",
+        help="the node in a network namespace of its own, over a veth pair (root; TCP only)",
+    )
+    p.add_argument("--veth-mtu", type=positive_int, default=1500, metavar="BYTES")
+    p.add_argument(
+        "--veth-no-gso", action="store_true", help="every packet one MTU (a NIC without offloads)"
+    )
+    p.add_argument("--veth-rate", metavar="RATE", help="limit each way, in tc syntax: 10gbit")
     p.add_argument("--node", type=int, help=argparse.SUPPRESS)
     p.add_argument("--ucx", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.node:
-        _node(args.node, args.ucx)
+        _node(args.node, args.ucx, args.host)
         return 0
-    rows = run_remote_transport(
-        args.sizes, args.transport.split(","), args.rounds, args.json, not args.no_pin
-    )
+    try:
+        link = Link(args.veth_mtu, not args.veth_no_gso, args.veth_rate) if args.veth else None
+    except ValueError as exc:
+        p.error(str(exc))
+    try:
+        rows = run_remote_transport(
+            args.sizes, args.transport.split(","), args.rounds, args.json, not args.no_pin, link
+        )
+    except VethUnavailable as exc:
+        p.error(f"--veth: {exc}")
     print_table(rows)
     return 0
 

@@ -42,7 +42,7 @@ def test_raw_stream_baseline_sends_distinct_ranges() -> None:
 
     thread = threading.Thread(target=serve, daemon=True)
     thread.start()
-    client = RawClient(port)
+    client = RawClient("127.0.0.1", port)
     outs = [np.zeros(256, dtype=np.uint8) for _ in range(3)]
     client.stream(512, outs)
     for k, out in enumerate(outs):
