@@ -113,6 +113,21 @@ def test_a_wait_for_more_than_a_byte_ends_when_that_many_are_queued(pair) -> Non
 
 
 @needs_native
+def test_a_replys_first_receive_waits_for_64_kib_at_most(pair) -> None:
+    """``wait_readable`` serves a reply's first receive: wanting a whole 1 MiB reply,
+    it ends once 64 KiB are queued (nothing is copied until it returns), and with
+    less than that queued it runs out its budget."""
+    a, b = pair
+    a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)  # a quarter: well over 64 KiB
+    b.sendall(b"x" * ((64 << 10) - 1))
+    assert not native.wait_readable(a.fileno(), 50 * MS, 1 << 20)
+    b.sendall(b"y")
+    started = time.monotonic()
+    assert native.wait_readable(a.fileno(), 5000 * MS, 1 << 20)
+    assert time.monotonic() - started < 1.0
+
+
+@needs_native
 def test_no_budget_means_no_spin_and_bad_arguments_are_refused(pair) -> None:
     before = native.counters()["waits"]
     assert native.wait_readable(pair[0].fileno(), 0) is False

@@ -3,7 +3,8 @@
  * wait_readable(fd, budget_ns, want=1) -> bool: poll(fd, POLLIN, 0) in a loop, the
  * GIL released, until the socket is readable (True: data, EOF or an error is there,
  * so a receive will not sleep; with want > 1, until that many bytes are queued, at
- * most want_limit's, or the peer shut its side) or budget_ns passed (False). At
+ * most want_limit's and FIRST_WANT_MAX, or the peer shut its side) or budget_ns
+ * passed (False). At
  * most max_spinners threads of the process spin at once; a caller over that limit
  * returns False at once ("crowded"), as does a thread whose spinning is paused
  * after a long yield (see "Why spinning pauses" below).
@@ -59,7 +60,14 @@
  * runs out of budget first receives what is there, as before. The first receive of
  * a single reply that large (kvpool.transport.tcp_conn) waits the same way, through
  * wait_readable's want: through the pool, 1 MiB reads 0.84-0.90x -> 0.84-1.00x
- * (seven pairs; data path alone level, 0.91-0.94x). Receives with
+ * (seven pairs; data path alone level, 0.91-0.94x). That first receive waits for
+ * at most FIRST_WANT_MAX (64 KiB), not a quarter MiB (session 40): until it returns
+ * no byte is copied, and waiting longer left more of the copy after the last byte
+ * came. Data path alone, medians of pairs with the raw socket, two runs each: over a
+ * veth link into another namespace (MTU 1500, each end's receives on its own CPU;
+ * bench/veth.py) 256 KiB reads 0.81-0.82x -> 0.90-0.91x (32 KiB: 0.91-0.93x, 128 KiB:
+ * 0.86-0.88x), over loopback 1.00-1.04x -> 1.14-1.16x; 1 and 4 MiB level or better
+ * (loopback 1 MiB 0.97-1.01x -> 0.96-1.06x). Receives with
  * MSG_WAITALL (a reply of up to waitall_max, whole) still spin for any byte, and so do
  * read_blocks' (a batch's replies, one gather send from the node): there the reader
  * copies each part while the node still sends the rest, and waiting for a quarter MiB
@@ -123,6 +131,7 @@ static long long now_ns(void) {
  * "Why the rest of a large reply waits for a quarter MiB"), and the loopback speed
  * that sizes it by the spin budget: WANT_PER_NS_X2 / 2 bytes a ns. */
 #define WANT_MAX (256 * 1024)
+#define FIRST_WANT_MAX (64 * 1024)
 #define WANT_PER_NS_X2 5
 
 /* The spin itself; call without the GIL. 1: readable (with want > 1: that many bytes
@@ -192,6 +201,8 @@ static PyObject *wait_readable(PyObject *self, PyObject *args) {
         return NULL;
     }
     size_t most = want > 1 ? want_limit(fd, 0, budget_ns) : 1;
+    if (most > FIRST_WANT_MAX) /* a reply's first receive: see the header */
+        most = FIRST_WANT_MAX;
     Py_BEGIN_ALLOW_THREADS
     ready = spin(fd, budget_ns, (size_t)want < most ? (size_t)want : most);
     Py_END_ALLOW_THREADS
@@ -575,8 +586,8 @@ static PyObject *counters(PyObject *self, PyObject *unused) {
 static PyMethodDef methods[] = {
     {"wait_readable", wait_readable, METH_VARARGS,
      "wait_readable(fd, budget_ns, want=1) -> bool: poll fd until readable (want > 1: that "
-     "many bytes queued, capped) or budget_ns passed (GIL released); False at once when "
-     "max_spinners threads already spin."},
+     "many bytes queued, at most 64 KiB: a reply's first receive) or budget_ns passed (GIL "
+     "released); False at once when max_spinners threads already spin."},
     {"recv_all", recv_all, METH_VARARGS,
      "recv_all(fd, views, flags, budget_ns) -> int: fill every buffer of the list views "
      "from fd, spinning up to budget_ns before each receive (GIL released); the bytes "

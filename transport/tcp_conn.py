@@ -116,7 +116,7 @@ class DataConn:
         n, h = payload.nbytes, w.RESP.size
         pad = -(self._received + h) % w.ALIGN  # w.read_pad, inline: the hot path
         hdr = self._resp_mv[: h + pad]
-        spin(self._fd, 1 if flags else h + pad + n)  # a large reply: a quarter MiB first
+        spin(self._fd, 1 if flags else h + pad + n)  # a large reply: 64 KiB first
         got = self.sock.recvmsg_into([hdr, payload] if n else [hdr], 0, flags)[0]
         if got == 0:
             raise ConnectionLostError("peer closed the data connection")

@@ -24,6 +24,9 @@ in ``recv_all``; a write's payload on the node) spins until a quarter MiB is que
 receive buffer is less), not until the first byte: taken a few segments at a time, a
 1 MiB read over loopback ran at 0.80-0.83x a raw socket, 0.90-0.94x now (through the
 pool 0.83-0.86x -> 0.84-1.00x; bench/RESULTS.md, "Session 39"; the C source says more).
+A reply's first receive waits for 64 KiB at most (``FIRST_WANT_MAX``): nothing is
+copied until it returns, and a quarter MiB left more of the copy after the last byte
+(256 KiB reads across a veth link 0.81x -> 0.90x a raw socket; "Session 40").
 
 What it costs: the CPU time of the spin, at most ``SPIN_US`` per receive (plus
 the extra of a write's answer), on at most ``SPINNERS`` threads of the process
@@ -133,7 +136,8 @@ read_blocks: (
 
 def spin(fd: int, want: int = 1) -> None:
     """Poll ``fd`` until it is readable or the budget passed (no-op when off);
-    ``want`` > 1: until that many bytes are queued (as ``recv_all``'s receives wait)."""
+    ``want`` > 1: until that many bytes are queued, 64 KiB at most (a reply's first
+    receive: the C's ``FIRST_WANT_MAX``)."""
     if _wait is not None:
         _wait(fd, _BUDGET_NS, want)
 
