@@ -63,7 +63,7 @@ def run_burst(
 def _one_size(size: int, pool_bytes: int, burst: int, bursts: int, pin: bool) -> BurstRow:
     from kvpool.bench.common import count_for, faulted, page_rounded
     from kvpool.bench.machine import process_cpu_s
-    from kvpool.bench.remote import cluster_processes, connect_client
+    from kvpool.bench.remote_procs import cluster_processes, connect_client
     from kvpool.bench.remote_transport import pinned, split_cpus
     from kvpool.cluster.client.grants import DEFAULT_GRANT_BYTES
     from kvpool.index.keys import Namespace, block_keys

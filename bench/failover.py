@@ -166,7 +166,7 @@ def _summary(values: list[float]) -> dict[str, float]:
 def run_overhead(rounds: int, ops: int, size: int) -> dict[str, Any]:
     """Single put and get_into, standalone vs elected master, interleaved rounds."""
     import kvpool
-    from kvpool.bench.remote import local_cluster
+    from kvpool.bench.remote_procs import local_cluster
 
     data = [np.random.default_rng(i).integers(0, 256, size, dtype=np.uint8) for i in range(ops)]
     out = np.empty(size, np.uint8)

@@ -55,7 +55,7 @@ def register_idle_rtt(suites: Any) -> None:
 
 
 def run_idle_rtt(idle_ms: Sequence[float], samples: int, pin: bool = True) -> list[IdleRow]:
-    from kvpool.bench.remote import connect_client, local_cluster
+    from kvpool.bench.remote_procs import connect_client, local_cluster
     from kvpool.bench.remote_transport import pinned, split_cpus
 
     if samples < 1 or any(g < 0 for g in idle_ms):

@@ -40,9 +40,6 @@ right after ours of that size; otherwise it prints why it skipped.
 from __future__ import annotations
 
 import argparse
-import subprocess
-import sys
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, closing, contextmanager
 from dataclasses import asdict, dataclass
@@ -55,79 +52,14 @@ from kvpool.args import positive_int, size_arg, sizes_arg
 from kvpool.bench.common import PAGE, count_for, faulted, page_rounded, paired, write_json
 from kvpool.bench.machine import CpuTimes, steal_since
 from kvpool.bench.mooncake_peer import mooncake_peer
-from kvpool.bench.remote_rows import Baselines, RemoteRow, on_cpus, print_rows, remote_row
+from kvpool.bench.remote_procs import LOOPBACK, Where, connect_client, local_cluster, raw_server
+from kvpool.bench.remote_rows import Baselines, RemoteRow, print_rows, remote_row
 from kvpool.bench.remote_transport import RawClient, pinned, split_cpus
+from kvpool.bench.veth import Link, add_link_args, link_of, veth_peer
 from kvpool.cluster.client.grants import DEFAULT_GRANT_BYTES
-from kvpool.cluster.client.remote_pool import RemotePool
-from kvpool.procs import Child, spawn_kvpool, stop_by_stdin
 
 WORKING_SET = 64 << 20
 TRANSPORTS = ("shm", "tcp", "ucx")
-
-
-# --- processes ------------------------------------------------------------------------
-
-
-@contextmanager
-def _raw_server(region: int, cpus: set[int] | None) -> Iterator[int]:
-    """The raw-socket baseline server of remote_transport; yields its port."""
-    popen = subprocess.Popen(
-        [sys.executable, "-m", "kvpool.bench.remote_transport", "--node", str(region)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        preexec_fn=on_cpus(cpus),
-    )
-    assert popen.stdout is not None and popen.stdin is not None
-    try:
-        fields = popen.stdout.readline().split()
-        if len(fields) < 2:
-            raise RuntimeError("the raw-socket baseline server did not start")
-        yield int(fields[1])
-    finally:
-        stop_by_stdin(popen, 30)
-
-
-@contextmanager
-def local_cluster(
-    dram: int, cpus: set[int] | None, grant_share: float | None = None
-) -> Iterator[str]:
-    """A master and one node (``dram`` bytes) as separate processes; yields the URL.
-    ``grant_share``: the master's ``--grant-share`` (None: its default)."""
-    with cluster_processes(dram, cpus, grant_share) as (url, _):
-        yield url
-
-
-@contextmanager
-def cluster_processes(
-    dram: int, cpus: set[int] | None, grant_share: float | None = None
-) -> Iterator[tuple[str, list[Child]]]:
-    """``local_cluster``, yielding the processes too: (URL, [master, node])."""
-    master_args = ["master", "--host", "127.0.0.1", "--port", "0"]
-    if grant_share is not None:
-        master_args += ["--grant-share", repr(grant_share)]
-    master = spawn_kvpool(master_args, cpus=cpus)
-    procs = [master]
-    try:
-        node_args = ["node", "--master", master.address, "--dram", str(dram)]
-        procs.append(spawn_kvpool([*node_args, "--heartbeat", "0.5"], cpus=cpus))
-        yield f"kvpool://{master.address}", procs
-    finally:
-        for proc in reversed(procs):
-            proc.stop()
-
-
-def connect_client(url: str, transport: str) -> RemotePool:
-    from kvpool.cluster.client.remote_pool import connect
-
-    pool = connect(url, transport=transport, timeout=30.0)
-    deadline = time.monotonic() + 20
-    while len(pool.stats()["nodes"]) < 1:
-        if time.monotonic() > deadline:
-            pool.close()
-            raise RuntimeError("no node registered with the master")
-        time.sleep(0.05)
-    return pool
 
 
 def _count(size: int, batch: int, working_set: int = WORKING_SET) -> int:
@@ -180,7 +112,10 @@ def _kvpool_rows(
     batch: int,
     rounds: int,
     ops: Sequence[str] = OPS,
+    path: str | None = None,
 ) -> list[RemoteRow]:
+    """The rows of one transport and size, named ``path`` (the transport's name if
+    None; a veth link's when the bytes crossed one)."""
     from kvpool.index.keys import Namespace, block_keys
 
     size, count, srcs, outs, peer = bufs.size, bufs.count, bufs.srcs, bufs.outs, bufs.peer
@@ -216,18 +151,19 @@ def _kvpool_rows(
         assert raw is not None
         base_ops = Baselines.raw_socket(raw, size, srcs, outs, groups)
     what = base_ops.name
+    label = path or transport
 
     rows = []
     remove_all()
     if "put" in ops:
         base, ours = paired(size, base_ops.put, put, count, rounds, remove_all)
-        rows.append(remote_row("put", transport, size, ours, base, what))
+        rows.append(remote_row("put", label, size, ours, base, what))
     else:  # the reads need the keys stored
         for i in range(count):
             put(i)
     if "get_into" in ops:
         base, ours = paired(size, base_ops.get, get, count, rounds)
-        rows.append(remote_row("get_into", transport, size, ours, base, what))
+        rows.append(remote_row("get_into", label, size, ours, base, what))
     # The same reads inside one lease held over the whole working set (as a
     # layer-wise reader holds its prefix): no master round trip per call, so
     # this row is the client's data path alone.
@@ -236,19 +172,17 @@ def _kvpool_rows(
             if len(lease.keys) != count:
                 raise RuntimeError("a stored key could not be leased")
             base, ours = paired(size, base_ops.get, get, count, rounds)
-        rows.append(remote_row("get_into_leased", transport, size, ours, base, what))
+        rows.append(remote_row("get_into_leased", label, size, ours, base, what))
     n = len(groups)
     if "put_batch" in ops:
         base, ours = paired(size * batch, base_ops.put_batch, put_batch, n, rounds, remove_all)
         rows.append(
-            remote_row("put_batch", transport, size, ours, base, base_ops.put_batch_name, batch)
+            remote_row("put_batch", label, size, ours, base, base_ops.put_batch_name, batch)
         )
     if "get_into_batch" in ops:
         base, ours = paired(size * batch, base_ops.get_batch, get_batch, n, rounds)
         rows.append(
-            remote_row(
-                "get_into_batch", transport, size, ours, base, base_ops.get_batch_name, batch
-            )
+            remote_row("get_into_batch", label, size, ours, base, base_ops.get_batch_name, batch)
         )
     remove_all()
     used = pool.stats()["transport"]
@@ -311,8 +245,13 @@ def run_remote(
     peer: str | None = None,
     working_set: int = WORKING_SET,
     ops: Sequence[str] = OPS,
+    link: Link | None = None,
 ) -> list[RemoteRow]:
-    """Start the cluster and the baseline server, measure every (size, transport)."""
+    """Start the cluster and the baseline server, measure every (size, transport).
+
+    With a ``link`` master, node and baseline server run in a network namespace
+    behind a veth pair like it (kvpool.bench.veth; root only): another host, so
+    only TCP is measured, its rows named after the link (``veth1500``)."""
     unknown = set(transports) - set(TRANSPORTS)
     if unknown:
         raise ValueError(f"unknown transport(s) {sorted(unknown)}; choose from shm, tcp, ucx")
@@ -320,6 +259,12 @@ def run_remote(
         raise ValueError("--batch and --rounds must be at least 1")
     if peer not in (None, "mooncake"):
         raise ValueError(f"unknown peer {peer!r} (supported: mooncake)")
+    if link is not None:
+        if peer is not None:
+            raise ValueError("--peer runs on loopback only: leave out --veth or --peer")
+        if left_out := [t for t in transports if t != "tcp"]:
+            print(f"{','.join(left_out)}: skipped (the servers are on another host: TCP only)")
+        transports = ["tcp"]
     counts = {s: _count(s, batch, working_set) for s in sizes}
     region = max(counts[s] * page_rounded(s) for s in sizes)
     # Headroom, plus room for the put grants of every client (one per transport):
@@ -335,18 +280,22 @@ def run_remote(
     client_cpus, server_cpus = split if split else (None, None)
     rows: list[RemoteRow] = []
     with ExitStack() as running:
-        url = running.enter_context(local_cluster(dram, server_cpus, room / dram))
-        raw_port = running.enter_context(_raw_server(region, server_cpus))
+        where = LOOPBACK
+        if link is not None:
+            where = Where.beyond(running.enter_context(veth_peer(link, rx_cpus=split)))
+        url = running.enter_context(local_cluster(dram, server_cpus, room / dram, where))
+        raw_port = running.enter_context(raw_server(region, server_cpus, where))
         usable = _usable(transports, url)
-        pools = {t: running.enter_context(closing(connect_client(url, t))) for t in usable}
+        pools = {t: running.enter_context(closing(connect_client(url, t, where))) for t in usable}
         mooncake = running.enter_context(mooncake_peer(region, server_cpus)) if peer else None
-        raw = RawClient("127.0.0.1", raw_port)
+        raw = RawClient(where.host, raw_port)
         running.callback(raw.sock.close)
         running.enter_context(pinned(client_cpus))
         for size in sizes:
             bufs = _Buffers.make(size, counts[size])
             for t in usable:
-                rows += _kvpool_rows(pools[t], t, bufs, raw, batch, rounds, ops)
+                path = t if link is None else link.name
+                rows += _kvpool_rows(pools[t], t, bufs, raw, batch, rounds, ops, path)
             del bufs
             if mooncake is not None:  # right after ours of this size (bench/mooncake_peer.py)
                 rows += mooncake.rows(size, counts[size], raw, batch, rounds)
@@ -376,6 +325,7 @@ def register_remote(suites: Any) -> None:
     parser.add_argument(
         "--ops", type=ops_arg, default=OPS, help=f"comma list of {', '.join(OPS)} (default all)"
     )
+    add_link_args(parser)
     parser.set_defaults(func=_run)
 
 
@@ -391,6 +341,7 @@ def _run(args: argparse.Namespace) -> int:
         args.peer,
         args.working_set,
         args.ops,
+        link_of(args),
     )
     print_rows(rows)
     steal = steal_since(before)

@@ -125,11 +125,13 @@ def remote_row(op: str, transport: str, size: int, ours: Timing, base: Timing,
 
 
 def print_rows(rows: Sequence[RemoteRow]) -> None:
-    header = f"{'store':<8} {'op':<15} {'transport':<9} {'size':>7} {'GB/s':>7} {'base':>7} "
-    print(header + f"{'ratio':>6} {'p50 us':>9} {'p99 us':>9}  baseline")
+    width = max([9, *(len(r.transport) for r in rows)])  # a veth link's name runs longer
+    header = f"{'store':<8} {'op':<15} {'transport':<{width}} {'size':>7} {'GB/s':>7} "
+    print(header + f"{'base':>7} {'ratio':>6} {'p50 us':>9} {'p99 us':>9}  baseline")
     for r in rows:
         print(
-            f"{r.store:<8} {r.op:<15} {r.transport:<9} {format_size(r.size):>7} {r.gbps:>7.2f} "
+            f"{r.store:<8} {r.op:<15} {r.transport:<{width}} {format_size(r.size):>7} "
+            f"{r.gbps:>7.2f} "
             f"{r.baseline_gbps:>7.2f} {r.ratio:>6.2f} {r.p50_us:>9.1f} {r.p99_us:>9.1f}  "
             f"{r.baseline}"
         )

@@ -54,7 +54,7 @@ from kvpool.bench.common import (
     print_table,
     write_json,
 )
-from kvpool.bench.veth import Link, VethPeer, VethUnavailable, veth_peer
+from kvpool.bench.veth import Link, VethPeer, VethUnavailable, add_link_args, link_of, veth_peer
 from kvpool.rpc.auth import TOKEN_ENV
 from kvpool.transport import tcp_congestion
 from kvpool.transport import tcp_wire as w
@@ -325,16 +325,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--rounds", type=positive_int, default=5)
     p.add_argument("--json")
     p.add_argument("--no-pin", action="store_true", help="do not split CPUs between processes")
-    p.add_argument(
-        "--veth",
-        action="store_true",
-        help="the node in a network namespace of its own, over a veth pair (root; TCP only)",
-    )
-    p.add_argument("--veth-mtu", type=positive_int, default=1500, metavar="BYTES")
-    p.add_argument(
-        "--veth-no-gso", action="store_true", help="every packet one MTU (a NIC without offloads)"
-    )
-    p.add_argument("--veth-rate", metavar="RATE", help="limit each way, in tc syntax: 10gbit")
+    add_link_args(p)
     p.add_argument("--node", type=int, help=argparse.SUPPRESS)
     p.add_argument("--ucx", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
@@ -343,7 +334,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         _node(args.node, args.ucx, args.host)
         return 0
     try:
-        link = Link(args.veth_mtu, not args.veth_no_gso, args.veth_rate) if args.veth else None
+        link = link_of(args)
     except ValueError as exc:
         p.error(str(exc))
     try:

@@ -16,6 +16,7 @@ nothing and left nothing behind.
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
 import shutil
@@ -32,8 +33,8 @@ _RATE = re.compile(r"([1-9][0-9]*(?:\.[0-9]+)?)([kmgt]?)(bit|bps)", re.IGNORECAS
 MIN_RATE_BITS = 100_000_000
 
 
-class VethUnavailable(RuntimeError):
-    """No namespace and veth pair can be made here (no root, no ``ip``)."""
+class VethUnavailable(OSError):
+    """No namespace and veth pair can be made here (no root, no ``ip``, no ``tbf``)."""
 
 
 def rate_bits(rate: str) -> float:
@@ -87,6 +88,28 @@ class VethPeer:
     def prefix(self) -> list[str]:
         """The command prefix that runs a program inside the namespace."""
         return ["ip", "netns", "exec", self.netns]
+
+
+def add_link_args(parser: argparse.ArgumentParser) -> None:
+    """``--veth`` and the link's shape, for a benchmark's command line (``link_of``)."""
+    parser.add_argument(
+        "--veth",
+        action="store_true",
+        help="the servers in a network namespace of their own, over a veth pair (root; TCP only)",
+    )
+    parser.add_argument("--veth-mtu", type=int, default=1500, metavar="BYTES")
+    parser.add_argument(
+        "--veth-no-gso", action="store_true", help="every packet one MTU (no segmentation offload)"
+    )
+    parser.add_argument("--veth-rate", metavar="RATE", help="limit each way, in tc syntax: 10gbit")
+
+
+def link_of(args: argparse.Namespace) -> Link | None:
+    """The link ``add_link_args`` described (None without ``--veth``); ValueError
+    for a bad MTU or rate."""
+    if not args.veth:
+        return None
+    return Link(args.veth_mtu, not args.veth_no_gso, args.veth_rate)
 
 
 def _ip(*args: str) -> None:

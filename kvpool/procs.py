@@ -194,9 +194,11 @@ def spawn(
     prefix: Sequence[str] = (),
     cpus: set[int] | None = None,
     stderr: int | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> Child:
     """``start`` + ``wait_ready``."""
-    return wait_ready(start(name, args, prefix=prefix, cpus=cpus, stderr=stderr), timeout)
+    child = start(name, args, prefix=prefix, cpus=cpus, stderr=stderr, env=env)
+    return wait_ready(child, timeout)
 
 
 def kvpool_args(*args: str) -> list[str]:
@@ -211,9 +213,11 @@ def spawn_kvpool(
     cpus: set[int] | None = None,
     timeout: float = 30.0,
     stderr: int | None = subprocess.DEVNULL,
+    env: Mapping[str, str] | None = None,
 ) -> Child:
     """Run ``[PREFIX] python -m kvpool ARGS`` (a master or a node) and wait until it is
-    ready; its stderr (logs) is dropped unless ``stderr`` says otherwise."""
+    ready; its stderr (logs) is dropped unless ``stderr`` says otherwise; ``env``:
+    variables to set on top of ours."""
     return spawn(
         args[0] if args else "kvpool",
         kvpool_args(*args),
@@ -221,6 +225,7 @@ def spawn_kvpool(
         prefix=prefix,
         cpus=cpus,
         stderr=stderr,
+        env=env,
     )
 
 

@@ -1,20 +1,25 @@
 """The benchmark's second "host": a network namespace behind a veth pair (bench/veth.py).
 
 The link is made for real (``ip``, ``tc``, sysfs) where this runs as root, its
-settings read back from the kernel, and the data-path benchmark run across it;
+settings read back from the kernel, and the data-path and pool benchmarks run
+across it;
 elsewhere those tests skip with the reason, and the checks that need no root run.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import shutil
 import subprocess
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
 from kvpool.bench import veth
+from kvpool.bench.remote import register_remote, run_remote
 from kvpool.bench.remote_transport import run_remote_transport
 from kvpool.bench.veth import Link, VethUnavailable, rate_bits, veth_peer
 
@@ -86,3 +91,28 @@ def test_the_data_path_bench_crosses_the_link(as_root: None) -> None:
         (op, "veth1500-nogso@10gbit") for op in ("get_into", "put", "get_batch")
     ]
     assert all(r.gbps > 0 and r.baseline_gbps > 0 for r in rows)
+
+
+def test_the_pool_bench_crosses_the_link(as_root: None, tmp_path: Path) -> None:
+    """``kvpool bench remote --veth``: master, node and baseline server in the
+    namespace (a token between them: off loopback they refuse to run without one),
+    TCP rows only, each named after the link, the client's bytes over TCP."""
+    parser = argparse.ArgumentParser()
+    register_remote(parser.add_subparsers(dest="suite"))
+    out = tmp_path / "rows.json"
+    argv = ["remote", "--sizes", "64KiB", "--transport", "shm,tcp", "--rounds", "1"]
+    argv += ["--ops", "put,get_into", "--working-set", "1MiB", "--json", str(out)]
+    args = parser.parse_args([*argv, "--veth", "--veth-mtu", "9000"])
+    assert args.func(args) == 0
+    rows = json.loads(out.read_text())
+    assert [(r["op"], r["transport"]) for r in rows] == [
+        ("put", "veth9000"),
+        ("get_into", "veth9000"),
+    ]
+    assert all(r["gbps"] > 0 and r["baseline"].startswith("raw socket") for r in rows)
+
+
+def test_the_pool_bench_refuses_a_peer_beyond_a_link() -> None:
+    """Mooncake's peer runs on loopback: both together are refused before anything starts."""
+    with pytest.raises(ValueError, match="loopback only"):
+        run_remote([64 << 10], ["tcp"], peer="mooncake", link=Link())

@@ -1,0 +1,117 @@
+"""The processes ``kvpool bench remote`` measures against, and its clients.
+
+A master and one node (``cluster_processes``), and the raw-socket baseline
+server of ``kvpool.bench.remote_transport`` (``raw_server``): on loopback, or
+beyond a veth link in a network namespace of their own (``Where.beyond``;
+kvpool.bench.veth), another "host" whose every byte crosses the link -- kvpool's
+and the baseline's alike. Off loopback the servers refuse to listen without a
+shared token (kvpool.rpc.auth), so such a run makes one and hands it to them
+and to its clients (``connect_client``).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from kvpool.bench.remote_rows import on_cpus
+from kvpool.bench.veth import VethPeer
+from kvpool.cluster.client.remote_pool import RemotePool, connect
+from kvpool.procs import Child, spawn_kvpool, stop_by_stdin
+from kvpool.rpc.auth import TOKEN_ENV
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where the servers run: the address they listen on, the command prefix that
+    runs them there, and the token they and their clients share (None: loopback
+    needs none)."""
+
+    host: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
+    token: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def beyond(cls, peer: VethPeer) -> Where:
+        """In ``peer``'s namespace, on its address, with a fresh token."""
+        return cls(peer.remote, tuple(peer.prefix), secrets.token_hex(16))
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Variables the servers run with."""
+        return {TOKEN_ENV: self.token} if self.token else {}
+
+
+LOOPBACK = Where()
+
+
+@contextmanager
+def raw_server(region: int, cpus: set[int] | None, where: Where = LOOPBACK) -> Iterator[int]:
+    """The raw-socket baseline server of remote_transport; yields its port."""
+    module = [sys.executable, "-m", "kvpool.bench.remote_transport"]
+    popen = subprocess.Popen(
+        [*where.prefix, *module, "--node", str(region), "--host", where.host],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, **where.env},
+        preexec_fn=on_cpus(cpus),
+    )
+    assert popen.stdout is not None and popen.stdin is not None
+    try:
+        fields = popen.stdout.readline().split()
+        if len(fields) < 2:
+            raise RuntimeError("the raw-socket baseline server did not start")
+        yield int(fields[1])
+    finally:
+        stop_by_stdin(popen, 30)
+
+
+@contextmanager
+def local_cluster(
+    dram: int, cpus: set[int] | None, grant_share: float | None = None, where: Where = LOOPBACK
+) -> Iterator[str]:
+    """A master and one node (``dram`` bytes) as separate processes; yields the URL.
+    ``grant_share``: the master's ``--grant-share`` (None: its default)."""
+    with cluster_processes(dram, cpus, grant_share, where) as (url, _):
+        yield url
+
+
+@contextmanager
+def cluster_processes(
+    dram: int, cpus: set[int] | None, grant_share: float | None = None, where: Where = LOOPBACK
+) -> Iterator[tuple[str, list[Child]]]:
+    """``local_cluster``, yielding the processes too: (URL, [master, node])."""
+    master_args = ["master", "--host", where.host, "--port", "0"]
+    if grant_share is not None:
+        master_args += ["--grant-share", repr(grant_share)]
+    master = spawn_kvpool(master_args, prefix=where.prefix, cpus=cpus, env=where.env)
+    procs = [master]
+    try:
+        node_args = ["node", "--master", master.address, "--dram", str(dram), "--host", where.host]
+        node = spawn_kvpool(
+            [*node_args, "--heartbeat", "0.5"], prefix=where.prefix, cpus=cpus, env=where.env
+        )
+        procs.append(node)
+        yield f"kvpool://{master.address}", procs
+    finally:
+        for proc in reversed(procs):
+            proc.stop()
+
+
+def connect_client(url: str, transport: str, where: Where = LOOPBACK) -> RemotePool:
+    """A client of the bench cluster once its node registered (20 s at most)."""
+    pool = connect(url, token=where.token, transport=transport, timeout=30.0)
+    deadline = time.monotonic() + 20
+    while len(pool.stats()["nodes"]) < 1:
+        if time.monotonic() > deadline:
+            pool.close()
+            raise RuntimeError("no node registered with the master")
+        time.sleep(0.05)
+    return pool
