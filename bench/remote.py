@@ -52,10 +52,10 @@ from kvpool.args import positive_int, size_arg, sizes_arg
 from kvpool.bench.common import PAGE, count_for, faulted, page_rounded, paired, write_json
 from kvpool.bench.machine import CpuTimes, steal_since
 from kvpool.bench.mooncake_peer import mooncake_peer
-from kvpool.bench.remote_procs import LOOPBACK, Where, connect_client, local_cluster, raw_server
+from kvpool.bench.remote_procs import connect_client, local_cluster, raw_server
 from kvpool.bench.remote_rows import Baselines, RemoteRow, print_rows, remote_row
 from kvpool.bench.remote_transport import RawClient, pinned, split_cpus
-from kvpool.bench.veth import Link, add_link_args, link_of, veth_peer
+from kvpool.bench.veth import LOOPBACK, Link, Where, add_link_args, link_of, veth_peer
 from kvpool.cluster.client.grants import DEFAULT_GRANT_BYTES
 
 WORKING_SET = 64 << 20

@@ -2,53 +2,25 @@
 
 A master and one node (``cluster_processes``), and the raw-socket baseline
 server of ``kvpool.bench.remote_transport`` (``raw_server``): on loopback, or
-beyond a veth link in a network namespace of their own (``Where.beyond``;
+beyond a veth link in a network namespace of their own (``Where``;
 kvpool.bench.veth), another "host" whose every byte crosses the link -- kvpool's
-and the baseline's alike. Off loopback the servers refuse to listen without a
-shared token (kvpool.rpc.auth), so such a run makes one and hands it to them
-and to its clients (``connect_client``).
+and the baseline's alike -- with the token ``Where`` carries for them and their
+clients (``connect_client``).
 """
 
 from __future__ import annotations
 
 import os
-import secrets
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 
 from kvpool.bench.remote_rows import on_cpus
-from kvpool.bench.veth import VethPeer
+from kvpool.bench.veth import LOOPBACK, Where
 from kvpool.cluster.client.remote_pool import RemotePool, connect
 from kvpool.procs import Child, spawn_kvpool, stop_by_stdin
-from kvpool.rpc.auth import TOKEN_ENV
-
-
-@dataclass(frozen=True)
-class Where:
-    """Where the servers run: the address they listen on, the command prefix that
-    runs them there, and the token they and their clients share (None: loopback
-    needs none)."""
-
-    host: str = "127.0.0.1"
-    prefix: tuple[str, ...] = ()
-    token: str | None = field(default=None, repr=False)
-
-    @classmethod
-    def beyond(cls, peer: VethPeer) -> Where:
-        """In ``peer``'s namespace, on its address, with a fresh token."""
-        return cls(peer.remote, tuple(peer.prefix), secrets.token_hex(16))
-
-    @property
-    def env(self) -> dict[str, str]:
-        """Variables the servers run with."""
-        return {TOKEN_ENV: self.token} if self.token else {}
-
-
-LOOPBACK = Where()
 
 
 @contextmanager

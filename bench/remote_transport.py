@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import secrets
 import socket
 import struct
 import subprocess
@@ -54,8 +53,15 @@ from kvpool.bench.common import (
     print_table,
     write_json,
 )
-from kvpool.bench.veth import Link, VethPeer, VethUnavailable, add_link_args, link_of, veth_peer
-from kvpool.rpc.auth import TOKEN_ENV
+from kvpool.bench.veth import (
+    LOOPBACK,
+    Link,
+    VethUnavailable,
+    Where,
+    add_link_args,
+    link_of,
+    veth_peer,
+)
 from kvpool.transport import tcp_congestion
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import RegionInfo, UcxInfo
@@ -253,13 +259,13 @@ def run_remote_transport(
     left out.
     """
     if link is None:
-        return _measure(sizes, transports, rounds, json_path, pin, None)
+        return _measure(sizes, transports, rounds, json_path, pin)
     left_out = [t for t in transports if t != "tcp"]
     if left_out:
         print(f"{','.join(left_out)}: skipped (the node is on another host: TCP only)")
     split = split_cpus() if pin else None
     with veth_peer(link, rx_cpus=split) as peer:
-        return _measure(sizes, ["tcp"], rounds, json_path, pin, peer)
+        return _measure(sizes, ["tcp"], rounds, json_path, pin, Where.beyond(peer), link.name)
 
 
 def _measure(
@@ -268,14 +274,15 @@ def _measure(
     rounds: int,
     json_path: str | None,
     pin: bool,
-    peer: VethPeer | None,
+    where: Where = LOOPBACK,
+    tcp_path: str = "tcp",
 ) -> list[Row]:
-    """``run_remote_transport`` with the node on loopback, or beyond ``peer``."""
+    """``run_remote_transport`` with the node ``where`` it runs, its TCP rows named
+    ``tcp_path``."""
     region = max(count_for(s, WORKING_SET) * s for s in sizes)
     split = split_cpus() if pin else None
-    host = "127.0.0.1" if peer is None else peer.remote
     cmd = [sys.executable, "-m", "kvpool.bench.remote_transport", "--node", str(region)]
-    cmd += ["--host", host]
+    cmd += ["--host", where.host]
     if "ucx" in transports:
         from kvpool.transport.ucx import ucx_available
 
@@ -283,11 +290,9 @@ def _measure(
             cmd.append("--ucx")
         else:
             print("ucx: skipped (ucxx is not installed: pip install 'kvpool[ucx]')")
-    # Off loopback the data server needs a shared token (kvpool.rpc.auth): one per run.
-    token = None if peer is None else secrets.token_hex(16)
     node = subprocess.Popen(
-        cmd if peer is None else peer.prefix + cmd,
-        env=None if token is None else {**os.environ, TOKEN_ENV: token},
+        [*where.prefix, *cmd],
+        env={**os.environ, **where.env},
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -300,15 +305,15 @@ def _measure(
             if len(fields) != 6:
                 raise RuntimeError("the benchmark's node process did not start")
             tcp_port, raw_port, shm_name, host_id, ucx_port, ucx_addr = fields
+            host = where.host
             info = RegionInfo("bench", region, host_id, host, int(tcp_port), shm_name)
             if ucx_addr != "-":
                 info.ucx = UcxInfo(host, int(ucx_port), bytes.fromhex(ucx_addr))
             raw = RawClient(host, int(raw_port))
-            tcp_path = "tcp" if peer is None else peer.link.name
             rows = [
                 r
                 for s in sizes
-                for r in _sizes_rows(s, info, raw, transports, rounds, tcp_path, token)
+                for r in _sizes_rows(s, info, raw, transports, rounds, tcp_path, where.token)
             ]
             raw.sock.close()
     finally:

@@ -11,7 +11,9 @@ machine offers (tests/test_two_hosts.py runs a cluster across such a pair).
 ``veth_peer`` makes the namespace and the pair and removes both when the block
 ends, even when it raises. It needs root (CAP_SYS_ADMIN, CAP_NET_ADMIN) and the
 ``ip`` command; without them it raises ``VethUnavailable`` with the reason, made
-nothing and left nothing behind.
+nothing and left nothing behind. ``Where.beyond`` is how servers run beyond it:
+its address, the command prefix into the namespace, and the shared token that
+servers off loopback refuse to run without (kvpool.rpc.auth).
 """
 
 from __future__ import annotations
@@ -19,11 +21,14 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import secrets
 import shutil
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from kvpool.rpc.auth import TOKEN_ENV
 
 #: MTUs a veth pair takes here: IPv4's floor to a jumbo frame and then some.
 MTU_MIN, MTU_MAX = 576, 65535
@@ -191,3 +196,27 @@ def veth_peer(link: Link, rx_cpus: tuple[set[int], set[int]] | None = None) -> I
             subprocess.run(["ip", "link", "del", ours], capture_output=True, timeout=10)
     finally:
         subprocess.run(["ip", "netns", "del", netns], capture_output=True, timeout=10)
+
+
+@dataclass(frozen=True)
+class Where:
+    """Where the servers run: the address they listen on, the command prefix that
+    runs them there, and the token they and their clients share (None: loopback
+    needs none)."""
+
+    host: str = "127.0.0.1"
+    prefix: tuple[str, ...] = ()
+    token: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def beyond(cls, peer: VethPeer) -> Where:
+        """In ``peer``'s namespace, on its address, with a fresh token."""
+        return cls(peer.remote, tuple(peer.prefix), secrets.token_hex(16))
+
+    @property
+    def env(self) -> dict[str, str]:
+        """Variables the servers run with."""
+        return {TOKEN_ENV: self.token} if self.token else {}
+
+
+LOOPBACK = Where()
