@@ -117,6 +117,7 @@ def test_a_replys_first_receive_waits_for_64_kib_at_most(pair) -> None:
     """``wait_readable`` serves a reply's first receive: wanting a whole 1 MiB reply,
     it ends once 64 KiB are queued (nothing is copied until it returns), and with
     less than that queued it runs out its budget."""
+    assert native.FIRST_WANT_MAX == 64 << 10  # (tcp_recv.STATUS reports it)
     a, b = pair
     a.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 8 << 20)  # a quarter: well over 64 KiB
     b.sendall(b"x" * ((64 << 10) - 1))
@@ -417,8 +418,8 @@ def test_the_settings_reach_the_native_wait() -> None:
     status, state = out.stdout.splitlines()
     assert status == (
         "up to 250 us before each blocking receive (a write's acknowledgement: up to 1000 us"
-        " more, by its payload; a large reply: 256 KiB queued at a time), 3"
-        " thread(s) at a time, paused 10-1000 ms after a yield of 500 us"
+        " more, by its payload; a large reply: 64 KiB queued before its first receive, then"
+        " 256 KiB at a time), 3 thread(s) at a time, paused 10-1000 ms after a yield of 500 us"
     )
     assert state.startswith("True {'waits': 0") and "'max_spinners': 3" in state
 

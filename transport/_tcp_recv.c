@@ -616,4 +616,11 @@ static struct PyModuleDef module = {
     "How the TCP data path's client receives replies (see the source's header).", -1, methods,
 };
 
-PyMODINIT_FUNC PyInit__tcp_recv(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__tcp_recv(void) {
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "FIRST_WANT_MAX", FIRST_WANT_MAX) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}

@@ -89,10 +89,12 @@ elif _module is None:
 else:
     _module.set_max_spinners(SPINNERS)
     _want_kib = _module.want_for_budget(_BUDGET_NS) >> 10
+    _first_kib = min(_want_kib, _module.FIRST_WANT_MAX >> 10)
     STATUS = (
         f"up to {SPIN_US} us before each blocking receive (a write's acknowledgement: up to"
-        f" {ACK_EXTRA_MAX_US} us more, by its payload; a large reply: {_want_kib} KiB"
-        f" queued at a time), {SPINNERS} thread(s) at a time,"
+        f" {ACK_EXTRA_MAX_US} us more, by its payload; a large reply: {_first_kib} KiB queued"
+        f" before its first receive, then {_want_kib} KiB at a time), {SPINNERS} thread(s) at"
+        " a time,"
         f" paused {FIRST_PAUSE_MS}-{MAX_PAUSE_MS} ms after a yield of {LONG_YIELD_US} us"
     )
 _wait = _module.wait_readable if _module is not None and _BUDGET_NS else None
