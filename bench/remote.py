@@ -55,7 +55,7 @@ from kvpool.bench.mooncake_peer import mooncake_peer
 from kvpool.bench.remote_procs import connect_client, local_cluster, raw_server
 from kvpool.bench.remote_rows import Baselines, RemoteRow, print_rows, remote_row
 from kvpool.bench.remote_transport import RawClient, pinned, split_cpus
-from kvpool.bench.veth import LOOPBACK, Link, Where, add_link_args, link_of, veth_peer
+from kvpool.bench.veth import LOOPBACK, Link, Where, add_link_args, link_of, tcp_only, veth_peer
 from kvpool.cluster.client.grants import DEFAULT_GRANT_BYTES
 
 WORKING_SET = 64 << 20
@@ -262,9 +262,7 @@ def run_remote(
     if link is not None:
         if peer is not None:
             raise ValueError("--peer runs on loopback only: leave out --veth or --peer")
-        if left_out := [t for t in transports if t != "tcp"]:
-            print(f"{','.join(left_out)}: skipped (the servers are on another host: TCP only)")
-        transports = ["tcp"]
+        transports = tcp_only(transports)
     counts = {s: _count(s, batch, working_set) for s in sizes}
     region = max(counts[s] * page_rounded(s) for s in sizes)
     # Headroom, plus room for the put grants of every client (one per transport):

@@ -10,39 +10,21 @@ clients (``connect_client``).
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from kvpool.bench.remote_rows import on_cpus
+from kvpool.bench.remote_transport import node_process
 from kvpool.bench.veth import LOOPBACK, Where
 from kvpool.cluster.client.remote_pool import RemotePool, connect
-from kvpool.procs import Child, spawn_kvpool, stop_by_stdin
+from kvpool.procs import Child, spawn_kvpool
 
 
 @contextmanager
 def raw_server(region: int, cpus: set[int] | None, where: Where = LOOPBACK) -> Iterator[int]:
-    """The raw-socket baseline server of remote_transport; yields its port."""
-    module = [sys.executable, "-m", "kvpool.bench.remote_transport"]
-    popen = subprocess.Popen(
-        [*where.prefix, *module, "--node", str(region), "--host", where.host],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        env={**os.environ, **where.env},
-        preexec_fn=on_cpus(cpus),
-    )
-    assert popen.stdout is not None and popen.stdin is not None
-    try:
-        fields = popen.stdout.readline().split()
-        if len(fields) < 2:
-            raise RuntimeError("the raw-socket baseline server did not start")
+    """The raw-socket baseline server of remote_transport's node process; yields its port."""
+    with node_process(region, cpus, where) as fields:
         yield int(fields[1])
-    finally:
-        stop_by_stdin(popen, 30)
 
 
 @contextmanager

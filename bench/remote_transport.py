@@ -60,8 +60,10 @@ from kvpool.bench.veth import (
     Where,
     add_link_args,
     link_of,
+    tcp_only,
     veth_peer,
 )
+from kvpool.procs import stop_by_stdin
 from kvpool.transport import tcp_congestion
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import RegionInfo, UcxInfo
@@ -258,14 +260,39 @@ def run_remote_transport(
     link instead of loopback. The node is then another host: shm and UCX rows are
     left out.
     """
-    if link is None:
-        return _measure(sizes, transports, rounds, json_path, pin)
-    left_out = [t for t in transports if t != "tcp"]
-    if left_out:
-        print(f"{','.join(left_out)}: skipped (the node is on another host: TCP only)")
     split = split_cpus() if pin else None
+    if link is None:
+        return _measure(sizes, transports, rounds, json_path, split)
     with veth_peer(link, rx_cpus=split) as peer:
-        return _measure(sizes, ["tcp"], rounds, json_path, pin, Where.beyond(peer), link.name)
+        where = Where.beyond(peer)
+        return _measure(sizes, tcp_only(transports), rounds, json_path, split, where, link.name)
+
+
+@contextmanager
+def node_process(
+    region: int, cpus: set[int] | None, where: Where = LOOPBACK, ucx: bool = False
+) -> Iterator[list[str]]:
+    """A node process (``--node``, serving ``region`` bytes ``where`` it runs, on
+    ``cpus``): its ready line's fields (TCP port, raw port, shm name, host id, UCX
+    port, UCX address); stopped when the block ends."""
+    module = [sys.executable, "-m", "kvpool.bench.remote_transport"]
+    popen = subprocess.Popen(
+        [*where.prefix, *module, "--node", str(region), "--host", where.host]
+        + (["--ucx"] if ucx else []),
+        env={**os.environ, **where.env},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        preexec_fn=(lambda: os.sched_setaffinity(0, cpus)) if cpus else None,
+    )
+    assert popen.stdout is not None
+    try:
+        fields = popen.stdout.readline().split()
+        if len(fields) != 6:
+            raise RuntimeError("the benchmark's node process did not start")
+        yield fields
+    finally:
+        stop_by_stdin(popen, 30)
 
 
 def _measure(
@@ -273,52 +300,34 @@ def _measure(
     transports: Sequence[str],
     rounds: int,
     json_path: str | None,
-    pin: bool,
+    split: tuple[set[int], set[int]] | None,
     where: Where = LOOPBACK,
     tcp_path: str = "tcp",
 ) -> list[Row]:
-    """``run_remote_transport`` with the node ``where`` it runs, its TCP rows named
-    ``tcp_path``."""
+    """``run_remote_transport`` with the node ``where`` it runs (client and node on
+    the CPU sets of ``split``), its TCP rows named ``tcp_path``."""
     region = max(count_for(s, WORKING_SET) * s for s in sizes)
-    split = split_cpus() if pin else None
-    cmd = [sys.executable, "-m", "kvpool.bench.remote_transport", "--node", str(region)]
-    cmd += ["--host", where.host]
+    ucx = False
     if "ucx" in transports:
         from kvpool.transport.ucx import ucx_available
 
-        if ucx_available():
-            cmd.append("--ucx")
-        else:
+        ucx = ucx_available()
+        if not ucx:
             print("ucx: skipped (ucxx is not installed: pip install 'kvpool[ucx]')")
-    node = subprocess.Popen(
-        [*where.prefix, *cmd],
-        env={**os.environ, **where.env},
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        text=True,
-        preexec_fn=(lambda: os.sched_setaffinity(0, split[1])) if split else None,
-    )
-    assert node.stdout is not None and node.stdin is not None
-    try:
-        with pinned(split[0] if split else None):
-            fields = node.stdout.readline().split()
-            if len(fields) != 6:
-                raise RuntimeError("the benchmark's node process did not start")
-            tcp_port, raw_port, shm_name, host_id, ucx_port, ucx_addr = fields
-            host = where.host
-            info = RegionInfo("bench", region, host_id, host, int(tcp_port), shm_name)
-            if ucx_addr != "-":
-                info.ucx = UcxInfo(host, int(ucx_port), bytes.fromhex(ucx_addr))
-            raw = RawClient(host, int(raw_port))
-            rows = [
-                r
-                for s in sizes
-                for r in _sizes_rows(s, info, raw, transports, rounds, tcp_path, where.token)
-            ]
-            raw.sock.close()
-    finally:
-        node.stdin.close()
-        node.wait(timeout=30)
+    node_cpus, client_cpus = (split[1], split[0]) if split else (None, None)
+    with node_process(region, node_cpus, where, ucx) as fields, pinned(client_cpus):
+        tcp_port, raw_port, shm_name, host_id, ucx_port, ucx_addr = fields
+        host = where.host
+        info = RegionInfo("bench", region, host_id, host, int(tcp_port), shm_name)
+        if ucx_addr != "-":
+            info.ucx = UcxInfo(host, int(ucx_port), bytes.fromhex(ucx_addr))
+        raw = RawClient(host, int(raw_port))
+        rows = [
+            r
+            for s in sizes
+            for r in _sizes_rows(s, info, raw, transports, rounds, tcp_path, where.token)
+        ]
+        raw.sock.close()
     write_json(json_path, rows)
     return rows
 

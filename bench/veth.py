@@ -24,7 +24,7 @@ import re
 import secrets
 import shutil
 import subprocess
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -117,6 +117,14 @@ def link_of(args: argparse.Namespace) -> Link | None:
     return Link(args.veth_mtu, not args.veth_no_gso, args.veth_rate)
 
 
+def tcp_only(transports: Sequence[str]) -> list[str]:
+    """The transports a benchmark beyond a link runs: TCP alone (the servers are on
+    another host), saying which others it leaves out."""
+    if left_out := [t for t in transports if t != "tcp"]:
+        print(f"{','.join(left_out)}: skipped (the servers are on another host: TCP only)")
+    return ["tcp"]
+
+
 def _ip(*args: str) -> None:
     done = subprocess.run(["ip", *args], capture_output=True, text=True, timeout=10)
     if done.returncode != 0:
@@ -172,7 +180,7 @@ def veth_peer(link: Link, rx_cpus: tuple[set[int], set[int]] | None = None) -> I
     _ip("netns", "add", netns)
     try:
         mtu = str(link.mtu)
-        _ip("link", "add", ours, "mtu", mtu, "type", "veth", "peer", "name", theirs)
+        _ip("link", "add", ours, "type", "veth", "peer", "name", theirs)
         try:
             _ip("link", "set", theirs, "netns", netns)
             peer = VethPeer(netns, local, remote, link)
