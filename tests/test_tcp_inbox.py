@@ -12,6 +12,7 @@ import pytest
 
 from kvpool.cluster.block_table import BlockTable
 from kvpool.errors import ConnectionLostError
+from kvpool.transport import tcp_checked_reads
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import RegionInfo
 from kvpool.transport.fencing import FENCE_OK, IDENT, WriteStamp
@@ -71,11 +72,17 @@ def key(i: int) -> bytes:
 
 
 @pytest.mark.usefixtures("checked_read_path")
-def test_pipelined_writes_and_reads_of_every_size_stay_in_sync(served) -> None:
+@pytest.mark.parametrize("gather_bytes", [None, 8192], ids=["default", "byte-capped"])
+def test_pipelined_writes_and_reads_of_every_size_stay_in_sync(
+    served, monkeypatch, gather_bytes: int | None
+) -> None:
     """Writes whose header and payload share a recv (payload copied out of the
     buffer), writes that span recvs, then checked-read batches larger than one
-    gather (GATHER_MAX), a stale read in the middle: every byte where it belongs, and
-    every block the batches held is free again after them (a newer claim is granted)."""
+    gather (GATHER_MAX requests; byte-capped: GATHER_BYTES, so gathers of one to a
+    few reads), a stale read in the middle: every byte where it belongs, and every
+    block the batches held is free again after them (a newer claim is granted)."""
+    if gather_bytes is not None:
+        monkeypatch.setattr(tcp_checked_reads, "GATHER_BYTES", gather_bytes)
     server, fence, info = served
     sizes = [100, 4096, 5000, 64, 70000, 1, 3000] * 3
     offsets, blocks, at = [], [], 0

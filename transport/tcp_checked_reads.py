@@ -24,8 +24,12 @@ from kvpool.transport.fencing import WriteFence
 from kvpool.transport.tcp_inbox import Inbox
 
 _STALE_MSG = b"that block no longer holds this range"
-#: Checked reads one gather send answers, at most: requests, payload bytes so far
-GATHER_MAX, GATHER_BYTES = 64, 1 << 20
+#: Checked reads one gather send answers, at most: requests, payload bytes so far.
+#: A batch of 8 x 1 MiB in one send, not eight: between sends the server's Python
+#: leaves the socket idle and the reader waits (1 MiB here cost 0.92 -> 0.95 of a raw
+#: stream, 4 MiB 0.96 -> 1.02; session 41). The byte cap bounds how long one send
+#: holds its blocks against a newer write.
+GATHER_MAX, GATHER_BYTES = 64, 16 << 20
 _BLOCK = w.READ_BLOCK_REQ
 _BLOCK_REQ = _BLOCK.size
 PADS = tuple(bytes(n) for n in range(w.ALIGN))  # an ok reply's pad, by length: no slicing
