@@ -13,7 +13,7 @@ from poolhelpers import BLOCK, make_keys, payload
 
 import kvpool
 from kvpool import RemotePool
-from kvpool.cluster.client.reads import BUSY_WAIT_S
+from kvpool.cluster.client.lease_replies import BUSY_WAIT_S
 
 
 @pytest.fixture

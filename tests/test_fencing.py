@@ -229,22 +229,40 @@ def test_a_refused_checked_read_puts_no_text_in_the_callers_buffer(fenced_server
     assert tcp.read_block(3 * 4096, 0, out, K2) and (out == 3).all()
 
 
-def test_a_batch_with_one_output_that_is_not_a_plain_host_array_reads_every_block(
+def test_a_batch_with_one_output_that_is_not_host_memory_reads_every_block(
     fenced_server,
 ) -> None:
-    """``read_blocks`` takes its host fast path only while every output is a flat
-    uint8 array; an output further on that is not (here float32, then a bad range)
-    sends the whole batch down the general path, byte-exact, with the usual error."""
+    """``read_blocks`` hands a batch to the native call as it is while every output
+    is writable contiguous host memory (a float32 array too: the same bytes land);
+    an output it does not take -- a torch tensor, a read-only array, a strided view,
+    a range past the region -- sends the whole batch down the general path, nothing
+    sent before: byte-exact, or the usual error with the stream in sync.
+    ``bytes_read`` counts the served reads' bytes only."""
     _, _, tcp = fenced_server
     first, second = np.full(4096, 7, np.uint8), np.full(8192, 5, np.uint8)
     s1, s2 = WriteStamp(3, 40, 0, 4096, K2), WriteStamp(3, 41, 8192, 8192, K1)
     assert tcp.stamped([(w.OP_WRITE_FINAL, s1.pack(), 0, first)]) == [w.ST_OK]
     assert tcp.stamped([(w.OP_WRITE_FINAL, s2.pack(), 8192, second)]) == [w.ST_OK]
     host, floats = np.zeros(4096, np.uint8), np.zeros(2048, np.float32)
+    before = tcp.bytes_read
     assert tcp.read_blocks([(0, host, K2, 0), (8192, floats, K1, 8192)]) == [True, True]
     assert np.array_equal(host, first) and (floats.view(np.uint8) == 5).all()
+    stale = np.zeros(4096, np.uint8)
+    assert tcp.read_blocks([(0, stale, K1, 0), (0, host, K2, 0)]) == [False, True]
+    assert tcp.bytes_read - before == 4096 + 8192 + 4096  # not the refused read's
     with pytest.raises(ValueError):
         tcp.read_blocks([(0, host, K2, 0), (1 << 16, np.zeros(10, np.uint8), K1, 8192)])
+    strided = np.zeros(16384, np.uint8)[::2]
+    with pytest.raises(BufferSpecError, match="C-contiguous"):
+        tcp.read_blocks([(0, host, K2, 0), (8192, strided, K1, 8192)])
+    frozen = np.zeros(8192, np.uint8)
+    frozen.flags.writeable = False
+    with pytest.raises(BufferSpecError, match="read-only"):
+        tcp.read_blocks([(0, host, K2, 0), (8192, frozen, K1, 8192)])
+    torch = pytest.importorskip("torch")
+    tensor = torch.zeros(8192, dtype=torch.uint8)
+    assert tcp.read_blocks([(0, host, K2, 0), (8192, tensor, K1, 8192)]) == [True, True]
+    assert (tensor == 5).all()
     out = np.zeros(100, np.uint8)  # the connection is still in sync
     tcp.read_into(8192, out)
     assert (out == 5).all()

@@ -46,6 +46,29 @@ def test_pin_many_then_unpin_all_leaves_every_lease_as_it_was() -> None:
     assert [d.lease_id for d in cache.due(unpinned=True)] == [1]
 
 
+def test_pin_all_pins_each_position_or_nothing_and_unpin_read_counts_each() -> None:
+    """``pin_all``: every key cached -> their entries in order, each position's lease
+    pinned (a key twice: twice), no read counted yet; ``unpin_read`` undoes exactly
+    that and counts one read per position. A key not cached, or a lease past its
+    hold: None, and no lease left pinned."""
+    cache = LeaseCache(hold_s=0.05)
+    a, b, c = make_keys(3)
+    two = cache.add(1, [(a, "pa", 10), (b, "pb", 10)], ttl=30, pins=0)
+    hits = cache.pin_all([a, b, a])
+    assert hits is not None and [h[0] for h in hits] == ["pa", "pb", "pa"]
+    assert two.pins == 3 and two.reads == {}
+    cache.unpin_read([a, b, a], hits)
+    assert two.pins == 0 and two.reads == {a: 2, b: 1}
+    assert cache.pin_all([a, c, b]) is None and two.pins == 0  # c is not cached
+    held = cache.add(2, [(c, "pc", 10)], ttl=30, pins=1)
+    time.sleep(0.06)  # lease 1 is past its hold (unpinned); lease 2 is pinned: still held
+    assert cache.pin_all([c, a]) is None and held.pins == 1
+    hits = cache.pin_all([c])
+    assert hits is not None and held.pins == 2
+    cache.unpin_all([lease for _, _, lease in hits])  # a batch that read nothing
+    assert held.pins == 1 and held.reads == {}
+
+
 def test_forget_and_release_all_unpinned() -> None:
     cache = LeaseCache(hold_s=10)
     a, b = make_keys(2)

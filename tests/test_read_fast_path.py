@@ -96,3 +96,42 @@ def test_a_stale_cached_lease_is_a_miss_never_another_blocks_bytes(cluster, tran
         assert pool.get_into(b, out) == BLOCK and np.array_equal(out, payload(2))
         pool.remove(a)
         pool.remove(b)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_cached_batch_reads_in_one_pass_and_checks_every_destination_first(
+    cluster, transport: str
+) -> None:
+    """A batch whose every block is cached (``LeaseCache.pin_all``, one pass, no
+    LEASE): the blocks' bytes, a key named twice read twice and counted twice, every
+    lease unpinned after; a destination it does not take (read-only, too small,
+    larger than the block) sends the batch to the general path: its usual error
+    before any byte moved, or the same bytes."""
+    with kvpool.connect(cluster.url, transport=transport, lease_cache_s=30.0) as pool:
+        assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
+        a, b = make_keys(2, seed=14 if transport == "shm" else 15)
+        assert all(pool.put_batch([a, b], [payload(1), payload(2)]))
+        assert pool.get_into_batch([a, b], [np.zeros(BLOCK, np.uint8)] * 2) == [BLOCK] * 2
+        trips = pool.stats()["client"]["lease_round_trips"]
+        cache = pool._reads.cache  # test-only: the pins and read counts it keeps
+        lease = cache.lookup(a, count=False)[2]  # type: ignore[index]
+        reads_before = lease.reads[a]
+        outs = [np.zeros(BLOCK, np.uint8) for _ in range(3)]
+        assert pool.get_into_batch([a, b, a], outs) == [BLOCK] * 3
+        assert np.array_equal(outs[0], payload(1)) and np.array_equal(outs[2], payload(1))
+        assert np.array_equal(outs[1], payload(2))
+        assert lease.reads[a] == reads_before + 2 and lease.pins == 0
+        frozen = np.zeros(BLOCK, np.uint8)
+        frozen.setflags(write=False)
+        for bad, match in ((frozen, "read-only"), (np.zeros(BLOCK - 1, np.uint8), "are asked")):
+            first = np.zeros(BLOCK, np.uint8)
+            with pytest.raises(kvpool.BufferSpecError, match=match):
+                pool.get_into_batch([a, b], [first, bad])
+            assert not first.any()  # nothing moved before the error
+        big = np.full(BLOCK + 64, 7, np.uint8)
+        assert pool.get_into_batch([a, b], [np.zeros(BLOCK, np.uint8), big]) == [BLOCK] * 2
+        assert np.array_equal(big[:BLOCK], payload(2)) and (big[BLOCK:] == 7).all()
+        assert lease.pins == 0
+        assert pool.stats()["client"]["lease_round_trips"] == trips  # all from the cache
+        pool.remove(a)
+        pool.remove(b)

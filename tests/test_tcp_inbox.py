@@ -101,13 +101,17 @@ def test_pipelined_writes_and_reads_of_every_size_stay_in_sync(
         for rounds in range(3):  # every pad the stream offset can take along the way
             outs = [np.zeros(len(b), np.uint8) for b in blocks]
             items = [
-                (off, out, IDENT.pack(key(i), off))
+                (off, out, key(i), off)
                 for i, (off, out) in enumerate(zip(offsets, outs, strict=True))
             ]
-            items[5] = (offsets[5], outs[5], IDENT.pack(key(99), offsets[5]))  # not there
+            items[5] = (offsets[5], outs[5], key(99), offsets[5])  # not there
             many = (items * (GATHER_MAX // len(items) + 2))[: GATHER_MAX + 7]
-            found = conn.read_blocks(many)
-            assert found == [j % len(items) != 5 for j in range(len(many))], rounds
+            got = conn.read_blocks(many, info.size)
+            assert got is not None
+            assert got[0] == [j % len(items) != 5 for j in range(len(many))], rounds
+            assert got[1] == sum(
+                len(blocks[j % len(items)]) for j in range(len(many)) if j % len(items) != 5
+            )
             for i, (out, b) in enumerate(zip(outs, blocks, strict=True)):
                 if i != 5:
                     assert np.array_equal(out, b), (rounds, i)
@@ -234,9 +238,8 @@ def test_a_refused_checked_read_answers_as_many_bytes_as_an_ok_one(served) -> No
         assert conn.stamped_many([(w.OP_WRITE_FINAL, st, 0, tiny)]) == [w.ST_OK]
         for rounds in range(70):  # every pad on the way
             outs = [np.zeros(3, np.uint8) for _ in range(3)]
-            items = [(0, outs[0], IDENT.pack(key(2), 0)), (0, outs[1], IDENT.pack(key(1), 0))]
-            items.append((0, outs[2], IDENT.pack(key(1), 0)))
-            assert conn.read_blocks(items) == [False, True, True], rounds
+            items = [(0, outs[0], key(2), 0), (0, outs[1], key(1), 0), (0, outs[2], key(1), 0)]
+            assert conn.read_blocks(items, info.size) == ([False, True, True], 6), rounds
             assert (outs[1] == 9).all() and (outs[2] == 9).all()
             assert conn.read_block(0, outs[0], IDENT.pack(key(3), 0)) is False
             assert conn.read_block(0, outs[0], IDENT.pack(key(1), 0)) is True

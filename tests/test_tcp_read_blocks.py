@@ -32,8 +32,17 @@ STEP = w.RESP.size + w.ALIGN  # the heads buffer's room per reply
 REQUEST = w.READ_BLOCK_REQ.size
 
 
-def _ident(i: int) -> bytes:
-    return IDENT.pack(bytes([i + 1]) * 16, i * 4096)
+REGION = 1 << 40  # the region size the native call checks every range against
+
+
+def _key(i: int) -> bytes:
+    return bytes([i + 1]) * 16
+
+
+def _read(i: int, offset: int, out: object) -> tuple[int, object, bytes, int]:
+    """Checked read ``i`` (offset, host buffer, key, block offset) as the transports
+    hand them over; its block at ``i * 4096``."""
+    return (offset, out, _key(i), i * 4096)
 
 
 def _replies(
@@ -52,10 +61,12 @@ def _replies(
     return bytes(out), pads
 
 
-def _call(fd: int, plan: list, first_rid: int, received: int) -> tuple[list[bool], int, int]:
+def _call(fd: int, plan: list, first_rid: int, received: int) -> tuple[list[bool], int, int, int]:
     assert native is not None
     heads = bytearray(STEP * len(plan))
-    return native.read_blocks(fd, plan, first_rid, received, heads, w.WAITALL_MAX, 100_000)
+    got = native.read_blocks(fd, plan, first_rid, received, heads, w.WAITALL_MAX, 100_000, REGION)
+    assert got is not None
+    return got
 
 
 @needs_native
@@ -67,7 +78,7 @@ def test_requests_go_out_exactly_and_every_reply_lands_in_place(pair, received: 
     sizes = [100, 0, 5000, 200_000, 1]
     statuses = [w.ST_OK, w.ST_OK, w.ST_STALE, w.ST_OK, w.ST_OK]
     outs = [np.zeros(n, np.uint8) for n in sizes]
-    plan = [(np.int64(i * 4096), out, _ident(i)) for i, out in enumerate(outs)]  # any index
+    plan = [_read(i, np.int64(i * 4096), out) for i, out in enumerate(outs)]  # any index
     rids = list(range(41, 46))
     stream, _ = _replies(received, rids, sizes, statuses)
 
@@ -75,17 +86,18 @@ def test_requests_go_out_exactly_and_every_reply_lands_in_place(pair, received: 
         requests = bytearray(REQUEST * len(plan))
         w.recv_into_exact(b, memoryview(requests))
         expected = b"".join(
-            w.REQ.pack(w.OP_READ_BLOCK, 0, rid, off, out.nbytes) + ident
-            for rid, (off, out, ident) in zip(rids, plan, strict=True)
+            w.REQ.pack(w.OP_READ_BLOCK, 0, rid, off, out.nbytes) + IDENT.pack(key, block)
+            for rid, (off, out, key, block) in zip(rids, plan, strict=True)
         )
         assert bytes(requests) == expected
         send_in_pieces(b, stream + b"next", 11, 0.002)
 
     thread = threading.Thread(target=peer)
     thread.start()
-    found, at, now = _call(a.fileno(), plan, 41, received)
+    found, at, now, served = _call(a.fileno(), plan, 41, received)
     thread.join()
     assert (found, at, now) == ([True, True, False, True, True], 5, received + len(stream))
+    assert served == 100 + 200_000 + 1  # the ok replies' payloads
     for out, status in zip(outs, statuses, strict=True):
         assert (out == (7 if status == w.ST_OK else 0)).all()
     assert a.recv(16) == b"next"
@@ -95,7 +107,7 @@ def test_requests_go_out_exactly_and_every_reply_lands_in_place(pair, received: 
 def test_request_ids_wrap_at_two_to_the_32(pair) -> None:
     a, b = pair
     outs = [np.zeros(10, np.uint8) for _ in range(3)]
-    plan = [(0, out, _ident(i)) for i, out in enumerate(outs)]
+    plan = [_read(i, 0, out) for i, out in enumerate(outs)]
     rids = [0xFFFFFFFF, 0, 1]
     b.sendall(_replies(0, rids, [10] * 3, [w.ST_OK] * 3)[0])
     assert _call(a.fileno(), plan, 0xFFFFFFFF, 0)[:2] == ([True] * 3, 3)
@@ -112,7 +124,7 @@ def test_the_first_reply_out_of_line_is_named_by_its_index(pair, bad: str) -> No
     a, b = pair
     sizes = [64, 64, 64]
     outs = [np.zeros(n, np.uint8) for n in sizes]
-    plan = [(0, out, _ident(i)) for i, out in enumerate(outs)]
+    plan = [_read(i, 0, out) for i, out in enumerate(outs)]
     stream, pads = _replies(0, [1, 2, 3], sizes, [w.ST_OK] * 3)
     second = len(_replies(0, [1], sizes[:1], [w.ST_OK])[0])  # where reply 1 starts
     head = bytearray(stream[second : second + w.RESP.size])
@@ -129,15 +141,15 @@ def test_the_first_reply_out_of_line_is_named_by_its_index(pair, bad: str) -> No
     else:
         head[8:16] = (63).to_bytes(8, "big")
     b.sendall(stream[:second] + bytes(head) + stream[second + w.RESP.size :] + b"z")
-    found, at, now = _call(a.fileno(), plan, 1, 0)
-    assert (found, at, now) == ([True], 1, len(stream))
+    found, at, now, served = _call(a.fileno(), plan, 1, 0)
+    assert (found, at, now, served) == ([True], 1, len(stream), 64)
     assert a.recv(4) == b"z"
 
 
 @needs_native
 def test_eof_before_the_last_reply_raises_connection_reset(pair) -> None:
     a, b = pair
-    plan = [(0, np.zeros(1000, np.uint8), _ident(0))]
+    plan = [_read(0, 0, np.zeros(1000, np.uint8))]
     b.sendall(_replies(0, [1], [1000], [w.ST_OK])[0][:500])
     b.shutdown(socket.SHUT_WR)
     with pytest.raises(ConnectionResetError, match=r"\(500 of 1064 B received\)"):
@@ -150,33 +162,48 @@ def test_a_silent_peer_raises_blocking_io_at_the_sockets_timeout(pair) -> None:
     set_io_timeout(a, 0.2)  # SO_RCVTIMEO: the data path's inactivity timeout
     started = time.monotonic()
     with pytest.raises(BlockingIOError):
-        _call(a.fileno(), [(0, np.zeros(10, np.uint8), _ident(0))], 1, 0)
+        _call(a.fileno(), [_read(0, 0, np.zeros(10, np.uint8))], 1, 0)
     assert 0.15 <= time.monotonic() - started < 5.0
 
 
 @needs_native
 def test_bad_arguments_are_refused_before_anything_is_sent(pair) -> None:
+    """A malformed plan raises; a read this call does not take -- a buffer that is not
+    writable contiguous memory, a key not 16 bytes, a negative offset, a range past
+    the region -- makes it answer None (the caller's general path says why); either
+    way no request went out."""
     a, b = pair
     fd, out = a.fileno(), np.zeros(8, np.uint8)
     heads = bytearray(STEP)
     call = native.read_blocks  # type: ignore[union-attr]
+
+    def run(plan: object, region: int = REGION, into: bytearray = heads) -> object:
+        return call(fd, plan, 1, 0, into, w.WAITALL_MAX, 0, region)
+
     with pytest.raises(TypeError):
-        call(fd, ((0, out, _ident(0)),), 1, 0, heads, w.WAITALL_MAX, 0)  # a tuple, not a list
+        run((_read(0, 0, out),))  # a tuple, not a list
     with pytest.raises(TypeError, match=r"plan\[0\] is not"):
-        call(fd, [(0, out, b"short")], 1, 0, heads, w.WAITALL_MAX, 0)
+        run([(0, out, _key(0))])
     with pytest.raises(TypeError, match=r"plan\[0\] is not"):
-        call(fd, [(0, out)], 1, 0, heads, w.WAITALL_MAX, 0)
-    with pytest.raises(BufferError):
-        call(fd, [(0, b"read-only", _ident(0))], 1, 0, heads, w.WAITALL_MAX, 0)
-    with pytest.raises(OverflowError):
-        call(fd, [(-1, out, _ident(0))], 1, 0, heads, w.WAITALL_MAX, 0)
+        run([(0, out)])
     with pytest.raises(TypeError):
-        call(fd, [(0.5, out, _ident(0))], 1, 0, heads, w.WAITALL_MAX, 0)
+        run([(0.5, out, _key(0), 0)])
     with pytest.raises(ValueError, match="heads of 80 B for 2"):
-        call(fd, [(0, out, _ident(0))] * 2, 1, 0, heads, w.WAITALL_MAX, 0)
+        run([_read(0, 0, out)] * 2)
     with pytest.raises(ValueError):
-        call(-1, [(0, out, _ident(0))], 1, 0, heads, w.WAITALL_MAX, 0)
-    assert call(fd, [], 1, 5, bytearray(), w.WAITALL_MAX, 0) == ([], 0, 5)
+        call(-1, [_read(0, 0, out)], 1, 0, heads, w.WAITALL_MAX, 0, REGION)
+    not_taken = [
+        [_read(0, 0, b"read-only")],
+        [_read(0, 0, np.zeros((4, 4), np.uint8)[:, 0])],  # strided
+        [(0, out, b"short", 0)],
+        [(-1, out, _key(0), 0)],
+        [(0, out, _key(0), -4096)],
+    ]
+    for plan in not_taken:
+        assert run(plan) is None, plan
+    assert run([_read(0, 0, out)], region=7) is None  # [0, 8) past a region of 7 B
+    assert run([_read(0, 0, out), _read(1, 8, b"x")], into=bytearray(2 * STEP)) is None
+    assert call(fd, [], 1, 5, bytearray(), w.WAITALL_MAX, 0, REGION) == ([], 0, 5, 0)
     b.setblocking(False)
     with pytest.raises(BlockingIOError):
         b.recv(1)  # no request went out
@@ -219,16 +246,16 @@ def test_data_conn_raises_for_a_reply_neither_ok_nor_stale(bad: str) -> None:
     server.start()
     conn = DataConn("127.0.0.1", listener.getsockname()[1], None, 5.0)
     try:
-        plan = [(0, outs[0], _ident(0)), (64, outs[1], _ident(1))]
+        plan = [_read(0, 0, outs[0]), _read(1, 64, outs[1])]
         if bad == "status":
             with pytest.raises(RemoteError, match="out of range"):
-                conn.read_blocks(plan)
+                conn.read_blocks(plan, REGION)
             out = np.zeros(5, np.uint8)
             conn.read_one(0, out)  # in sync
             assert (out == 7).all()
         else:
             with pytest.raises(ConnectionLostError, match="reply 7 for 2"):
-                conn.read_blocks(plan)
+                conn.read_blocks(plan, REGION)
         assert (outs[0] == 7).all()
     finally:
         conn.close()

@@ -18,7 +18,7 @@
  * BlockingIOError); a signal runs Python's handlers, and the receive goes on
  * unless one raised.
  *
- * read_blocks(fd, plan, first_rid, received, heads, waitall_max, budget_ns): a
+ * read_blocks(fd, plan, first_rid, received, heads, waitall_max, budget_ns, size): a
  * pipelined batch of checked reads in one call: the requests built and sent, every
  * reply received as recv_all receives (header and pad into heads, payload into its
  * buffer; each spin for any byte), each header checked; see its comment below.
@@ -395,6 +395,7 @@ static PyObject *recv_all(PyObject *self, PyObject *args) {
 /* The wire format of a checked read (kvpool.transport.tcp_wire, fencing.IDENT). */
 #define REQ_SIZE 24   /* REQ: op, pad, 2 zero bytes, request id, offset, length */
 #define IDENT_SIZE 24 /* IDENT: key (16 bytes), block offset */
+#define KEY_SIZE 16
 #define RESP_SIZE 16  /* RESP: status, pad, 2 zero bytes, request id, length */
 #define ALIGN 64      /* a READ payload starts at a multiple of ALIGN in the stream */
 #define HEAD_STEP (RESP_SIZE + ALIGN) /* room for one reply's header and largest pad */
@@ -414,80 +415,101 @@ static unsigned long long get_be(const unsigned char *p, int bytes) {
     return v;
 }
 
-/* read_blocks(fd, plan, first_rid, received, heads, waitall_max, budget_ns)
- *   -> (found, at, received)
+/* read_blocks(fd, plan, first_rid, received, heads, waitall_max, budget_ns, size)
+ *   -> (found, at, received, served), or None
  * A pipelined exchange of checked reads (OP_READ_BLOCK) on a connection: plan is a
- * list of (offset, host buffer, packed IDENT) tuples; their requests (ids first_rid,
- * first_rid + 1, ... mod 2**32) leave in one send, then every reply is received with
+ * list of (offset, host buffer, key, block offset) tuples, the transports' reads as
+ * the client builds them (the request's IDENT, key and block offset, is packed here:
+ * no Python per read); their requests (ids first_rid, first_rid + 1, ... mod 2**32)
+ * leave in one send, then every reply is received with
  * scatter receives: reply i's header and pad into heads[i * HEAD_STEP ...], its
  * payload straight into host i. Every reply to a checked read is exactly as long as
  * an ok one (a refusal is padded), so where each lands is known before any arrives:
  * received is the bytes the server has sent on the connection so far, which fixes
  * each pad. A receive of at most waitall_max bytes in all uses MSG_WAITALL.
- * Returns found (per reply, in order: True ok, False refused as stale) for the
+ * Returns None, nothing sent, when a read is not one this call takes: its buffer not
+ * writable C-contiguous memory (a torch tensor, a read-only or strided array), its
+ * key not 16 bytes, an offset negative, or its range not inside [0, size): the
+ * caller's general path then checks it (raising the usual error) or stages it.
+ * Else found (per reply, in order: True ok, False refused as stale) for the
  * replies before at; at is len(plan) when every reply was ok or stale, else the first
  * that was neither (another id, length or pad, another status: the caller reads its
- * header from heads to say what); received: the bytes the server has sent now.
- * Errors: OSError (EAGAIN, the socket's timeout, as BlockingIOError); EOF before the
- * last reply, ConnectionResetError. After an error the stream position is unknown. */
+ * header from heads to say what); received: the bytes the server has sent now;
+ * served: the payload bytes of the ok replies.
+ * Errors: TypeError (a plan entry not such a tuple, an offset not an int); OSError
+ * (EAGAIN, the socket's timeout, as BlockingIOError); EOF before the last reply,
+ * ConnectionResetError. After an error the stream position is unknown. */
 static PyObject *read_blocks(PyObject *self, PyObject *args) {
     int fd;
     PyObject *plan;
     unsigned int first_rid;
-    long long received, waitall_max, budget_ns;
+    long long received, waitall_max, budget_ns, region_size;
     Py_buffer heads;
-    if (!PyArg_ParseTuple(args, "iO!ILw*LL:read_blocks", &fd, &PyList_Type, &plan, &first_rid,
-                          &received, &heads, &waitall_max, &budget_ns))
+    if (!PyArg_ParseTuple(args, "iO!ILw*LLL:read_blocks", &fd, &PyList_Type, &plan, &first_rid,
+                          &received, &heads, &waitall_max, &budget_ns, &region_size))
         return NULL;
-    PyObject *result = NULL, **hosts = NULL, *found = NULL;
+    PyObject *result = NULL, *found = NULL;
     unsigned char *requests = NULL, *pads = NULL;
     struct iovec *iov = NULL;
     Py_buffer *bufs = NULL;
-    Py_ssize_t n = PyList_GET_SIZE(plan);
+    Py_ssize_t n = PyList_GET_SIZE(plan), held = 0; /* held: buffers acquired so far */
     if (fd < 0 || received < 0 || heads.len < n * HEAD_STEP) {
         PyErr_Format(PyExc_ValueError, "read_blocks: fd %d, received %lld, heads of %zd B for %zd",
                      fd, received, heads.len, n);
         goto done;
     }
-    hosts = PyMem_Calloc(n ? n : 1, sizeof(PyObject *));
+    bufs = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
     requests = PyMem_Calloc(n ? n : 1, REQ_SIZE + IDENT_SIZE);
     pads = PyMem_Calloc(n ? n : 1, 1);
     iov = PyMem_Calloc(n ? 2 * n : 1, sizeof(struct iovec));
-    if (!hosts || !requests || !pads || !iov) {
+    if (!bufs || !requests || !pads || !iov) {
         PyErr_NoMemory();
         goto done;
     }
-    for (Py_ssize_t i = 0; i < n; i++) {
+    for (Py_ssize_t i = 0; i < n; i++) { /* every check before any byte is sent */
         PyObject *item = PyList_GET_ITEM(plan, i);
-        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 3 ||
-            !PyBytes_Check(PyTuple_GET_ITEM(item, 2)) ||
-            PyBytes_GET_SIZE(PyTuple_GET_ITEM(item, 2)) != IDENT_SIZE) {
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
             PyErr_Format(PyExc_TypeError,
-                         "read_blocks: plan[%zd] is not (offset, host buffer, %d-byte ident)", i,
-                         IDENT_SIZE);
+                         "read_blocks: plan[%zd] is not (offset, host buffer, key, block offset)", i);
             goto done;
         }
-        hosts[i] = PyTuple_GET_ITEM(item, 1);
-    }
-    if ((bufs = get_writable(hosts, n)) == NULL)
-        goto done;
-    long long at_stream = received; /* the server's bytes before reply i */
-    Py_ssize_t nv = 0;
-    for (Py_ssize_t i = 0; i < n; i++) {
-        PyObject *item = PyList_GET_ITEM(plan, i);
-        PyObject *index = PyNumber_Index(PyTuple_GET_ITEM(item, 0)); /* as struct.pack takes it */
-        if (index == NULL)
-            goto done;
-        unsigned long long offset = PyLong_AsUnsignedLongLong(index);
-        Py_DECREF(index);
-        if (offset == (unsigned long long)-1 && PyErr_Occurred())
-            goto done;
+        unsigned long long at[2]; /* the read's offset, its block's offset */
+        for (int k = 0; k < 2; k++) {
+            PyObject *index = PyNumber_Index(PyTuple_GET_ITEM(item, k ? 3 : 0));
+            if (index == NULL)
+                goto done;
+            at[k] = PyLong_AsUnsignedLongLong(index);
+            Py_DECREF(index);
+            if (at[k] == (unsigned long long)-1 && PyErr_Occurred()) {
+                if (!PyErr_ExceptionMatches(PyExc_OverflowError))
+                    goto done;
+                PyErr_Clear(); /* negative (or past 2**64): not taken here */
+                goto not_taken;
+            }
+        }
+        PyObject *key = PyTuple_GET_ITEM(item, 2);
+        if (!PyBytes_Check(key) || PyBytes_GET_SIZE(key) != KEY_SIZE)
+            goto not_taken;
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 1), &bufs[i],
+                               PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS) < 0) {
+            PyErr_Clear(); /* not writable contiguous memory: the general path says why */
+            goto not_taken;
+        }
+        held++;
+        unsigned long long limit = region_size > 0 ? (unsigned long long)region_size : 0;
+        if (at[0] > limit || (unsigned long long)bufs[i].len > limit - at[0])
+            goto not_taken;
         unsigned char *req = requests + i * (REQ_SIZE + IDENT_SIZE);
         req[0] = OP_READ_BLOCK; /* pad and the two bytes after it: 0 (Calloc) */
         put_be(req + 4, (unsigned int)(first_rid + (unsigned int)i), 4);
-        put_be(req + 8, offset, 8);
+        put_be(req + 8, at[0], 8);
         put_be(req + 16, (unsigned long long)bufs[i].len, 8);
-        memcpy(req + REQ_SIZE, PyBytes_AS_STRING(PyTuple_GET_ITEM(item, 2)), IDENT_SIZE);
+        memcpy(req + REQ_SIZE, PyBytes_AS_STRING(key), KEY_SIZE);
+        put_be(req + REQ_SIZE + KEY_SIZE, at[1], 8);
+    }
+    long long at_stream = received; /* the server's bytes before reply i */
+    Py_ssize_t nv = 0;
+    for (Py_ssize_t i = 0; i < n; i++) {
         int pad = (int)((ALIGN - (at_stream + RESP_SIZE) % ALIGN) % ALIGN); /* tcp_wire.read_pad */
         pads[i] = (unsigned char)pad;
         iov[nv].iov_base = (char *)heads.buf + i * HEAD_STEP;
@@ -512,6 +534,7 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
     }
     if ((found = PyList_New(0)) == NULL)
         goto done;
+    long long served = 0;
     Py_ssize_t at = 0;
     for (; at < n; at++) {
         const unsigned char *h = (const unsigned char *)heads.buf + at * HEAD_STEP;
@@ -523,13 +546,16 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
             break;
         if (PyList_Append(found, ok ? Py_True : Py_False) < 0)
             goto done;
+        served += ok ? (long long)size : 0;
     }
-    result = Py_BuildValue("(OnL)", found, at, at_stream);
+    result = Py_BuildValue("(OnLL)", found, at, at_stream, served);
+    goto done;
+not_taken:
+    result = Py_NewRef(Py_None);
 done:
     Py_XDECREF(found);
     if (bufs)
-        release_all(bufs, n);
-    PyMem_Free(hosts);
+        release_all(bufs, held);
     PyMem_Free(requests);
     PyMem_Free(pads);
     PyMem_Free(iov);
@@ -593,8 +619,9 @@ static PyMethodDef methods[] = {
      "from fd, spinning up to budget_ns before each receive (GIL released); the bytes "
      "received (fewer than asked: the peer closed)."},
     {"read_blocks", read_blocks, METH_VARARGS,
-     "read_blocks(fd, plan, first_rid, received, heads, waitall_max, budget_ns) -> (found, at, "
-     "received): a pipelined exchange of checked reads (see the source's comment)."},
+     "read_blocks(fd, plan, first_rid, received, heads, waitall_max, budget_ns, size) -> "
+     "(found, at, received, served) or None: a pipelined exchange of checked reads (see the "
+     "source's comment)."},
     {"set_max_spinners", set_max_spinners, METH_O,
      "set_max_spinners(n): at most n threads of this process spin at once (0: none)."},
     {"set_pause", set_pause, METH_VARARGS,

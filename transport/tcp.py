@@ -215,24 +215,16 @@ class TcpTransport(Transport):
         if len(items) == 1 and plain_host(items[0][1], writable=True):  # one block into host memory
             offset, out, key, block_offset = items[0]
             return [self.read_block(block_offset, offset - block_offset, out, key)]
-        size, pack = self.info.size, IDENT.pack
-        host_plan = []  # (offset, host array, packed IDENT): one pass while all are host arrays
-        nbytes = 0
-        for offset, out, key, block_offset in items:
-            if not plain_host(out, writable=True):
-                break
-            n = out.nbytes
-            if offset < 0 or offset + n > size:
-                check_range(offset, n, size)  # raises the usual error
-            host_plan.append((offset, out, pack(key, block_offset)))
-            nbytes += n
-        else:
-            served = self._io(DataConn.read_blocks, host_plan)
-            if not all(served):  # count only the bytes of reads the node served
-                pairs = zip(host_plan, served, strict=True)
-                nbytes = sum(out.nbytes for (_, out, _), ok in pairs if ok)
-            self.bytes_read += nbytes
-            return served
+        reads = items if type(items) is list else list(items)
+        got = self._io(DataConn.read_blocks, reads, self.info.size)  # host reads: as they are
+        if got is None:  # one is not: the checks (their errors) and device staging here
+            return self._read_staged(reads)
+        self.bytes_read += got[1]
+        return got[0]
+
+    def _read_staged(self, items: list[tuple[int, Any, bytes, int]]) -> list[bool]:
+        """``read_blocks`` where an output is not plain host memory: each checked
+        (``BufferSpecError``), device buffers read through host staging."""
         plan, devices = [], []
         for offset, out, key, block_offset in items:
             region = as_region(out, writable=True, what="output buffer")
@@ -241,13 +233,14 @@ class TcpTransport(Transport):
                 host = _staging(region_nbytes(region))
                 devices.append((region, host))
                 region = host
-            plan.append((offset, region, IDENT.pack(key, block_offset)))
-        found: list[bool] = []
-        self._io(lambda conn: found.extend(conn.read_blocks(plan)))
+            plan.append((offset, region, key, block_offset))
+        got = self._io(DataConn.read_blocks, plan, self.info.size)
+        if got is None:  # every output is a host view inside the region now
+            raise ValueError("a checked read names a 16-byte key and offsets >= 0")
         for device, host in devices:
             copy_region(device, host)
-        self.bytes_read += sum(r.nbytes for (_, r, _), ok in zip(plan, found, strict=True) if ok)
-        return found
+        self.bytes_read += got[1]
+        return got[0]
 
     def _source(self, offset: int, data: Any) -> Any:
         """``data`` as a host region to send to ``offset`` (device buffers staged)."""

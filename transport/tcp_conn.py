@@ -27,10 +27,12 @@ from typing import Any
 
 import numpy as np
 
+from kvpool.bindings.buffers import plain_host
 from kvpool.errors import CallTimeoutError, ConnectionLostError, HandshakeRefusedError, RemoteError
 from kvpool.rpc.frame import set_io_timeout
 from kvpool.transport import tcp_congestion, tcp_recv
 from kvpool.transport import tcp_wire as w
+from kvpool.transport.fencing import IDENT
 from kvpool.transport.tcp_recv import spin, spin_ack
 
 _ZEROS = bytes(w.ALIGN)
@@ -38,7 +40,6 @@ _FENCE_STATUSES = (w.ST_OK, w.ST_STALE, w.ST_BUSY)  # a fenced op's answers (oth
 ASK_MARGIN_S = 0.25  # a ``COMMITS`` answer's allowance past the wait it asked for
 #: Replies one scatter receive takes at most (two iovecs each, far below IOV_MAX).
 SCATTER_REPLIES = 64
-_HEAD_STEP = w.RESP.size + w.ALIGN  # room for a reply's header and its largest pad
 
 
 class DataConn:
@@ -176,66 +177,79 @@ class DataConn:
             return False
         return True
 
-    def read_blocks(self, plan: list[tuple[int, Any, bytes]]) -> list[bool]:
-        """Checked reads (offset, host region, packed IDENT), pipelined: per read,
-        True, or False when the node no longer holds that block there.
+    def read_blocks(
+        self, items: list[tuple[int, Any, bytes, int]], size: int
+    ) -> tuple[list[bool], int] | None:
+        """Checked reads (offset, host buffer, key, block offset), pipelined: per read,
+        True, or False when the node no longer holds that block there; and the payload
+        bytes served. None, nothing sent, when a read is not one this path takes: its
+        buffer not writable contiguous host memory, its range not inside the region of
+        ``size`` bytes, its key not 16 bytes (the caller checks or stages it).
 
         Every reply to a checked read is exactly as long as an ok one (a refusal
         is padded, see tcp_server), so where each header, pad and payload lands
         is known before any arrives. Where the ``tcp_recv`` extension is built one
-        native call sends the requests, receives every reply (scatter receives,
-        one ``MSG_WAITALL`` syscall for a small batch; see ``w.WAITALL_MAX``) and
-        checks the headers; else the same in Python, ``SCATTER_REPLIES`` replies
-        per scatter receive."""
-        first = self._rid + 1
-        self._rid = (self._rid + len(plan)) & 0xFFFFFFFF
+        native call checks the reads, sends the requests, receives every reply
+        (scatter receives, one ``MSG_WAITALL`` syscall for a small batch; see
+        ``w.WAITALL_MAX``) and checks the headers, no Python per read; else the same
+        in Python, ``SCATTER_REPLIES`` replies per scatter receive."""
+        first, n = (self._rid + 1) & 0xFFFFFFFF, len(items)
         native = tcp_recv.read_blocks
         if native is not None:
-            heads = bytearray(_HEAD_STEP * len(plan))
+            heads = bytearray(w.HEAD_STEP * n)
             start = self._received
-            found, at, self._received = native(
-                self._fd, plan, first & 0xFFFFFFFF, start, heads, w.WAITALL_MAX
-            )
-            self._sent += w.READ_BLOCK_REQ.size * len(plan)
-            if at < len(plan):  # raises: that reply was neither ok nor refused as stale
-                hosts = [host for _, host, _ in plan]
-                pad = _pads(start, hosts)[at]
-                _reply_found(heads, at, (first + at) & 0xFFFFFFFF, pad, hosts[at])
-                raise ConnectionLostError(f"data stream out of sync (reply {at} of {len(plan)})")
-            return found
-        pack, op = w.REQ.pack, w.OP_READ_BLOCK
+            got = native(self._fd, items, first, start, heads, w.WAITALL_MAX, size)
+            if got is None:
+                return None
+            found, at, self._received, served = got
+            self._rid = (first + n - 1) & 0xFFFFFFFF
+            self._sent += w.READ_BLOCK_REQ.size * n
+            if at < n:  # raises: that reply was neither ok nor refused as stale
+                hosts = [w.byte_view(host) for _, host, _, _ in items]
+                pad = w.read_pads(start, hosts)[at]
+                w.checked_reply_found(heads, at, (first + at) & 0xFFFFFFFF, pad, hosts[at])
+                raise ConnectionLostError(f"data stream out of sync (reply {at} of {n})")
+            return found, served
+        for offset, host, key, block in items:
+            if not plain_host(host, writable=True) or len(key) != 16 or min(offset, block) < 0:
+                return None
+            if offset + host.nbytes > size:
+                return None
+        pack, op, ident = w.REQ.pack, w.OP_READ_BLOCK, IDENT.pack
         requests = b"".join(
             [
-                pack(op, 0, (first + i) & 0xFFFFFFFF, off, host.nbytes) + ident
-                for i, (off, host, ident) in enumerate(plan)
+                pack(op, 0, (first + i) & 0xFFFFFFFF, off, host.nbytes) + ident(key, block)
+                for i, (off, host, key, block) in enumerate(items)
             ]
         )
+        self._rid = (first + n - 1) & 0xFFFFFFFF
         self.sock.sendall(requests)
         self._sent += len(requests)
         found = []
-        for at in range(0, len(plan), SCATTER_REPLIES):
-            hosts = [h for _, h, _ in plan[at : at + SCATTER_REPLIES]]
+        for at in range(0, n, SCATTER_REPLIES):
+            hosts = [h for _, h, _, _ in items[at : at + SCATTER_REPLIES]]
             found += self._recv_replies(first + at, hosts)
-        return found
+        served = sum(host.nbytes for (_, host, _, _), ok in zip(items, found, strict=True) if ok)
+        return found, served
 
     def _recv_replies(self, first: int, hosts: list[Any]) -> list[bool]:
         """The replies to pipelined checked reads (request ids from ``first``) into
         ``hosts``, in one scatter receive; per reply True, or False when refused
         (ST_STALE)."""
         h = w.RESP.size
-        heads = bytearray(_HEAD_STEP * len(hosts))
+        heads = bytearray(w.HEAD_STEP * len(hosts))
         mv = memoryview(heads)
         views, total = [], 0
-        pads = _pads(self._received, hosts)
+        pads = w.read_pads(self._received, hosts)
         for i, (host, pad) in enumerate(zip(hosts, pads, strict=True)):
-            views.append(mv[i * _HEAD_STEP : i * _HEAD_STEP + h + pad])
+            views.append(mv[i * w.HEAD_STEP : i * w.HEAD_STEP + h + pad])
             if host.nbytes:
                 views.append(w.byte_view(host))
             total += h + pad + host.nbytes
         w.recv_scatter(self.sock, views, total)
         self._received += total
         return [
-            _reply_found(heads, i, (first + i) & 0xFFFFFFFF, pad, host)
+            w.checked_reply_found(heads, i, (first + i) & 0xFFFFFFFF, pad, host)
             for i, (host, pad) in enumerate(zip(hosts, pads, strict=True))
         ]
 
@@ -366,35 +380,3 @@ def _fence_status(status: int, got_rid: int, rid: int, msg: bytes | bytearray) -
     if got_rid != rid:
         raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")
     return int(status)
-
-
-def _pads(received: int, hosts: list[Any]) -> list[int]:
-    """The pad of each reply to checked reads into ``hosts`` when the server has
-    sent ``received`` bytes before the first (``w.read_pad``, reply by reply)."""
-    pads = []
-    for host in hosts:
-        pad = w.read_pad(received)
-        pads.append(pad)
-        received += w.RESP.size + pad + host.nbytes
-    return pads
-
-
-def _reply_found(heads: bytearray, i: int, rid: int, pad: int, host: Any) -> bool:
-    """Reply ``i`` of a pipeline of checked reads, its header (and pad) at
-    ``heads[i * _HEAD_STEP]``, its payload in ``host``: True when ok, False when
-    refused (ST_STALE); anything else raises (``ConnectionLostError`` for a reply
-    out of sync, ``RemoteError`` for another refusal, the stream then in sync)."""
-    h, at = w.RESP.size, i * _HEAD_STEP
-    status, got_rid, length = w.RESP.unpack_from(heads, at)
-    if got_rid != rid:
-        raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")
-    if status == w.ST_OK:
-        if length != host.nbytes or heads[at + 1] != pad:
-            raise ConnectionLostError(f"data stream out of sync (reply {rid}: {length} B)")
-        return True
-    if length != pad + host.nbytes:  # an error not padded like an ok reply
-        raise ConnectionLostError("data stream out of sync (short error reply)")
-    if status != w.ST_STALE:
-        msg = bytes(heads[at + h : at + h + pad]) + bytes(w.byte_view(host))
-        raise RemoteError("data", msg.rstrip(b"\0").decode(errors="replace"))
-    return False

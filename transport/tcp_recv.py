@@ -115,22 +115,26 @@ recv_all: Callable[[int, list[memoryview], int], int] | None = (
 
 def _read_blocks(
     fd: int,
-    plan: list[tuple[int, Any, bytes]],
+    plan: list[tuple[int, Any, bytes, int]],
     first_rid: int,
     received: int,
     heads: bytearray,
     waitall_max: int,
-) -> tuple[list[bool], int, int]:
-    return _module.read_blocks(fd, plan, first_rid, received, heads, waitall_max, _BUDGET_NS)
+    size: int,
+) -> tuple[list[bool], int, int, int] | None:
+    return _module.read_blocks(fd, plan, first_rid, received, heads, waitall_max, _BUDGET_NS, size)
 
 
-#: A pipelined batch of checked reads in one native call (requests sent, replies
-#: received, headers checked; the C source says how): (found, index of the first
-#: reply neither ok nor stale, bytes the server has sent now). None where the
+#: A pipelined batch of checked reads (offset, host buffer, key, block offset) in one
+#: native call (requests packed and sent, replies received, headers checked; the C
+#: source says how): (found, index of the first reply neither ok nor stale, bytes the
+#: server has sent now, payload bytes served), or None -- nothing sent -- when a read
+#: is not a host read inside the region of ``size`` bytes it takes. None where the
 #: extension was not built.
 read_blocks: (
     Callable[
-        [int, list[tuple[int, Any, bytes]], int, int, bytearray, int], tuple[list[bool], int, int]
+        [int, list[tuple[int, Any, bytes, int]], int, int, bytearray, int, int],
+        tuple[list[bool], int, int, int] | None,
     ]
     | None
 ) = None if _module is None else _read_blocks

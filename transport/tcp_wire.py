@@ -67,8 +67,9 @@ import contextlib
 import logging
 import socket
 import struct
+from typing import Any
 
-from kvpool.errors import ConnectionLostError
+from kvpool.errors import ConnectionLostError, RemoteError
 from kvpool.rpc.auth import token_matches
 from kvpool.rpc.frame import tune_socket
 from kvpool.transport import tcp_recv
@@ -133,6 +134,43 @@ def read_pad(sent: int) -> int:
     """Zero bytes after an ok READ's header when the server has sent ``sent`` bytes
     on the connection before it: the payload then starts at a multiple of ALIGN."""
     return -(sent + RESP.size) % ALIGN
+
+
+#: Room for a checked read's reply header and its largest pad: where a client places
+#: reply ``i``'s header of a pipeline (``heads[i * HEAD_STEP]``).
+HEAD_STEP = RESP.size + ALIGN
+
+
+def read_pads(received: int, hosts: list[Any]) -> list[int]:
+    """The pad of each reply to checked reads into ``hosts`` when the server has
+    sent ``received`` bytes before the first (``read_pad``, reply by reply)."""
+    pads = []
+    for host in hosts:
+        pad = read_pad(received)
+        pads.append(pad)
+        received += RESP.size + pad + host.nbytes
+    return pads
+
+
+def checked_reply_found(heads: bytearray, i: int, rid: int, pad: int, host: Any) -> bool:
+    """Reply ``i`` of a pipeline of checked reads, its header (and pad) at
+    ``heads[i * HEAD_STEP]``, its payload in ``host``: True when ok, False when
+    refused (ST_STALE); anything else raises (``ConnectionLostError`` for a reply
+    out of sync, ``RemoteError`` for another refusal, the stream then in sync)."""
+    h, at = RESP.size, i * HEAD_STEP
+    status, got_rid, length = RESP.unpack_from(heads, at)
+    if got_rid != rid:
+        raise ConnectionLostError(f"data stream out of sync (reply {got_rid} for {rid})")
+    if status == ST_OK:
+        if length != host.nbytes or heads[at + 1] != pad:
+            raise ConnectionLostError(f"data stream out of sync (reply {rid}: {length} B)")
+        return True
+    if length != pad + host.nbytes:  # an error not padded like an ok reply
+        raise ConnectionLostError("data stream out of sync (short error reply)")
+    if status != ST_STALE:
+        msg = bytes(heads[at + h : at + h + pad]) + bytes(byte_view(host))
+        raise RemoteError("data", msg.rstrip(b"\0").decode(errors="replace"))
+    return False
 
 
 def write_pad(sent: int) -> int:

@@ -121,6 +121,33 @@ class LeaseCache:
             found[key] = hit
         return found
 
+    def pin_all(self, keys: Sequence[bytes]) -> list[tuple[Any, int, CachedLease]] | None:
+        """Each key's (placements, size, lease), its lease pinned once per position (a
+        key named twice is pinned twice), or None -- nothing left pinned -- when any
+        key is not (safely) cached: a batch of cache hits in one pass, no dict. Reads
+        are not counted: the caller's ``unpin_read`` counts those that happened."""
+        now, blocks, hits = time.monotonic(), self._blocks, []
+        for key in keys:
+            hit = blocks.get(key)
+            if hit is None:
+                break
+            lease = hit[2]
+            if now > lease.expires or (lease.pins == 0 and now > lease.deadline):
+                break
+            lease.pins += 1
+            hits.append(hit)
+        else:
+            return hits
+        for hit in hits:
+            hit[2].pins -= 1
+        return None
+
+    def unpin_read(self, keys: Sequence[bytes], hits: list[tuple[Any, int, CachedLease]]) -> None:
+        """Undo ``pin_all(keys)``, each position counted as one read of its key."""
+        for key, (_, _, lease) in zip(keys, hits, strict=True):
+            lease.pins -= 1
+            lease.reads[key] += 1
+
     def renewable(self, within: float) -> list[bytes]:
         """Keys to re-lease now: read under a lease that is still held but ends within
         ``within`` seconds, and still served by it (oldest leases first). The read that

@@ -6,11 +6,13 @@ a repeated read of a block skips the master. A read whose node fails tries
 the block's other replicas and is a miss only when none serves, never wrong
 bytes. A lease reply may carry *replica orders* (the master wants a hot
 block copied to another node): the read that copies the whole block fulfils
-it on the way.
+it on the way; or *busy* (no DRAM room for SSD blocks): the client hands back
+its cached leases and asks again (both: kvpool.cluster.client.lease_replies).
 
 Invariants:
 - an entry ``resolve`` returns pins its lease once until the caller unpins
-  it, so the cache never hands back a lease while one of its blocks is copied;
+  it, so the cache never hands back a lease while one of its blocks is copied
+  (a batch served from the cache alone: one pin per position, ``pin_all``);
 - a replica order is fulfilled (written and committed) only from a read of
   the whole block, and revoked when its lease is handed back unfulfilled;
 - argument checks are the caller's (``kvpool.args``); range checks against
@@ -22,20 +24,20 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
 import numpy as np
 
-from kvpool.args import block_range, check_out_fits
-from kvpool.bindings.buffers import Region, region_nbytes
+from kvpool.api import Buffer
+from kvpool.args import block_range, check_out_fits, out_region
+from kvpool.bindings.buffers import Region, plain_host, region_nbytes
 from kvpool.cluster.client.handles import RemoteLease
 from kvpool.cluster.client.lease_cache import CachedLease, LeaseCache
+from kvpool.cluster.client.lease_replies import Order, fulfil_order, wait_for_room
 from kvpool.cluster.client.replica_reads import node_failed, read_from, read_replicas
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession, Placement, Read
 from kvpool.cluster.wire import (
-    COMMIT,
     LEASE,
     RELEASE,
     REVOKE,
@@ -45,22 +47,12 @@ from kvpool.cluster.wire import (
     ReleaseRequest,
 )
 from kvpool.errors import KVPoolError, StaleReadError, StaleWriteError
-from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.shm import ShmTransport
 from kvpool.transport.tcp import TcpTransport
-
-#: A replica order from a lease: (allocation id, target, lease id, master term)
-Order = tuple[int, Placement, int, int]
 
 #: A leased block: its replicas, its size and the cached lease that pins it.
 Found = tuple[list[Placement], int, CachedLease]
 _NDARRAY = np.ndarray  # a global, not a module attribute load, on the batch's hot loop
-
-#: How long a read waits for DRAM room to promote SSD-only blocks into, before
-#: they count as misses (a read of SSD blocks while every DRAM block is leased):
-#: longer than another client's cached lease outlives its last read (the default
-#: hold, 1 s, plus a janitor tick, 0.5 s).
-BUSY_WAIT_S = 2.0
 
 
 class LeasedReads:
@@ -131,9 +123,18 @@ class LeasedReads:
         session.counts["hits"] += 1
         return True
 
-    def read_batch(self, keys: Sequence[bytes], regions: list[Region]) -> list[int | None]:
+    def read_batch(self, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[int | None]:
         """``get_into_batch``: one pipelined exchange per node, replicas on failure.
-        Every destination is checked against its block's size before any read."""
+        Every destination is checked (``out_region``), and against its block's size,
+        before any read."""
+        self._session.check_open()
+        lock = self._lock
+        lock.acquire()  # (acquire/release, not ``with``: the batch's hot path)
+        hits = self.cache.pin_all(keys)
+        lock.release()
+        if hits and (read := self._read_cached(keys, outs, hits)) is not None:
+            return read
+        regions = [o if plain_host(o, writable=True) else out_region(o) for o in outs]
         found = self._resolve(keys)
         try:
             sizes: list[int | None] = [None] * len(keys)
@@ -175,6 +176,52 @@ class LeasedReads:
             return sizes
         finally:
             self._unpin_found(found)
+
+    def _read_cached(
+        self, keys: Sequence[bytes], outs: Sequence[Buffer], hits: list[Found]
+    ) -> list[int | None] | None:
+        """The common batch in one pass (``hits``: ``pin_all``'s, unpinned here): every
+        block cached with one replica, all on one node, each destination a plain host
+        array of its block's size, read in one pipelined exchange. Their sizes; or
+        None when the batch is not that one, or its read failed or was refused: no
+        read counted, and the caller's general path takes the batch whole (its checks,
+        errors, replicas and misses; a failed node is suspected already, so it is not
+        tried twice within ``suspects.retry_s``). With the native call taking TCP's
+        reads as they are (kvpool.transport.tcp_conn), a batch of 256 x 64 B from the
+        cache: 2.9-3.3 -> 2.3-2.6 us per block over TCP, 1.1-1.2 -> 1.0 us same-host
+        (session 41; the node's share included)."""
+        node_id = hits[0][0][0].node_id
+        items: list[Read] = []
+        sizes: list[int | None] = []
+        session, read = self._session, False
+        try:
+            for key, out, (placements, size, _) in zip(keys, outs, hits, strict=True):
+                if len(placements) != 1 or not plain_host(out, writable=True) or out.nbytes != size:
+                    return None
+                block = placements[0]
+                if block.node_id != node_id:
+                    return None
+                items.append((block.offset, out, key, block.offset))
+                sizes.append(size)
+            if not session.suspects.may_read(node_id):
+                return None
+            try:
+                read_from(session, node_id, items)
+            except (StaleReadError, StaleWriteError):
+                return None
+            except TRANSFER_ERRORS:
+                node_failed(session, node_id)
+                return None
+            read = True
+        finally:
+            with self._lock:
+                if read:
+                    self.cache.unpin_read(keys, hits)
+                else:
+                    self.cache.unpin_all([lease for _, _, lease in hits])
+        session.suspects.cleared(node_id)
+        session.counts["hits"] += len(items)
+        return sizes
 
     def lease(self, keys: Sequence[bytes], prefix: bool) -> RemoteLease:
         """Pin the stored prefix of ``keys`` (or every stored key) until released."""
@@ -256,7 +303,7 @@ class LeasedReads:
         session.counts["lease_renewals" if renewal else "lease_round_trips"] += 1
         reply = session.rpc.call(LEASE, request, response_type=LeaseReply)
         if reply.busy and not renewal:
-            reply = self._wait_for_room(request, reply)
+            reply = wait_for_room(session, request, reply, self.release_cached)
         session.learn(reply.nodes)
         held = [
             (key, [Placement(n, o, block[0]) for n, o in block[1]], block[0])
@@ -276,29 +323,6 @@ class LeasedReads:
         if superseded:
             self.hand_back(superseded, wait=False)
         return lease, held
-
-    def _wait_for_room(self, request: LeaseRequest, reply: LeaseReply) -> LeaseReply:
-        """The lease found SSD-only blocks and no DRAM room to promote them into
-        (``busy``: every DRAM block there is leased or being written). Hand back
-        this client's own cached leases and ask again; while still busy, ask again
-        with backoff for up to ``BUSY_WAIT_S`` (other clients' cached leases end
-        within their hold, the janitor's hand-backs land) before the blocks count as
-        misses. Each superseded reply's lease goes back at once."""
-        session = self._session
-        give_up, pause = time.monotonic() + BUSY_WAIT_S, 0.005
-        while reply.busy:
-            if not self.release_cached():  # nothing of ours to free: give others time
-                left = give_up - time.monotonic()
-                if left <= 0:
-                    break
-                time.sleep(min(pause, left))
-                pause = min(2 * pause, 0.1)
-            elif time.monotonic() > give_up:
-                break
-            session.rpc.submit(RELEASE, ReleaseRequest([reply.lease_id] if reply.lease_id else []))
-            session.counts["lease_busy_retries"] += 1
-            reply = session.rpc.call(LEASE, request, response_type=LeaseReply)
-        return reply
 
     def _unpin(self, lease: CachedLease) -> None:
         with self._lock:
@@ -359,18 +383,5 @@ class LeasedReads:
         with self._lock:
             order = self._orders.pop(key, None) if got == size else None
         if order is not None:
-            self._fulfil_order(key, order, dst[:want])
+            fulfil_order(self._session, key, order, dst[:want])
         return got
-
-    def _fulfil_order(self, key: bytes, order: Order, block: Region) -> None:
-        """Copy a just-read hot block to the replica the master asked for (or give it back)."""
-        alloc_id, target, _, epoch = order
-        rpc = self._session.rpc
-        stamp = WriteStamp(epoch, alloc_id, target.offset, region_nbytes(block), key)
-        try:
-            self._session.write_block(target.node_id, stamp, block)
-        except TRANSFER_ERRORS:
-            rpc.submit(REVOKE, IdsRequest([alloc_id]))
-            return
-        rpc.submit(COMMIT, IdsRequest([alloc_id]))  # no need to wait
-        self._session.counts["replicas_added"] += 1

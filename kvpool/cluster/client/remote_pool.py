@@ -242,9 +242,8 @@ class RemotePool(LayerwiseMethods):
     def get_into_batch(self, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[int | None]:
         """``get_into`` for each pair; at most one lease round trip for the whole batch."""
         check_batch(keys, outs, what="outs")
-        regions = [o if plain_host(o, writable=True) else out_region(o) for o in outs]
         self.flush()
-        return self._reads.read_batch(keys, regions)
+        return self._reads.read_batch(keys, outs)
 
     def lease(self, keys: Sequence[bytes], *, prefix: bool = True) -> RemoteLease:
         """Pin the stored prefix of ``keys`` (or every stored key) until released."""
