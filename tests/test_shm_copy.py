@@ -87,6 +87,7 @@ def path(request: Any, monkeypatch: pytest.MonkeyPatch) -> str:
             pytest.skip(shm_copy.STATUS)
     else:
         monkeypatch.setattr(shm, "read_checked", None)
+        monkeypatch.setattr(shm, "read_checked_many", None)
         monkeypatch.setattr(shm, "write_sealed", None)
     return str(request.param)
 
@@ -145,6 +146,51 @@ def test_read_checked_misses_whatever_the_record_does_not_name(node: Node) -> No
         shm_copy.read_checked(data[:1].tobytes(), view, records, ALIGN, 0, K1, NUMPY)
     with pytest.raises(TypeError):
         shm_copy.read_checked(out, view, records, ALIGN, 0, K1)
+
+
+@needs_native
+@pytest.mark.parametrize("way", [NUMPY, STREAM])
+def test_read_checked_many_answers_as_read_checked_read_by_read(node: Node, way: int) -> None:
+    """A batch of reads of one size -- hits, a range inside a block, misses of every
+    kind, one past the arena -- answers per read as ``read_checked`` does, exact bytes;
+    a destination of another size or not writable contiguous memory, an offset that
+    is not an int: None, nothing copied; a malformed plan raises."""
+    a, b = _random(2 * ALIGN, 5), _random(2 * ALIGN, 6)
+    node.store(ALIGN, a, K1)
+    node.store(4 * ALIGN, b, K2)
+    node.idents.publish((PAGES - 1) * ALIGN, 2 * ALIGN, K2)  # a record past the arena
+    view, records = node.arena.view, node.idents.mapping
+    n = ALIGN // 2
+    starts = [  # (block offset, start in it, key)
+        (ALIGN, 0, K1), (4 * ALIGN, 100, K2), (ALIGN, ALIGN, K1), (ALIGN, 0, K2),
+        (2 * ALIGN, 0, K1), (ALIGN + 8, 0, K1), (ALIGN, -1, K1), (ALIGN, 2 * ALIGN, K1),
+        (ALIGN, 0, b"short"), ((PAGES - 1) * ALIGN, ALIGN, K2),
+    ]  # fmt: skip
+    outs = [np.zeros(n, np.uint8) for _ in starts]
+    plan = [(blk + st, out, key, blk) for (blk, st, key), out in zip(starts, outs, strict=True)]
+    one_by_one = [
+        shm_copy.read_checked(np.zeros(n, np.uint8), view, records, blk, st, key, way)
+        for blk, st, key in starts
+    ]
+    assert one_by_one == [1, 1, 1, 0, 0, 0, 0, 0, 0, -1]
+    assert shm_copy.read_checked_many(plan, view, records, n, way) == one_by_one
+    assert np.array_equal(outs[0], a[:n]) and np.array_equal(outs[1], b[100 : 100 + n])
+    assert np.array_equal(outs[2], a[ALIGN : ALIGN + n]) and not outs[9].any()
+
+    frozen = np.zeros(n, np.uint8)
+    frozen.setflags(write=False)
+    for dst in (np.zeros(n + 1, np.uint8), frozen, np.zeros(2 * n, np.uint8)[::2], b"\0" * n):
+        fresh = np.zeros(n, np.uint8)
+        batch = [(ALIGN, fresh, K1, ALIGN), (ALIGN, dst, K1, ALIGN)]
+        assert shm_copy.read_checked_many(batch, view, records, n, way) is None
+        assert not fresh.any()  # nothing copied, the good read before it included
+    floaty = [(float(ALIGN), np.zeros(n, np.uint8), K1, ALIGN)]
+    assert shm_copy.read_checked_many(floaty, view, records, n, way) is None
+    assert shm_copy.read_checked_many([], view, records, n, way) == []
+    with pytest.raises(TypeError):
+        shm_copy.read_checked_many(tuple(plan), view, records, n, way)
+    with pytest.raises(TypeError, match=r"plan\[0\] is not"):
+        shm_copy.read_checked_many([(ALIGN, outs[0], K1)], view, records, n, way)
 
 
 @needs_native
@@ -217,6 +263,42 @@ def test_read_block_answers_alike_on_either_path(node: Node, path: str) -> None:
         reader.close()
     with pytest.raises(PoolClosedError):
         reader.read_block(ALIGN, 0, np.zeros(ALIGN, np.uint8), K1)
+
+
+@pytest.mark.parametrize("way", [NUMPY, STREAM])
+def test_read_blocks_answers_alike_on_either_path(
+    node: Node, path: str, way: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch through ``read_blocks``: one native call for outputs of one size whose
+    copy way is settled, else read by read; the same answers, bytes and errors, and
+    ``bytes_read`` counts the hits."""
+    monkeypatch.setattr(shm, "read_way", lambda n: way)  # settled, whatever was learned
+    a, b = _random(2 * ALIGN, 7), _random(ALIGN, 8)
+    node.store(ALIGN, a, K1)
+    node.store(4 * ALIGN, b, K2)
+    reader = ShmTransport(node.info)
+    try:
+        outs = [np.zeros(ALIGN, np.uint8) for _ in range(4)]
+        plan = [
+            (ALIGN, outs[0], K1, ALIGN),
+            (4 * ALIGN, outs[1], K2, 4 * ALIGN),
+            (2 * ALIGN, outs[2], K1, ALIGN),
+            (4 * ALIGN, outs[3], K1, 4 * ALIGN),  # another block's key there
+        ]
+        assert reader.read_blocks(plan) == [True, True, True, False]
+        assert np.array_equal(outs[0], a[:ALIGN]) and np.array_equal(outs[1], b)
+        assert np.array_equal(outs[2], a[ALIGN:])
+        assert reader.bytes_read == 3 * ALIGN
+        mixed = [(ALIGN, np.zeros(10, np.uint8), K1, ALIGN), (4 * ALIGN, outs[1], K2, 4 * ALIGN)]
+        assert reader.read_blocks(mixed) == [True, True]  # two sizes: read by read
+        node.idents.publish((PAGES - 1) * ALIGN, 2 * ALIGN, K2)  # a record past the arena
+        past = [(ALIGN, outs[0], K1, ALIGN), (PAGES * ALIGN, outs[1], K2, (PAGES - 1) * ALIGN)]
+        with pytest.raises(BufferSpecError):
+            reader.read_blocks(past)
+    finally:
+        reader.close()
+    with pytest.raises(PoolClosedError):
+        reader.read_blocks(plan)
 
 
 def test_write_sealed_answers_alike_on_either_path(node: Node, path: str) -> None:

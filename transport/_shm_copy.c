@@ -19,6 +19,10 @@
  *     the block but the range lies outside the arena (nothing copied; the
  *     caller raises).
  *
+ * read_checked_many(plan, arena, idents, length, way) -> list or None
+ *     read_checked of each (offset, dst, key, block offset) of a batch of reads of
+ *     ``length`` bytes, one call (see its comment).
+ *
  * write_sealed(arena, src, seals, offset, epoch, alloc_id, key, parent, mark, way) -> int
  *     Copy src into arena[offset : offset + len(src)], then write the seal
  *     record of offset: its fields (epoch, allocation, size, has-parent, key,
@@ -87,6 +91,27 @@ static void release_all(Py_buffer *views, int n) {
         PyBuffer_Release(&views[n]);
 }
 
+/* One checked read's record checks and copy (no Python object touched: callers run
+ * it without the GIL): 1 read, 0 miss, -1 outside the arena, as read_checked. */
+static long checked_copy(char *d, size_t n, const Py_buffer *arena, const Py_buffer *idents,
+                         Py_ssize_t block_offset, Py_ssize_t start, const char *key, int way) {
+    if (key == NULL || block_offset < 0 || start < 0 || block_offset % ALIGN)
+        return 0; /* no block starts there: a miss, as in Python */
+    size_t slot = (size_t)block_offset / ALIGN;
+    if ((slot + 1) * IDENT_RECORD > (size_t)idents->len)
+        return 0;
+    const uint64_t *record = (const uint64_t *)((const char *)idents->buf + slot * IDENT_RECORD);
+    uint64_t seq = __atomic_load_n(&record[0], __ATOMIC_ACQUIRE);
+    if ((seq & 1) || seq == 0 || (uint64_t)start + n > record[1] || memcmp(record + 2, key, 16))
+        return 0;
+    size_t from = (size_t)block_offset + (size_t)start; /* the record's checks came first */
+    if (from > (size_t)arena->len || n > (size_t)arena->len - from)
+        return -1;
+    kv_copy(kernel, way, d, (const char *)arena->buf + from, n);
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    return __atomic_load_n(&record[0], __ATOMIC_ACQUIRE) == seq;
+}
+
 static PyObject *read_checked(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (nargs != 7) {
@@ -110,31 +135,105 @@ static PyObject *read_checked(PyObject *module, PyObject *const *args, Py_ssize_
     Py_buffer views[3]; /* dst (writable), arena, idents */
     if (export_all(args, flags, views, 3) < 0)
         return NULL;
-    Py_buffer dst = views[0], arena = views[1], idents = views[2];
-    long result = 0;
-    size_t n = (size_t)dst.len;
-    size_t slot = (size_t)block_offset / ALIGN;
-    if (key == NULL || block_offset % ALIGN || (slot + 1) * IDENT_RECORD > (size_t)idents.len)
-        goto done;
-    const uint64_t *record = (const uint64_t *)((const char *)idents.buf + slot * IDENT_RECORD);
-    uint64_t seq = __atomic_load_n(&record[0], __ATOMIC_ACQUIRE);
-    if ((seq & 1) || seq == 0 || (uint64_t)start + n > record[1] || memcmp(record + 2, key, 16))
-        goto done;
-    size_t from = (size_t)block_offset + (size_t)start; /* the record's checks came first */
-    if (from > (size_t)arena.len || n > (size_t)arena.len - from) {
-        result = -1;
-        goto done;
-    }
-    char *d = dst.buf;
-    const char *s = (const char *)arena.buf + from;
+    long result;
     Py_BEGIN_ALLOW_THREADS
-    kv_copy(kernel, way, d, s, n);
-    __atomic_thread_fence(__ATOMIC_ACQUIRE);
-    result = __atomic_load_n(&record[0], __ATOMIC_ACQUIRE) == seq;
+    result = checked_copy(views[0].buf, (size_t)views[0].len, &views[1], &views[2], block_offset,
+                          start, key, way);
     Py_END_ALLOW_THREADS
-done:
     release_all(views, 3);
     return PyLong_FromLong(result);
+}
+
+/* read_checked_many(plan, arena, idents, length, way) -> list of 1 / 0 / -1, or None
+ * read_checked of each (offset, dst, key, block offset) of the list plan (the
+ * transports' reads; start = offset - block offset), one copy way for all: a batch
+ * of same-size reads whose way is settled, in one call, the GIL released once for
+ * every copy. None, nothing copied, when a dst is not writable contiguous memory of
+ * exactly length bytes or an offset is not an int that fits (the caller reads them
+ * one by one, which raises the usual error). TypeError: a plan entry not such a
+ * tuple. */
+static PyObject *read_checked_many(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 5 || !PyList_Check(args[0])) {
+        PyErr_SetString(PyExc_TypeError,
+                        "read_checked_many(plan: list, arena, idents, length, way)");
+        return NULL;
+    }
+    PyObject *plan = args[0], *result = NULL;
+    Py_ssize_t length = PyLong_AsSsize_t(args[3]);
+    if (length == -1 && PyErr_Occurred())
+        return NULL;
+    int way = PyObject_IsTrue(args[4]);
+    if (way < 0)
+        return NULL;
+    static const int flags[2] = {PyBUF_SIMPLE, PyBUF_SIMPLE};
+    Py_buffer maps[2]; /* arena, idents */
+    if (export_all(args + 1, flags, maps, 2) < 0)
+        return NULL;
+    Py_ssize_t n = PyList_GET_SIZE(plan), held = 0;
+    Py_buffer *dsts = PyMem_Calloc(n ? n : 1, sizeof(Py_buffer));
+    Py_ssize_t *at = PyMem_Calloc(n ? 2 * n : 1, sizeof(Py_ssize_t)); /* block offset, start */
+    char *keys = PyMem_Calloc(n ? n : 1, 17); /* each key copied, byte 16: 1 if it is one */
+    long *got = PyMem_Calloc(n ? n : 1, sizeof(long));
+    if (!dsts || !at || !keys || !got) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *item = PyList_GET_ITEM(plan, i);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 4) {
+            PyErr_Format(PyExc_TypeError,
+                         "read_checked_many: plan[%zd] is not (offset, dst, key, block offset)", i);
+            goto done;
+        }
+        Py_ssize_t offset = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 0));
+        Py_ssize_t block = PyLong_AsSsize_t(PyTuple_GET_ITEM(item, 3));
+        if ((offset == -1 || block == -1) && PyErr_Occurred()) {
+            PyErr_Clear();
+            goto not_taken;
+        }
+        at[2 * i] = block;
+        at[2 * i + 1] = offset - block;
+        const char *key = key16(PyTuple_GET_ITEM(item, 2));
+        if (key != NULL) { /* copied: the plan may change once the GIL is released */
+            memcpy(keys + 17 * i, key, 16);
+            keys[17 * i + 16] = 1;
+        }
+        if (PyObject_GetBuffer(PyTuple_GET_ITEM(item, 1), &dsts[i], PyBUF_CONTIG) < 0) {
+            PyErr_Clear();
+            goto not_taken;
+        }
+        held++;
+        if (dsts[i].len != length)
+            goto not_taken;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    for (Py_ssize_t i = 0; i < n; i++)
+        got[i] = checked_copy(dsts[i].buf, (size_t)length, &maps[0], &maps[1], at[2 * i],
+                              at[2 * i + 1], keys[17 * i + 16] ? keys + 17 * i : NULL, way);
+    Py_END_ALLOW_THREADS
+    if ((result = PyList_New(n)) == NULL)
+        goto done;
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *value = PyLong_FromLong(got[i]);
+        if (value == NULL) {
+            Py_CLEAR(result);
+            goto done;
+        }
+        PyList_SET_ITEM(result, i, value);
+    }
+    goto done;
+not_taken:
+    result = Py_NewRef(Py_None);
+done:
+    while (held--)
+        PyBuffer_Release(&dsts[held]);
+    release_all(maps, 2);
+    PyMem_Free(dsts);
+    PyMem_Free(at);
+    PyMem_Free(keys);
+    PyMem_Free(got);
+    return result;
 }
 
 static PyObject *write_sealed(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
@@ -208,6 +307,9 @@ static PyMethodDef methods[] = {
     {"read_checked", (PyCFunction)(void (*)(void))read_checked, METH_FASTCALL,
      "read_checked(dst, arena, idents, block_offset, start, key, way, /) -> 1 read, 0 miss, "
      "-1 outside the arena: a same-host read checked against its identity record."},
+    {"read_checked_many", (PyCFunction)(void (*)(void))read_checked_many, METH_FASTCALL,
+     "read_checked_many(plan, arena, idents, length, way, /) -> [1 / 0 / -1 per read] or None: "
+     "read_checked of each (offset, dst, key, block offset), one call for a batch."},
     {"write_sealed", (PyCFunction)(void (*)(void))write_sealed, METH_FASTCALL,
      "write_sealed(arena, src, seals, offset, epoch, alloc_id, key, parent, mark, way, /) -> "
      "1 written and sealed, 0 no record, -1 outside the arena: a same-host put's copy and "

@@ -54,7 +54,7 @@ from kvpool.errors import PoolClosedError, TransportUnavailableError
 from kvpool.storage.page_lock import PageLock, page_lock
 from kvpool.transport.base import RegionInfo, Transport, check_range, host_identity
 from kvpool.transport.fencing import WriteStamp
-from kvpool.transport.shm_copy import read_checked, write_sealed
+from kvpool.transport.shm_copy import read_checked, read_checked_many, write_sealed
 from kvpool.transport.shm_ident import BlockIdents, ident_name
 from kvpool.transport.shm_seal import SealRecords
 
@@ -160,7 +160,27 @@ class ShmTransport(Transport):
 
     def read_blocks(self, plan: list[tuple[int, Any, bytes, int]]) -> list[bool]:
         """``read_block`` for each (offset, out, key, block offset), as TCP's
-        ``read_blocks`` takes them."""
+        ``read_blocks`` takes them: a batch of outputs of one size, writable contiguous
+        host memory, whose copy way is settled, in one native call (no Python per read:
+        a cached batch of 256 x 64 B, 1.0 -> 0.6 us per block, session 41); any other
+        read by read."""
+        many, idents, arena = read_checked_many, self._idents, self._mmap
+        first = plan[0][1] if len(plan) > 1 else None
+        if many is not None and type(first) is np.ndarray and idents is not None:
+            length = first.nbytes
+            way, records = read_way(length), idents.mapping
+            if way != LEARN and records is not None and arena is not None:
+                try:
+                    got = many(plan, arena, records, length, way)
+                except ValueError as exc:  # a mapping unmapped under us: closed meanwhile
+                    if self._arena is None:
+                        raise PoolClosedError("shared-memory transport is closed") from exc
+                    raise
+                if got is not None:
+                    if -1 in got:  # outside the arena: the usual error (nothing was copied)
+                        self._span(plan[got.index(-1)][0], length)
+                    self.bytes_read += length * got.count(1)
+                    return [ok == 1 for ok in got]
         return [self.read_block(b, offset - b, out, key) for offset, out, key, b in plan]
 
     @property

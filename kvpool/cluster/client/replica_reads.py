@@ -66,9 +66,8 @@ def read_from(session: ClientSession, node_id: str, items: list[Read]) -> None:
     the node checks a TCP read: ``StaleReadError`` if a block is not there."""
     transport = session.transport(node_id)
     if isinstance(transport, ShmTransport):
-        for item in items:
-            offset, dst, key, block = item
-            if not transport.read_block(block, offset - block, dst, key):  # not published?
+        for item, ok in zip(items, transport.read_blocks(items), strict=True):
+            if not ok:  # not published? (a seal in shared memory the node has not adopted)
                 session.read_checked(node_id, [item])
     else:
         session.read_many(node_id, items)
