@@ -275,3 +275,33 @@ def test_send_all_sends_the_rest_after_a_short_send(done: int) -> None:
         assert bytes(got) == want[done:]
         a.close()
         assert b.recv(1) == b""  # nothing more than the rest was sent
+
+
+@pytest.mark.usefixtures("checked_read_path")
+def test_reads_the_data_path_does_not_take_send_nothing(served) -> None:
+    """``DataConn.read_blocks`` answers None, nothing sent, for a batch holding a read
+    it does not take (a read-only or strided destination, a range past the region, a
+    key not 16 bytes, a negative offset), on both paths; the stream stays in sync."""
+    _, _, info = served
+    conn = DataConn("127.0.0.1", info.tcp_port, None, 5.0, info.tcp_instance)
+    try:
+        data = np.full(64, 4, np.uint8)
+        st = WriteStamp(EPOCH, 1, 0, 64, key(1)).pack()
+        assert conn.stamped_many([(w.OP_WRITE_FINAL, st, 0, data)]) == [w.ST_OK]
+        frozen = np.zeros(64, np.uint8)
+        frozen.setflags(write=False)
+        good = (0, np.zeros(64, np.uint8), key(1), 0)
+        for bad in (
+            (0, frozen, key(1), 0),
+            (0, np.zeros(128, np.uint8)[::2], key(1), 0),
+            (info.size - 32, np.zeros(64, np.uint8), key(1), 0),
+            (0, np.zeros(64, np.uint8), b"short", 0),
+            (-64, np.zeros(64, np.uint8), key(1), 0),
+        ):
+            assert conn.read_blocks([good, bad], info.size) is None, bad
+            assert not good[1].any()  # nothing moved
+        out = np.zeros(64, np.uint8)
+        assert conn.read_blocks([good, (0, out, key(1), 0)], info.size) == ([True, True], 128)
+        assert (out == 4).all() and (good[1] == 4).all()
+    finally:
+        conn.close()

@@ -211,9 +211,9 @@ class DataConn:
                 raise ConnectionLostError(f"data stream out of sync (reply {at} of {n})")
             return found, served
         for offset, host, key, block in items:
-            if not plain_host(host, writable=True) or len(key) != 16 or min(offset, block) < 0:
+            if not plain_host(host, writable=True) or min(offset, block) < 0:
                 return None
-            if offset + host.nbytes > size:
+            if type(key) is not bytes or len(key) != 16 or offset + host.nbytes > size:
                 return None
         pack, op, ident = w.REQ.pack, w.OP_READ_BLOCK, IDENT.pack
         requests = b"".join(
