@@ -190,7 +190,8 @@ class LeasedReads:
         reads as they are (kvpool.transport.tcp_conn), a batch of 256 x 64 B from the
         cache: 2.9-3.3 -> 2.3-2.6 us per block over TCP, 1.1-1.2 -> 1.0 us same-host
         (session 41; the node's share included)."""
-        node_id = hits[0][0][0].node_id
+        first = hits[0][0]  # (placements of the first block; none: the loop declines)
+        node_id = first[0].node_id if first else ""
         items: list[Read] = []
         sizes: list[int | None] = []
         session, read = self._session, False
