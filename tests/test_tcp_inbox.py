@@ -6,6 +6,8 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -230,12 +232,8 @@ def test_recv_scatter_fills_views_in_order_across_short_receives(
 def test_a_refused_checked_read_answers_as_many_bytes_as_an_ok_one(served) -> None:
     """Even for blocks shorter than the refusal's message: a pipeline of tiny
     checked reads, refused and served, stays in sync (one scatter receive)."""
-    _, _, info = served
-    conn = DataConn("127.0.0.1", info.tcp_port, None, 5.0, info.tcp_instance)
-    try:
-        tiny = np.full(3, 9, np.uint8)
-        st = WriteStamp(EPOCH, 1, 0, 3, key(1)).pack()
-        assert conn.stamped_many([(w.OP_WRITE_FINAL, st, 0, tiny)]) == [w.ST_OK]
+    info = served[2]
+    with _holding_one_block(info, np.full(3, 9, np.uint8)) as conn:
         for rounds in range(70):  # every pad on the way
             outs = [np.zeros(3, np.uint8) for _ in range(3)]
             items = [(0, outs[0], key(2), 0), (0, outs[1], key(1), 0), (0, outs[2], key(1), 0)]
@@ -243,6 +241,17 @@ def test_a_refused_checked_read_answers_as_many_bytes_as_an_ok_one(served) -> No
             assert (outs[1] == 9).all() and (outs[2] == 9).all()
             assert conn.read_block(0, outs[0], IDENT.pack(key(3), 0)) is False
             assert conn.read_block(0, outs[0], IDENT.pack(key(1), 0)) is True
+
+
+@contextmanager
+def _holding_one_block(info: RegionInfo, data: np.ndarray) -> Iterator[DataConn]:
+    """A data connection to the served node, ``data`` written there first as block
+    ``key(1)`` at offset 0 (one stamped final write)."""
+    conn = DataConn("127.0.0.1", info.tcp_port, None, 5.0, info.tcp_instance)
+    try:
+        st = WriteStamp(EPOCH, 1, 0, data.nbytes, key(1)).pack()
+        assert conn.stamped_many([(w.OP_WRITE_FINAL, st, 0, data)]) == [w.ST_OK]
+        yield conn
     finally:
         conn.close()
 
@@ -282,12 +291,8 @@ def test_reads_the_data_path_does_not_take_send_nothing(served) -> None:
     """``DataConn.read_blocks`` answers None, nothing sent, for a batch holding a read
     it does not take (a read-only or strided destination, a range past the region, a
     key not 16 bytes, a negative offset), on both paths; the stream stays in sync."""
-    _, _, info = served
-    conn = DataConn("127.0.0.1", info.tcp_port, None, 5.0, info.tcp_instance)
-    try:
-        data = np.full(64, 4, np.uint8)
-        st = WriteStamp(EPOCH, 1, 0, 64, key(1)).pack()
-        assert conn.stamped_many([(w.OP_WRITE_FINAL, st, 0, data)]) == [w.ST_OK]
+    info = served[2]
+    with _holding_one_block(info, np.full(64, 4, np.uint8)) as conn:
         frozen = np.zeros(64, np.uint8)
         frozen.setflags(write=False)
         good = (0, np.zeros(64, np.uint8), key(1), 0)
@@ -303,5 +308,3 @@ def test_reads_the_data_path_does_not_take_send_nothing(served) -> None:
         out = np.zeros(64, np.uint8)
         assert conn.read_blocks([good, (0, out, key(1), 0)], info.size) == ([True, True], 128)
         assert (out == 4).all() and (good[1] == 4).all()
-    finally:
-        conn.close()

@@ -473,14 +473,14 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
                          "read_blocks: plan[%zd] is not (offset, host buffer, key, block offset)", i);
             goto done;
         }
-        unsigned long long at[2]; /* the read's offset, its block's offset */
+        unsigned long long offsets[2]; /* the read's offset, its block's offset */
         for (int k = 0; k < 2; k++) {
             PyObject *index = PyNumber_Index(PyTuple_GET_ITEM(item, k ? 3 : 0));
             if (index == NULL)
                 goto done;
-            at[k] = PyLong_AsUnsignedLongLong(index);
+            offsets[k] = PyLong_AsUnsignedLongLong(index);
             Py_DECREF(index);
-            if (at[k] == (unsigned long long)-1 && PyErr_Occurred()) {
+            if (offsets[k] == (unsigned long long)-1 && PyErr_Occurred()) {
                 if (!PyErr_ExceptionMatches(PyExc_OverflowError))
                     goto done;
                 PyErr_Clear(); /* negative (or past 2**64): not taken here */
@@ -497,15 +497,15 @@ static PyObject *read_blocks(PyObject *self, PyObject *args) {
         }
         held++;
         unsigned long long limit = region_size > 0 ? (unsigned long long)region_size : 0;
-        if (at[0] > limit || (unsigned long long)bufs[i].len > limit - at[0])
+        if (offsets[0] > limit || (unsigned long long)bufs[i].len > limit - offsets[0])
             goto not_taken;
         unsigned char *req = requests + i * (REQ_SIZE + IDENT_SIZE);
         req[0] = OP_READ_BLOCK; /* pad and the two bytes after it: 0 (Calloc) */
         put_be(req + 4, (unsigned int)(first_rid + (unsigned int)i), 4);
-        put_be(req + 8, at[0], 8);
+        put_be(req + 8, offsets[0], 8);
         put_be(req + 16, (unsigned long long)bufs[i].len, 8);
         memcpy(req + REQ_SIZE, PyBytes_AS_STRING(key), KEY_SIZE);
-        put_be(req + REQ_SIZE + KEY_SIZE, at[1], 8);
+        put_be(req + REQ_SIZE + KEY_SIZE, offsets[1], 8);
     }
     long long at_stream = received; /* the server's bytes before reply i */
     Py_ssize_t nv = 0;
