@@ -119,10 +119,12 @@ def _throughput(suite: str, store: str, op: str, path: str, r: Row | RemoteRow) 
                     r.ratio)  # fmt: skip
 
 
-def local_rows(plan: Plan, ssd_dir: str | None, tiers: Sequence[str]) -> list[BenchRow]:
+def local_rows(
+    plan: Plan, ssd_dir: str | None, tiers: Sequence[str], read_ways: list[str] | None = None
+) -> list[BenchRow]:
     from kvpool.bench.local import run_local
 
-    results = run_local(plan.local_sizes, list(tiers), ssd_dir, plan.rounds)
+    results = run_local(plan.local_sizes, list(tiers), ssd_dir, plan.rounds, read_ways)
     return [_throughput("local", "kvpool", r.op, r.tier, r) for r in results]
 
 
@@ -230,12 +232,14 @@ SUITES = ("local", "prefix", "remote", "layerwise")
 
 def suite_rows(
     suite: str, plan: Plan, ssd_dir: str | None, local_tiers: Sequence[str] = ("dram", "ssd")
-) -> tuple[list[BenchRow], str, dict[str, int]]:
+) -> tuple[list[BenchRow], str, dict[str, int], str]:
     """One suite's rows, the way each copy size class settled on while it ran
-    (``STATUS`` where none learns), and how the process's TCP spins ended
-    (``tcp_recv.counters``: a pause after a long yield makes TCP rows sleep)."""
+    (``STATUS`` where none learns), how the process's TCP spins ended
+    (``tcp_recv.counters``: a pause after a long yield makes TCP rows sleep), and
+    how its SSD reads went ("" but for the local suite's SSD rows)."""
+    read_ways: list[str] = []
     if suite == "local":
-        rows = local_rows(plan, ssd_dir, local_tiers)
+        rows = local_rows(plan, ssd_dir, local_tiers, read_ways)
     elif suite == "prefix":
         rows = prefix_rows(plan)
     elif suite == "remote":
@@ -244,7 +248,8 @@ def suite_rows(
         rows = layerwise_rows(plan)
     else:
         raise ValueError(f"unknown suite {suite!r}; choose from {', '.join(SUITES)}")
-    return rows, stream_copy.learned() or stream_copy.STATUS, tcp_recv.counters()
+    copy_ways = stream_copy.learned() or stream_copy.STATUS
+    return rows, copy_ways, tcp_recv.counters(), "; ".join(read_ways)
 
 
 def run_all(
@@ -271,10 +276,12 @@ def run_all(
     for suite in suites:
         before = CpuTimes.now()
         with ProcessPoolExecutor(1, mp_context=spawn) as fresh:
-            got, facts["copy"][suite], spins = fresh.submit(
+            got, facts["copy"][suite], spins, read_ways = fresh.submit(
                 suite_rows, suite, plan, ssd_dir, tiers
             ).result()
         rows += got
+        if read_ways:
+            facts["ssd_reads"] = read_ways
         if spins.get("waits"):
             facts["tcp_spins"][suite] = spins
         facts["steal_pct"][suite] = steal_since(before)
@@ -350,6 +357,8 @@ def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool
               + ", ".join(wake))  # fmt: skip
     if "ssd_dir" in facts:
         print("\n".join(storage_lines(facts["ssd_dir"])))
+    if "ssd_reads" in facts:  # (facts written before session 42 lack it)
+        print(f"SSD reads (local): {facts['ssd_reads']}")
     for suite, ways in facts.get("copy", {}).items():  # each suite ran in its own process
         print(f"copy ({suite}): {ways}")
     for suite, spins in facts.get("tcp_spins", {}).items():

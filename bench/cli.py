@@ -70,7 +70,10 @@ def _run_local(args: argparse.Namespace) -> int:
         print("\n".join(storage_lines(facts)))
         if not facts["o_direct"]:
             raise SystemExit(f"kvpool bench local: no O_DIRECT at {facts['dir']}: no SSD rows")
-    rows = run_local(args.sizes, args.tiers, args.ssd_dir, args.rounds)
+    read_ways: list[str] = []
+    rows = run_local(args.sizes, args.tiers, args.ssd_dir, args.rounds, read_ways)
+    if read_ways:
+        print("SSD reads: " + "; ".join(read_ways))
     print_table(rows)
     write_json(args.json, rows)
     return 0

@@ -20,19 +20,29 @@ import tempfile
 import numpy as np
 
 from kvpool.bench.common import Row, count_for, faulted, interleaved, make_row, page_rounded
+from kvpool.config import format_size
 from kvpool.embedded.pool import Pool
 from kvpool.eviction import make_policy
 from kvpool.index.keys import Namespace, block_keys
-from kvpool.storage.ssd_tier import SsdRecord, SsdTier
+from kvpool.storage.ssd_record import SsdRecord
+from kvpool.storage.ssd_tier import SsdTier
 
 
-def run_local(sizes: list[int], tiers: list[str], ssd_dir: str | None, rounds: int) -> list[Row]:
+def run_local(
+    sizes: list[int],
+    tiers: list[str],
+    ssd_dir: str | None,
+    rounds: int,
+    read_ways: list[str] | None = None,
+) -> list[Row]:
+    """The rows; ``read_ways`` gets how each size's SSD reads went (in pieces or as
+    one read, as its tier learned: ``SsdTier.piece_choice``)."""
     rows: list[Row] = []
     for size in sizes:
         if "dram" in tiers:
             rows += _dram_rows(size, rounds)
         if "ssd" in tiers:
-            rows += _ssd_rows(size, rounds, ssd_dir)
+            rows += _ssd_rows(size, rounds, ssd_dir, read_ways)
     return rows
 
 
@@ -64,7 +74,9 @@ def _dram_rows(size: int, rounds: int) -> list[Row]:
     ]
 
 
-def _ssd_rows(size: int, rounds: int, ssd_dir: str | None) -> list[Row]:
+def _ssd_rows(
+    size: int, rounds: int, ssd_dir: str | None, read_ways: list[str] | None
+) -> list[Row]:
     count = count_for(size, working_set=256 << 20, lo=8, hi=256)
     rounded = page_rounded(size)
     aligned = _aligned_buffer(count * rounded)  # page-aligned, like arena slots
@@ -104,6 +116,8 @@ def _ssd_rows(size: int, rounds: int, ssd_dir: str | None) -> list[Row]:
             "hit": hit,
         }
         t = interleaved(size, ops, count, rounds, {"put": drop_all})
+        if read_ways is not None:
+            read_ways.append(f"{format_size(size)}: {tier.piece_choice.way_of(rounded)}")
     finally:
         os.close(raw)
         tier.close()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import mmap
+from typing import Any
 
 import numpy as np
 
@@ -38,3 +39,19 @@ def aligned(nbytes: int, seed: int) -> np.ndarray:
     array = np.frombuffer(mmap.mmap(-1, nbytes), dtype=np.uint8)
     array[:] = np.random.default_rng(seed).integers(0, 256, nbytes, dtype=np.uint8)
     return array
+
+
+def ssd_tier_holding(directory: str, sizes: list[int]) -> tuple[Any, list[Any], list[np.ndarray]]:
+    """An SSD tier of 64 MiB in ``directory`` that stored one block of each size
+    (from page-aligned slots, as the pool's demotions do): (the tier, the blocks'
+    records, the blocks' bytes). The caller closes the tier."""
+    from kvpool.eviction import make_policy
+    from kvpool.storage.ssd_tier import SsdTier
+
+    tier = SsdTier(directory, 64 << 20, make_policy("lru"))
+    records, blocks = [], []
+    for i, size in enumerate(sizes):
+        slot = aligned(-(-size // 4096) * 4096, 30 + i)
+        records.append(tier.store(bytes([i]) * 16, slot, size, None))
+        blocks.append(slot[:size].copy())
+    return tier, records, blocks

@@ -156,6 +156,9 @@ def test_machine_facts_are_written_and_printed(quick_run: tuple[list[dict], dict
     )
     ssd = facts["ssd_dir"]  # where the SSD rows' files lived
     assert f"SSD rows: {ssd['dir']} on {ssd['filesystem']} (" in stdout
+    if ssd["o_direct"]:  # how each size's SSD reads went (from 1 MiB: pieces or one read)
+        assert facts["ssd_reads"] == "64KiB: one read (below pieces)"
+        assert f"SSD reads (local): {facts['ssd_reads']}" in stdout
     wake = facts["wake_us"]  # a hand-off between processes, before and after the suites
     assert set(wake) == {"before", "after"} and all(set(w) == {"0", "20"} for w in wake.values())
     assert all(us > 0 for w in wake.values() for us in w.values())

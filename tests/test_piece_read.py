@@ -13,9 +13,8 @@ from typing import Any
 
 import numpy as np
 import pytest
-from poolhelpers import aligned
+from poolhelpers import aligned, ssd_tier_holding
 
-from kvpool.eviction import make_policy
 from kvpool.storage.aio_abi import IoEvent
 from kvpool.storage.piece_read import (
     MAX_PIECES,
@@ -26,9 +25,15 @@ from kvpool.storage.piece_read import (
     PieceReaders,
     pieces_of,
 )
-from kvpool.storage.ssd_tier import SsdTier
 
 MiB = 1 << 20
+
+
+@pytest.fixture(autouse=True)
+def _reads_in_pieces(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tiers made here read every large block in pieces, none learning which way
+    pays (kvpool.storage.piece_choice; tests/test_piece_choice.py)."""
+    monkeypatch.setenv("KVPOOL_SSD_READS", "pieces")
 
 
 def _reader() -> PieceReader:
@@ -230,16 +235,6 @@ def test_without_native_aio_readers_answer_false_and_open_no_more(
 # -- the SSD tier's verified reads --------------------------------------------------
 
 
-def _tier_with(tmp_path: Any, sizes: list[int]) -> tuple[SsdTier, list[Any], list[np.ndarray]]:
-    tier = SsdTier(str(tmp_path / "tier"), 64 * MiB, make_policy("lru"))
-    records, blocks = [], []
-    for i, size in enumerate(sizes):
-        slot = aligned(-(-size // 4096) * 4096, 30 + i)
-        records.append(tier.store(bytes([i]) * 16, slot, size, None))
-        blocks.append(slot[:size].copy())
-    return tier, records, blocks
-
-
 def test_large_tier_reads_go_in_pieces_and_read_back_exact(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -252,7 +247,7 @@ def test_large_tier_reads_go_in_pieces_and_read_back_exact(
 
     monkeypatch.setattr(PieceReader, "read", counting)
     sizes = [PIECED_MIN - 4096, PIECED_MIN, 5 * MiB + 7, 16 * MiB]
-    tier, records, blocks = _tier_with(tmp_path, sizes)
+    tier, records, blocks = ssd_tier_holding(str(tmp_path / "tier"), sizes)
     try:
         for record, block in zip(records, blocks, strict=True):
             out = aligned(-(-block.nbytes // 4096) * 4096, 0)
@@ -266,7 +261,7 @@ def test_large_tier_reads_go_in_pieces_and_read_back_exact(
 
 
 def test_a_corrupt_large_block_reads_as_a_miss_through_the_pieces(tmp_path: Any) -> None:
-    tier, records, _ = _tier_with(tmp_path, [8 * MiB])
+    tier, records, _ = ssd_tier_holding(str(tmp_path / "tier"), [8 * MiB])
     try:
         with open(tmp_path / "tier" / "data.bin", "r+b") as f:  # flip a byte, second half
             f.seek(records[0].offset + 6 * MiB)
@@ -291,7 +286,7 @@ def test_a_refused_pieced_read_is_read_again_the_plain_way(
         return False
 
     monkeypatch.setattr(PieceReaders, "read", refusing)
-    tier, records, blocks = _tier_with(tmp_path, [4 * MiB])
+    tier, records, blocks = ssd_tier_holding(str(tmp_path / "tier"), [4 * MiB])
     try:
         out = aligned(4 * MiB, 0)
         assert tier.read_into(records[0], out) and np.array_equal(out, blocks[0])

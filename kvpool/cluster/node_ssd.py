@@ -17,7 +17,8 @@ import numpy as np
 
 from kvpool.errors import BlockTooLargeError, StorageError
 from kvpool.eviction import make_policy
-from kvpool.storage.ssd_tier import SsdRecord, SsdTier
+from kvpool.storage.ssd_record import SsdRecord
+from kvpool.storage.ssd_tier import SsdTier
 
 _PAGE = 4096
 log = logging.getLogger("kvpool.cluster.node")

@@ -29,7 +29,8 @@ from kvpool.embedded.stats import PoolStats
 from kvpool.errors import BlockTooLargeError, PoolClosedError, PoolFullError, StorageError
 from kvpool.eviction import make_policy
 from kvpool.storage.memory_tier import DramTier, GpuTier, MemoryTier
-from kvpool.storage.ssd_tier import SsdRecord, SsdTier
+from kvpool.storage.ssd_record import SsdRecord
+from kvpool.storage.ssd_tier import SsdTier
 
 Tier = MemoryTier | SsdTier
 

@@ -49,7 +49,8 @@ from kvpool.embedded.stats import PoolStats
 from kvpool.eviction import make_policy
 from kvpool.index.keys import KEY_BYTES
 from kvpool.layerwise.api import LayerwiseMethods
-from kvpool.storage.ssd_tier import SsdRecord, SsdTier
+from kvpool.storage.ssd_record import SsdRecord
+from kvpool.storage.ssd_tier import SsdTier
 
 _NDARRAY = np.ndarray  # a global, not a module attribute load, on the hot paths
 _U8 = np.dtype(np.uint8)  # a singleton: ``is`` compares it

@@ -80,4 +80,5 @@ class PoolStats:
             snap["copy"] = stream_copy.status()  # streaming stores for large blocks, or why not
         elif isinstance(tier, SsdTier):
             snap["write_wait"] = tier.write_wait()  # small writes waited for awake, or asleep
+            snap["read_ways"] = tier.piece_choice.describe()  # large reads: pieces or whole
         return snap

@@ -36,7 +36,8 @@ awake (``spins``), a write is queued or synchronous (hash, then write) as
 ``kvpool.storage.wait_choice`` says (awake unless a recent spin ran out).
 Where native AIO is unavailable every write is synchronous. Reads from
 ``PIECED_MIN`` go in pieces, each hashed (and copied on) as it lands
-(``kvpool.storage.piece_read``); smaller ones are one synchronous ``preadv``.
+(``kvpool.storage.piece_read``), or whole, as each size class learned
+(``kvpool.storage.piece_choice``); smaller ones are one synchronous ``preadv``.
 """
 
 from __future__ import annotations
@@ -44,9 +45,8 @@ from __future__ import annotations
 import errno
 import fcntl
 import os
-import struct
 from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from typing import Any
 
 import lmdb
 import numpy as np
@@ -58,40 +58,19 @@ from kvpool.eviction import EvictionPolicy
 from kvpool.storage.allocator import ExtentAllocator
 from kvpool.storage.direct_aio import SPIN_US, AioLost, DirectWriter
 from kvpool.storage.direct_io import finish_direct, pread_full, pwrite_full, try_direct
+from kvpool.storage.piece_choice import PieceChoice, way_from_env
 from kvpool.storage.piece_read import PIECED_MIN, PieceReaders
+from kvpool.storage.ssd_record import SsdRecord, checksum_of
 from kvpool.storage.wait_choice import WaitChoice
 
-_RECORD = struct.Struct("<QQQ")  # offset, size, checksum; optional 16-byte parent follows
 _DIRECT_ALIGN = 4096
+Landed = Callable[[int, int], None]  # (lo, hi): bytes of a block now in the buffer
 _INITIAL_MAP_SIZE = 1 << 30
 # Where the AIO writer cannot wait awake, the write is queued and hashed meanwhile
 # from here up. Below it that overlap did not pay when the wait slept (256 KiB:
 # 0.82-0.90x raw O_DIRECT with AIO against 0.90-0.95x synchronous; 64 KiB: 0.73
 # against 0.80; issue 17): the sleep's cold wake-up cost more than the hash.
 _OVERLAP_BYTES = 512 << 10
-
-
-class SsdRecord(NamedTuple):
-    """Where a block lives in the data file and what its bytes hash to (immutable;
-    a tuple, not a frozen dataclass: ~0.3 instead of ~1 us to build on every store)."""
-
-    offset: int
-    size: int
-    checksum: int
-    parent: bytes | None = None
-
-    def encode(self) -> bytes:
-        return _RECORD.pack(self.offset, self.size, self.checksum) + (self.parent or b"")
-
-    @classmethod
-    def decode(cls, raw: bytes) -> SsdRecord:
-        offset, size, checksum = _RECORD.unpack_from(raw)
-        parent = bytes(raw[_RECORD.size :]) or None
-        return cls(offset, size, checksum, parent)
-
-
-def checksum_of(data: np.ndarray) -> int:
-    return xxhash.xxh3_64_intdigest(data.data)
 
 
 class SsdTier:
@@ -111,6 +90,7 @@ class SsdTier:
         self._aio: DirectWriter | None = None  # opened on the first O_DIRECT write
         self._aio_tried = False
         self._readers = PieceReaders()  # AIO contexts of large reads, opened on use
+        self.piece_choice = PieceChoice(way_from_env())  # large reads: pieces or whole
         self.wait_choice = WaitChoice()  # how small writes are waited for
         self._lock_fd: int | None = self._prepare_directory()
         try:
@@ -168,37 +148,24 @@ class SsdTier:
             self.allocator.free(offset)
             raise
 
-    def read_into(
-        self, record: SsdRecord, out: np.ndarray, landed: Callable[[int, int], None] | None = None
-    ) -> bool:
+    def read_into(self, record: SsdRecord, out: np.ndarray, landed: Landed | None = None) -> bool:
         """Read the block into ``out[:size]``; False if its checksum does not match.
 
-        With O_DIRECT, from ``PIECED_MIN`` up, the read goes in pieces and each is
-        hashed as it lands (``kvpool.storage.piece_read``); any piece the kernel
-        refuses or cuts short sends the whole block down the plain path again.
-        ``landed(lo, hi)``: bytes [lo, hi) of ``out`` are in, on that path, in
-        order (unverified until this returns True; see ``read_copying``)."""
-        size = record.size
-        target = out[:size]
-        rounded = self.allocator.round_up(size)
-        fd = self._fd_direct
-        if fd is not None and out.nbytes >= rounded:
-            if rounded >= PIECED_MIN:
-                hasher = xxhash.xxh3_64()
-                data = out.data
-
-                def each(lo: int, hi: int) -> None:
-                    if lo < size:
-                        hasher.update(data[lo : min(hi, size)])
-                        if landed is not None:
-                            landed(lo, min(hi, size))
-
-                if self._readers.read(fd, out[:rounded], record.offset, each):
-                    return hasher.intdigest() == record.checksum
-            if try_direct(pread_full, fd, out[:rounded], record.offset):
-                return checksum_of(target) == record.checksum
-        pread_full(self._buffered(), target, record.offset)
-        return checksum_of(target) == record.checksum
+        With O_DIRECT, from ``PIECED_MIN`` up, the read goes in pieces, each hashed
+        as it lands (``kvpool.storage.piece_read``), or as one read, as the size's
+        class settled (``kvpool.storage.piece_choice``); any piece the kernel refuses
+        or cuts short sends the whole block down the plain path again.
+        ``landed(lo, hi)``: bytes [lo, hi) of ``out`` are in, in order (pieces:
+        unverified until this returns True; the plain path: once verified, 0 to
+        size, also after pieces that stopped short)."""
+        rounded = self.allocator.round_up(record.size)
+        fd = self._fd_direct if out.nbytes >= rounded else None
+        if fd is None or rounded < PIECED_MIN:
+            return self._read_plain(fd, record, out, landed)
+        whole = out[:rounded]
+        return self.piece_choice.run(
+            rounded, lambda pieced: self._read_direct(fd, record, whole, landed, pieced)
+        )
 
     def read_copying(
         self, record: SsdRecord, staging: np.ndarray, dst: Region, start: int, length: int
@@ -211,15 +178,14 @@ class SsdTier:
 
         def copy_on(lo: int, hi: int) -> None:
             nonlocal through
+            if lo == 0:  # the first piece, or the whole block read again
+                through = start
             if lo <= through < hi and through < end:
                 upto = min(hi, end)
                 copy_region_out(dst[through - start : upto - start], staging[through:upto])
                 through = upto
 
-        valid = self.read_into(record, staging, copy_on)
-        if valid and through < end:  # read the plain way, or in pieces and then again
-            copy_region_out(dst, staging[start:end])
-        return valid
+        return self.read_into(record, staging, copy_on)
 
     def write_wait(self) -> dict[str, Any]:
         """How O_DIRECT writes are waited for (for ``stats()``): through native AIO
@@ -308,6 +274,38 @@ class SsdTier:
         except OSError:
             direct = None  # e.g. tmpfs before Linux 6.6: buffered I/O only
         return fd, direct
+
+    def _read_direct(
+        self, fd: int, record: SsdRecord, whole: np.ndarray, landed: Landed | None, pieced: bool
+    ) -> bool:
+        """``read_into`` through O_DIRECT of the rounded extent into ``whole``."""
+        if pieced:
+            size, hasher, data = record.size, xxhash.xxh3_64(), whole.data
+
+            def each(lo: int, hi: int) -> None:
+                if lo < size:
+                    hasher.update(data[lo : min(hi, size)])
+                    if landed is not None:
+                        landed(lo, min(hi, size))
+
+            if self._readers.read(fd, whole, record.offset, each):
+                return hasher.intdigest() == record.checksum
+        return self._read_plain(fd, record, whole, landed)
+
+    def _read_plain(
+        self, fd: int | None, record: SsdRecord, out: np.ndarray, landed: Landed | None
+    ) -> bool:
+        """One synchronous read (O_DIRECT through ``fd`` where it takes the buffer)."""
+        size = record.size
+        target = out[:size]
+        if fd is None or not try_direct(
+            pread_full, fd, out[: self.allocator.round_up(size)], record.offset
+        ):
+            pread_full(self._buffered(), target, record.offset)
+        valid = checksum_of(target) == record.checksum
+        if valid and landed is not None:
+            landed(0, size)
+        return valid
 
     def _write_and_commit(
         self, key: bytes, data: np.ndarray, size: int, offset: int, parent: bytes | None
