@@ -295,6 +295,29 @@ def test_a_refused_pieced_read_is_read_again_the_plain_way(
         tier.close()
 
 
+@pytest.mark.parametrize(("start", "length"), [(0, 4 * MiB), (4096, MiB), (MiB, 2 * MiB)])
+def test_a_hit_whose_pieced_read_was_refused_is_copied_on_again_from_the_plain_read(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch, start: int, length: int
+) -> None:
+    """The first half was handed over (and copied on) before the read was refused:
+    the plain read that follows copies the whole range again, from bytes it verified,
+    also a range inside that first half."""
+
+    def refusing(self: PieceReaders, fd: int, out: np.ndarray, offset: int, each: Any) -> bool:
+        out[:] = 0x5A  # what the refused read left: not the block's bytes
+        each(0, out.nbytes // 2)
+        return False
+
+    monkeypatch.setattr(PieceReaders, "read", refusing)
+    tier, records, blocks = ssd_tier_holding(str(tmp_path / "tier"), [4 * MiB])
+    try:
+        dst = np.zeros(length, np.uint8)
+        assert tier.read_copying(records[0], aligned(4 * MiB, 0), dst, start, length)
+        assert np.array_equal(dst, blocks[0][start : start + length])
+    finally:
+        tier.close()
+
+
 def test_a_device_error_in_a_piece_is_raised_after_both_landed(
     tmp_path: Any, monkeypatch: pytest.MonkeyPatch
 ) -> None:
