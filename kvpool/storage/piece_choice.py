@@ -85,6 +85,7 @@ class PieceChoice:
             raise ValueError(f"way must be PIECES, WHOLE or LEARN, not {way!r}")
         first = PIECED_MIN.bit_length()
         self.ways = [WHOLE if k < first else way for k in range(65)]
+        self._fixed = way != LEARN  # $KVPOOL_SSD_READS: no class learns
         self._trials = trials
         self._clock = clock
         self._coin = coin or _seeded_coin()
@@ -136,18 +137,16 @@ class PieceChoice:
         if way == LEARN:
             return "learning"
         name = "pieces" if way == PIECES else "one read"
-        return (
-            f"{name} (pieces {self._speeds[k]:.2f}x)"
-            if k in self._speeds
-            else f"{name} ($KVPOOL_SSD_READS)"
-        )
+        if self._fixed:
+            return f"{name} ($KVPOOL_SSD_READS)"
+        return f"{name} (pieces {self._speeds[k]:.2f}x)"
 
     def describe(self) -> str:
         """Each class that read so far, with ``way_of``, e.g. ``1MiB: one read
         (pieces 0.91x); 4MiB: learning``, or the fixed way: ``pieces
         ($KVPOOL_SSD_READS)``."""
-        if LEARN not in self.ways and not self._speeds:
-            return self.way_of(1 << 63)  # the largest class: every class is fixed alike
+        if self._fixed:
+            return self.way_of(1 << 63)  # every class from PIECED_MIN is fixed alike
         parts = []
         for k, (pieced_ns, whole_ns) in sorted(self._samples.items()):
             if k in self._speeds or pieced_ns or whole_ns:

@@ -160,9 +160,11 @@ class SsdTier:
         size, also after pieces that stopped short)."""
         rounded = self.allocator.round_up(record.size)
         fd = self._fd_direct if out.nbytes >= rounded else None
-        if fd is None or rounded < PIECED_MIN:
-            return self._read_plain(fd, record, out, landed)
+        if fd is None:
+            return self._read_plain(None, record, out, landed)
         whole = out[:rounded]
+        if rounded < PIECED_MIN:
+            return self._read_plain(fd, record, whole, landed)
         return self.piece_choice.run(
             rounded, lambda pieced: self._read_direct(fd, record, whole, landed, pieced)
         )
@@ -295,12 +297,11 @@ class SsdTier:
     def _read_plain(
         self, fd: int | None, record: SsdRecord, out: np.ndarray, landed: Landed | None
     ) -> bool:
-        """One synchronous read (O_DIRECT through ``fd`` where it takes the buffer)."""
+        """One synchronous read: with ``fd``, O_DIRECT of the rounded extent ``out``
+        where the kernel takes the buffer; else buffered into ``out[:size]``."""
         size = record.size
         target = out[:size]
-        if fd is None or not try_direct(
-            pread_full, fd, out[: self.allocator.round_up(size)], record.offset
-        ):
+        if fd is None or not try_direct(pread_full, fd, out, record.offset):
             pread_full(self._buffered(), target, record.offset)
         valid = checksum_of(target) == record.checksum
         if valid and landed is not None:
