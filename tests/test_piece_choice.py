@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from poolhelpers import aligned, ssd_tier_holding
 
+from kvpool.eviction import make_policy
 from kvpool.storage.piece_choice import (
     LEARN,
     MARGIN,
@@ -27,6 +28,7 @@ from kvpool.storage.piece_choice import (
     way_from_env,
 )
 from kvpool.storage.piece_read import PIECED_MIN, PieceReader
+from kvpool.storage.ssd_tier import SsdTier
 
 MiB = 1 << 20
 K1M = PIECED_MIN.bit_length()
@@ -139,6 +141,29 @@ def test_bad_arguments_and_environment_are_refused(monkeypatch: pytest.MonkeyPat
 
 
 # -- the SSD tier, every way ---------------------------------------------------------
+
+
+def test_a_tier_refuses_a_bad_kvpool_ssd_reads_and_leaves_its_directory_usable(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The bad value is refused before the directory is locked or a file opened: the
+    blocks stored there before are all still read back once the variable is fixed."""
+    tier, _, blocks = ssd_tier_holding(str(tmp_path / "tier"), [PIECED_MIN, 4096])
+    tier.close()
+    monkeypatch.setenv("KVPOOL_SSD_READS", "halves")
+    with pytest.raises(ValueError, match="KVPOOL_SSD_READS must be one of"):
+        SsdTier(str(tmp_path / "tier"), 64 * MiB, make_policy("lru"))
+    monkeypatch.setenv("KVPOOL_SSD_READS", "whole")
+    tier = SsdTier(str(tmp_path / "tier"), 64 * MiB, make_policy("lru"))
+    try:
+        found = dict(tier.load_records())
+        assert len(found) == 2
+        for i, block in enumerate(blocks):
+            out = aligned(-(-block.nbytes // 4096) * 4096, 0)
+            assert tier.read_into(found[bytes([i]) * 16], out)
+            assert np.array_equal(out[: block.nbytes], block)
+    finally:
+        tier.close()
 
 
 def test_a_learning_tier_reads_and_copies_on_exact_before_and_after_it_settles(
