@@ -264,9 +264,17 @@ class TcpTransport(Transport):
         self.bytes_written += sum(r.nbytes for _, _, _, r in plan if r is not None)
         return out
 
-    def stamped_one(self, op: int, stamp: bytes, offset: int, data: np.ndarray) -> int:
+    def stamped_one(
+        self,
+        op: int,
+        stamp: bytes,
+        offset: int,
+        data: np.ndarray,
+        meanwhile: Callable[[], object] | None = None,
+    ) -> int:
         """``stamped`` of one payload-carrying op from a flat host array (``plain_host``):
-        the single put's fast path, one borrowed connection and no lists."""
+        the single put's fast path, one borrowed connection and no lists. ``meanwhile``
+        runs once the op is sent, before its answer is read (``DataConn.stamped_one``)."""
         n = data.nbytes
         if offset < 0 or offset + n > self.info.size:
             check_range(offset, n, self.info.size)  # raises the usual error
@@ -275,7 +283,7 @@ class TcpTransport(Transport):
         except IndexError:
             conn = self._acquire()
         try:
-            status = conn.stamped_one(op, stamp, offset, data)
+            status = conn.stamped_one(op, stamp, offset, data, meanwhile)
         except BaseException as exc:
             self._release(conn, False)
             _raise_transfer_error(self.info.node_id, exc)

@@ -23,6 +23,7 @@ kernel timeout 7 recv. A kernel timeout surfaces as ``BlockingIOError``
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -253,12 +254,23 @@ class DataConn:
             for i, (host, pad) in enumerate(zip(hosts, pads, strict=True))
         ]
 
-    def stamped_one(self, op: int, stamp: bytes, off: int, data: np.ndarray) -> int:
+    def stamped_one(
+        self,
+        op: int,
+        stamp: bytes,
+        off: int,
+        data: np.ndarray,
+        meanwhile: Callable[[], object] | None = None,
+    ) -> int:
         """``stamped_many`` of one payload-carrying op (a put's final write) from a flat
         host array, without its lists: one gather send, then the status reply read
-        into the connection's header buffer (its message, if any, after it)."""
+        into the connection's header buffer (its message, if any, after it).
+        ``meanwhile`` runs between the two, while the node lands the payload and
+        answers: work of the caller's that needs no answer costs no time there."""
         self._rid = rid = (self._rid + 1) & 0xFFFFFFFF  # _next_rid, inline: the hot path
         self._send_request(op, rid, off, data, stamp)
+        if meanwhile is not None:
+            meanwhile()
         h = w.RESP.size
         spin_ack(self._fd, data.nbytes)
         w.recv_into_exact(self.sock, self._resp_mv[:h])

@@ -42,7 +42,6 @@ Invariants (all under one lock):
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -234,7 +233,7 @@ class BlockTable:
             if entry.state == CLAIMED and not entry.aborted:
                 # Committed before its seal arrived (seal and commit run in parallel;
                 # the master commits only once the bytes are in place): whole now.
-                entry.stamp = dataclasses.replace(s, key=key, parent=parent)
+                entry.stamp = s._replace(key=key, parent=parent)
                 self._publish(entry)
             self._entries.set_state(entry, COMMITTED)
             return entry

@@ -69,6 +69,7 @@ from kvpool.cluster.wire import (
 )
 from kvpool.config import DEFAULT_PORT
 from kvpool.errors import KVPoolError, PoolFullError, PutCommitError
+from kvpool.index.keys import KEY_BYTES
 from kvpool.layerwise.api import LayerwiseMethods
 from kvpool.transport.fencing import WriteStamp
 
@@ -136,8 +137,10 @@ class RemotePool(LayerwiseMethods):
         """Store ``data`` under ``key``; False if it is already stored. Raises
         ``PutFailedError`` if its writes kept failing until the failover deadline
         (nodes died, or master failovers cut them): then nothing is visible for it."""
-        check_key(key)
-        check_parent(parent)
+        if type(key) is not bytes or len(key) != KEY_BYTES:  # a good key costs no call
+            check_key(key)
+        if parent is not None:
+            check_parent(parent)
         if not (plain_host(data) and data.nbytes):  # else data_region's checks hold already
             return self._put_regions([key], [data_region(data)], [parent], replicas)[0]
         if replicas == 1 and self._putter.sealed.put(key, data, parent):
@@ -232,7 +235,8 @@ class RemotePool(LayerwiseMethods):
         self, key: bytes, out: Buffer, *, offset: int = 0, length: int | None = None
     ) -> int | None:
         """Copy the block (or bytes [offset, offset+length)) into ``out``; None on a miss."""
-        check_key(key)
+        if type(key) is not bytes or len(key) != KEY_BYTES:  # a good key costs no call
+            check_key(key)
         dst = out if plain_host(out, writable=True) else out_region(out)  # common: as it is
         if type(offset) is not int or offset or length is not None:  # defaults need no check
             check_read_range(offset, length)
