@@ -1,4 +1,4 @@
-"""Claims a failed or overtaken same-host write must not leave held on the node.
+"""Claims a failed or overtaken write must not leave held on the node.
 
 A claim held past its write keeps every later allocation of the range waiting
 ``claim_wait`` and then refused BUSY. Under load (2 vCPUs, load average 8)
@@ -26,6 +26,7 @@ from transport_fakes import OneSided
 
 from kvpool.cluster.block_table import BlockTable
 from kvpool.cluster.client import fenced
+from kvpool.cluster.client.claims import TCP_AHEAD
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import RegionInfo
 from kvpool.transport.fencing import FENCE_OK, WriteStamp
@@ -128,3 +129,59 @@ def test_without_the_release_the_late_claim_would_keep_the_range_busy(node) -> N
     fence, claims, _, _ = node
     assert fenced.ops(claims, w.OP_CLAIM, [ahead(10, 0)]) == [w.ST_OK]
     assert not claim_is_prompt(fence, real(24, 0))
+
+
+# -- TCP claims taken ahead (kvpool.cluster.client.claims ``TCP_AHEAD``) ------------------
+
+
+def tcp_ahead(alloc: int, offset: int) -> WriteStamp:
+    return WriteStamp(EPOCH, alloc, offset, PAGE, TCP_AHEAD)
+
+
+def test_a_tcp_write_finds_its_claim_taken_ahead_and_its_seal_ends_it(node) -> None:
+    """The write claims the range it holds already (same allocation: no new entry),
+    and sealing the block ends every hold on it, the claims connection's too."""
+    fence, claims, control, _ = node
+    assert fenced.ops(claims, w.OP_CLAIM, [tcp_ahead(11, 0)]) == [w.ST_OK]
+    bytes_ = np.full(PAGE, 5, np.uint8)
+    statuses, sealing = fenced.write_blocks_begin(
+        control, control, [(real(11, 0), 0, bytes_)], {0: 1}
+    )
+    assert statuses == [w.ST_OK] and sealing is None
+    assert [row[0] for row in fence.listing()] == [b"\x01" * 16]  # whole, under its key
+    assert claim_is_prompt(fence, real(25, 0))  # whole, nothing in flight: replaced at once
+
+
+def test_a_refused_tcp_write_releases_its_claim_taken_ahead(node) -> None:
+    """A new term aborts the claim taken ahead, but its connection still holds it;
+    the write is refused (STALE) and releases it, so the new term's allocation of
+    the range is claimed at once. Without the release it waits and fails BUSY."""
+    fence, claims, control, _ = node
+    assert fenced.ops(claims, w.OP_CLAIM, [tcp_ahead(12, 0), tcp_ahead(13, PAGE)]) == [w.ST_OK] * 2
+    fence.new_term(EPOCH + 1)
+    items = [(real(12, 0), 0, np.full(PAGE, 6, np.uint8))]
+    assert fenced.write_blocks_begin(control, control, items, {0: 1})[0] == [w.ST_STALE]
+    newer = WriteStamp(EPOCH + 1, 30, 0, PAGE, b"\x02" * 16)
+    assert claim_is_prompt(fence, newer)
+    held = WriteStamp(EPOCH + 1, 31, PAGE, PAGE, b"\x02" * 16)  # no write released this one
+    assert not claim_is_prompt(fence, held)
+
+
+def test_a_failed_tcp_write_releases_its_claim_taken_ahead(node, monkeypatch) -> None:
+    """The write's send fails (its connection dropped: the node ends that one's
+    hold); the claim taken ahead on the claims connection is released too."""
+    fence, claims, control, _ = node
+    assert fenced.ops(claims, w.OP_CLAIM, [tcp_ahead(14, 0)]) == [w.ST_OK]
+    real_stamped = control.stamped
+
+    def stamped(items: Sequence[tuple[int, bytes, int, Any]]) -> list[int]:
+        if items and items[0][0] != w.OP_RELEASE:
+            raise ConnectionResetError("injected")
+        return real_stamped(items)
+
+    monkeypatch.setattr(control, "stamped", stamped)
+    with pytest.raises(ConnectionResetError):
+        fenced.write_blocks_begin(
+            control, control, [(real(14, 0), 0, np.zeros(PAGE, np.uint8))], {0: 1}
+        )
+    assert claim_is_prompt(fence, real(32, 0))

@@ -338,7 +338,7 @@ def test_the_janitor_asks_the_node_so_nothing_stays_watched_without_a_flush() ->
     try:
         keys = make_keys(12, seed=91)
         with tcp_writer(cluster.url) as writer:
-            stock_claimed_grants(writer, keys[0], claimed=False)
+            stock_claimed_grants(writer, keys[0], claimed=True)
             watch = writer._putter.commits.by_node
             for i in range(1, 12):
                 assert writer.put(keys[i], payload(i))
@@ -359,7 +359,7 @@ def test_tcp_puts_acknowledged_right_before_a_master_crash_are_all_kept() -> Non
     try:
         keys = make_keys(30, seed=92)
         with tcp_writer(cluster.url) as writer:
-            stock_claimed_grants(writer, keys[0], claimed=False)
+            stock_claimed_grants(writer, keys[0], claimed=True)
             for i in range(1, 25):
                 assert writer.put(keys[i], payload(i))
             assert writer._putter.commits.by_node.count >= 4  # the path under test
@@ -382,7 +382,7 @@ def test_a_tcp_put_whose_node_stops_is_settled_by_the_writer_within_the_bound() 
     try:
         keys = make_keys(2, seed=93)
         with tcp_writer(cluster.url) as writer:
-            stock_claimed_grants(writer, keys[0], at_least=2, claimed=False)
+            stock_claimed_grants(writer, keys[0], at_least=2, claimed=True)
             node = cluster.nodes[0]
             asked = writer._putter.commits.by_node.count
             assert writer.put(keys[1], payload(1))
@@ -422,7 +422,7 @@ def test_write_commit_keys_and_parents_reach_the_master() -> None:
     try:
         keys = make_keys(3, seed=95)
         with tcp_writer(cluster.url) as writer:
-            stock_claimed_grants(writer, keys[0], at_least=2, claimed=False)
+            stock_claimed_grants(writer, keys[0], at_least=2, claimed=True)
             assert writer.put(keys[1], payload(1), parent=keys[0])
             assert writer.put(keys[2], payload(2), parent=keys[1])
             assert writer._putter.commits.by_node.count >= 2
@@ -440,7 +440,7 @@ def test_writer_threads_each_read_their_own_tcp_puts_back_at_once() -> None:
         keys = make_keys(80, seed=96)
         errors: list[BaseException] = []
         with tcp_writer(cluster.url) as writer:
-            stock_claimed_grants(writer, keys[0], claimed=False)
+            stock_claimed_grants(writer, keys[0], claimed=True)
 
             def work(t: int) -> None:
                 out = np.empty(BLOCK, np.uint8)
@@ -490,7 +490,7 @@ def test_the_general_single_put_path_asks_the_node_too() -> None:
     try:
         keys = make_keys(3, seed=97)
         with tcp_writer(cluster.url) as writer:
-            stock_claimed_grants(writer, keys[0], claimed=False)
+            stock_claimed_grants(writer, keys[0], claimed=True)
             commits = writer._putter.commits
             sent, asked = commits.sent, commits.by_node.count
             stored, full, _ = writer._putter.put([keys[1]], [payload(1)], [None], 1)
@@ -509,15 +509,15 @@ def test_a_failed_straight_tcp_write_is_put_again_by_the_general_path(monkeypatc
     try:
         keys = make_keys(2, seed=98)
         with tcp_writer(cluster.url) as writer:
-            stock_claimed_grants(writer, keys[0], claimed=False)
+            stock_claimed_grants(writer, keys[0], claimed=True)
             stamped_one = TcpTransport.stamped_one  # the straight path's write
             failed: list[int] = []
 
-            def fail_once(self: TcpTransport, op: int, stamp: bytes, off: int, data: Any) -> int:
+            def fail_once(self: TcpTransport, op: int, stamp: bytes, *args: Any) -> int:
                 if not failed and op == w.OP_WRITE_COMMIT:
                     failed.append(1)
                     raise ConnectionLostError("dropped (test)")
-                return stamped_one(self, op, stamp, off, data)
+                return stamped_one(self, op, stamp, *args)
 
             monkeypatch.setattr(TcpTransport, "stamped_one", fail_once)
             assert writer.put(keys[1], payload(1)) and failed == [1]

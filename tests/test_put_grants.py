@@ -312,15 +312,28 @@ def test_take_this_takes_only_the_grant_looked_at_while_oldest_and_fresh() -> No
     first = stock.oldest(BLOCK)
     assert first is not None and first.alloc_id == 1 and len(stock) == 2  # looked, not taken
     assert stock.oldest(2 * BLOCK) is None  # another size
-    assert not stock.take_this(BLOCK, grant(1))  # an equal grant is not the one looked at
-    assert stock.take_this(BLOCK, first) and stock.used == 1 and len(stock) == 1
-    assert not stock.take_this(BLOCK, first)  # taken once
+    assert stock.take_this(BLOCK, grant(1)) is None  # an equal grant is not the one looked at
+    assert stock.take_this(BLOCK, first) == 0 and stock.used == 1 and len(stock) == 1  # no claim
+    assert stock.take_this(BLOCK, first) is None  # taken once
     second = stock.oldest(BLOCK)
     assert second is not None and stock.take(BLOCK) is second  # another taker was first
-    assert not stock.take_this(BLOCK, second) and stock.used == 2
+    assert stock.take_this(BLOCK, second) is None and stock.used == 2
     stock.add(BLOCK, [grant(3, expires_in=-1)])
     old = stock.oldest(BLOCK)
-    assert old is not None and not stock.take_this(BLOCK, old)  # too old: ``take`` drops it
+    assert old is not None and stock.take_this(BLOCK, old) is None  # too old: ``take`` drops it
+
+
+def test_take_this_hands_over_the_claim_taken_ahead_once() -> None:
+    """A TCP put's grant claimed ahead (kvpool.cluster.client.claims): ``take_this``
+    answers the claim's clock and forgets it, as ``was_claimed`` does, so the claim
+    is the put's (released by it if its write fails), never the stock's to release."""
+    stock = GrantStock()
+    stock.add(BLOCK, [grant(1), grant(2)])
+    assert stock.claimed(stock.to_claim(), [True, True], at_ns=7) == []
+    first = stock.oldest(BLOCK)
+    assert first is not None and stock.take_this(BLOCK, first) == 7
+    assert stock.claims_of([1]) == [] and stock.claimed_in_stock() == 1
+    assert stock.was_claimed(1) == 0
 
 
 def test_grant_budget_from_argument_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -23,9 +23,13 @@ import pytest
 from clusterhelpers import Cluster, start_cluster, wait_until
 
 import kvpool
+import kvpool.cluster.client.claims as claims_module
 import kvpool.cluster.client.puts as puts_module
+import kvpool.cluster.client.sealed_put as sealed_put_module
 from kvpool.cluster.client import fenced
 from kvpool.cluster.wire import COMMIT
+from kvpool.transport import tcp_wire as w
+from kvpool.transport.shm_seal import now_ns
 
 BLOCK = 256 << 10
 
@@ -51,11 +55,8 @@ def writer_with_grants(cluster: Cluster, transport: str = "shm") -> kvpool.Remot
     assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
     assert pool.put(b"\x5f" * 16, payload(99))  # allocates, and asks for grants
     assert pool.stats()["transport"] == transport
-    stock = pool._putter.grants
-    if transport == "shm":
-        assert wait_until(lambda: stock.claimed_in_stock() > 2, timeout=10)
-    else:  # over TCP the stamp rides in the write: nothing is claimed ahead
-        assert wait_until(lambda: len(stock) > 2, timeout=10)
+    stock = pool._putter.grants  # claimed ahead, over TCP too (kvpool.cluster.client.claims)
+    assert wait_until(lambda: stock.claimed_in_stock() > 2, timeout=10)
     return pool
 
 
@@ -197,6 +198,78 @@ def test_a_failed_sealed_put_copy_takes_the_general_path(
             assert revoked  # the grant went back; a fresh allocation took the block
         pool.flush()
         assert reads_back(cluster, key(3), payload(3))
+
+
+def test_a_tcp_put_that_fails_on_a_grant_claimed_ahead_releases_the_claim_and_puts_again(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The straight TCP path's write fails (its connection broke: the node ends that
+    connection's hold); the claim taken ahead for the grant, held by another pooled
+    connection, is released, the grant revoked, and the block put again."""
+    with writer_with_grants(cluster, "tcp") as pool:
+        supply = pool._putter.supply
+        data = pool._session.transport(next(iter(pool._session.regions)))
+        claimed = supply.stock.claimed_in_stock()
+        released: list[int] = []
+        real_release = fenced.release_quietly
+
+        def release_quietly(control: Any, stamps: Any) -> None:
+            released.extend(s.alloc_id for s in stamps)
+            real_release(control, stamps)
+
+        def stamped_one(*args: Any, **kwargs: Any) -> int:
+            monkeypatch.setattr(data, "stamped_one", real_one)  # once
+            raise ConnectionResetError("injected")
+
+        real_one = data.stamped_one
+        revoked: list[int] = []
+        real_revoke = supply.revoke
+        monkeypatch.setattr(supply, "revoke", lambda ids: revoked.extend(ids) or real_revoke(ids))
+        monkeypatch.setattr(sealed_put_module.fenced, "release_quietly", release_quietly)
+        monkeypatch.setattr(data, "stamped_one", stamped_one)
+        assert pool.put(key(4), payload(4)) is True
+        monkeypatch.undo()
+        assert claimed > 0 and released and released[0] in revoked
+        pool.flush()
+        assert reads_back(cluster, key(4), payload(4))
+
+
+def test_renewing_tcp_claims_taken_ahead_sends_nothing(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A renewal restarts a shared-memory seal deadline; a TCP claim has none, so
+    the stock keeps its claims and no CLAIM leaves for them."""
+    with writer_with_grants(cluster, "tcp") as pool:
+        supply = pool._putter.supply
+        claimed = supply.stock.claimed_in_stock()
+        sent: list[int] = []
+        real_ops = claims_module.fenced.ops
+        monkeypatch.setattr(
+            claims_module.fenced, "ops", lambda c, op, st: sent.append(op) or real_ops(c, op, st)
+        )
+        supply.renew_claims(now_ns() + 1)  # every claim is older: all renewed
+        assert wait_until(lambda: supply.stock.claimed_in_stock() == claimed, timeout=10)
+        assert w.OP_CLAIM not in sent
+        assert pool.put(key(5), payload(5)) is True
+        pool.flush()
+        assert reads_back(cluster, key(5), payload(5))
+
+
+def test_tcp_puts_after_a_master_restart_release_their_stale_claims_taken_ahead(
+    cluster: Cluster,
+) -> None:
+    """The restarted master's term aborts the claims taken ahead (their connection
+    still holds them); each put of an old term's grant is refused, releases its
+    claim and is put again on the new master. Every put answers True and reads back."""
+    with writer_with_grants(cluster, "tcp") as pool:
+        cluster.restart_master()
+        with kvpool.connect(cluster.url, timeout=10) as probe:
+            assert wait_until(lambda: len(probe.stats()["nodes"]) == 1, timeout=15)
+        for i in range(4):
+            assert pool.put(key(20 + i), payload(20 + i)) is True
+        pool.flush()
+        for i in range(4):
+            assert reads_back(cluster, key(20 + i), payload(20 + i))
 
 
 class FailingCopy:

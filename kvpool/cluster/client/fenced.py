@@ -44,11 +44,12 @@ def write_blocks_begin(
     """Write each (stamp, offset, bytes) as a whole block. ``data`` moves the
     bytes, ``control`` is a TCP transport to the same node (the same object
     when the data path is TCP); ``claimed`` items hold their claim already
-    (taken ahead for a grant). The last round trip (the seals of an
-    out-of-band copy) is left in flight: (statuses so far, None or a call that
-    waits for the seals and returns the final statuses). The bytes are all in
-    place when this returns, so the caller may overlap the master's commit
-    with the seals.
+    (taken ahead for a grant: over TCP the write claims its range itself, and
+    finds it held; one that fails or is refused has that claim released). The
+    last round trip (the seals of an out-of-band copy) is left in flight:
+    (statuses so far, None or a call that waits for the seals and returns the
+    final statuses). The bytes are all in place when this returns, so the
+    caller may overlap the master's commit with the seals.
 
     With ``seals`` (the node's records beside its arena) and ``claimed``
     mapping an item to the clock read before its claim was sent, the item is
@@ -66,7 +67,14 @@ def write_blocks_begin(
         if node_commits is not None and data.info.tcp_node_commits:
             op = w.OP_WRITE_COMMIT  # the node commits each block once it is whole
             node_commits.update(range(len(items)))
-        return data.stamped([(op, s.pack(), off, d) for s, off, d in items]), None
+        ahead = [i for i in claimed if not isinstance(claimed, Mapping) or claimed[i]]
+        try:
+            statuses = data.stamped([(op, s.pack(), off, d) for s, off, d in items])
+        except BaseException:  # claims taken ahead are held by another pooled connection
+            release_quietly(control, [items[i][0] for i in ahead])
+            raise
+        release_quietly(control, [items[i][0] for i in ahead if statuses[i] != OK])
+        return statuses, None
     need = [i for i in range(len(items)) if i not in claimed]
     claims = [OK] * len(items)
     try:

@@ -151,18 +151,19 @@ class GrantStock:
             self._found_none(size, None)
             return None
 
-    def take_this(self, size: int, grant: Grant) -> bool:
-        """Take ``grant`` if it is still the oldest of ``size`` bytes and fresh: a put
-        that chooses its path by the grant's node looks (``oldest``), then takes."""
+    def take_this(self, size: int, grant: Grant) -> int | None:
+        """Take ``grant`` if still the oldest of ``size`` bytes and fresh (a put choosing
+        its path by the grant's node looks first: ``oldest``); its claim, or None."""
         with self._lock:
             stock = self._stock.get(size)
             if not stock or stock[0] is not grant or grant.expires <= time.monotonic():
-                return False
+                return None
             stock.popleft()
             self.used += 1
             if grant.alloc_id in self._claiming:
                 self._taken_while_claiming.add(grant.alloc_id)
-            return True
+            claim = self._claimed.pop(grant.alloc_id, None)  # now the put's (was_claimed)
+            return 0 if claim is None else max(1, claim[2])
 
     def take_claimed(self, size: int, wait_s: float = 0.0) -> tuple[Grant, int, bool] | None:
         """``take`` and ``was_claimed`` in one, for the sealed put's straight path

@@ -49,14 +49,16 @@ from collections.abc import Callable, Sequence
 import numpy as np
 
 from kvpool.bindings.buffers import Region, plain_host
+from kvpool.cluster.client import fenced
 from kvpool.cluster.client.acked import Acked
 from kvpool.cluster.client.commits import CommitPipe
 from kvpool.cluster.client.grant_supply import GrantSupply
-from kvpool.cluster.client.grants import CLAIM_WAIT_S
+from kvpool.cluster.client.grants import CLAIM_WAIT_S, Grant
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.shm_seal import now_ns
+from kvpool.transport.tcp import TcpTransport
 
 #: A claim taken ahead this close to its seal deadline (ns) is renewed before the copy
 #: (``GrantSupply.renew_claims``) instead of being used: a copy that ended past the
@@ -113,7 +115,12 @@ class SealedPutter:
             except BaseException:  # no transport reaches that node from here: give it back
                 self._supply.revoke([grant.alloc_id])
                 raise
-            if sealable is None:
+            if (
+                sealable is None
+            ):  # a TCP node's grant, claimed ahead (kvpool.cluster.client.claims)?
+                tcp_data = session.tcp_committing(grant.node_id, grant.region) if tcp else None
+                if tcp_data is not None:
+                    return self._write_tcp(key, region, parent, size, grant, tcp_data, claimed_at)
                 self._stock.put_back(grant, size, claimed_at)
                 return False
             data, seals = sealable
@@ -183,24 +190,43 @@ class SealedPutter:
         grant = self._stock.oldest(size)
         if grant is None:
             return False
-        session, supply = self._session, self._supply
-        data = session.tcp_committing(grant.node_id, grant.region)
-        if data is None or not self._stock.take_this(size, grant):
+        data = self._session.tcp_committing(grant.node_id, grant.region)
+        claimed_at = None if data is None else self._stock.take_this(size, grant)
+        if data is None or claimed_at is None:
             return False
+        return self._write_tcp(key, region, parent, size, grant, data, claimed_at)
+
+    def _write_tcp(
+        self,
+        key: bytes,
+        region: np.ndarray,
+        parent: bytes | None,
+        size: int,
+        grant: Grant,
+        data: TcpTransport,
+        claimed_at: int,
+    ) -> bool:
+        """``_put_tcp``'s write of the taken ``grant`` (``claimed_at``: its claim taken
+        ahead, 0: none), and its acknowledgement. A failed or refused write releases
+        that claim (another connection holds it) and revokes the grant: False."""
+        session, supply = self._session, self._supply
         stamp = WriteStamp(grant.epoch, grant.alloc_id, grant.offset, size, key, parent)
-        try:
-            status = data.stamped_one(w.OP_WRITE_COMMIT, stamp.pack(), grant.offset, region)
+        try:  # the stock's refill, if due, is asked for while the node lands the bytes
+            status = data.stamped_one(
+                w.OP_WRITE_COMMIT, stamp.pack(), grant.offset, region, lambda: supply.top_up(size)
+            )
         except TRANSFER_ERRORS:
             status = None
             supply.node_failed(grant.node_id)
         if status != w.ST_OK:  # as ``RemotePutter._put_one``: no use any more
+            if claimed_at:
+                fenced.release_quietly(data, [stamp])
             supply.revoke([grant.alloc_id])
             return False
         acked = Acked(key, parent, grant.alloc_id, grant.node_id, grant.offset, size, True)
         self._commits.watch(acked, data)
         self._remember([key])
         session.counts["puts"] += 1
-        supply.top_up(size)
         if time.monotonic() > grant.expires:  # as ``RemotePutter._acknowledge``
             self._commit_late()
         return True
