@@ -74,12 +74,12 @@ class LeasedReads:
         The common read takes one step, in this one frame (each call on this path
         costs ~0.4 us on a cold CPU, after the previous read's megabyte left the
         caches: issue 17, session 43): a whole cached block with one replica into a
-        plain host buffer of exactly its size, no replica order pending, its node
-        not suspected. Where that does not apply, or its read failed or was refused
-        (nothing counted, ``dst`` holds no meaningful bytes), the general path
-        (``read_range``) takes it: it tries again, falls back to other replicas and
-        counts the miss. Same checks either way: the transport verifies the block's
-        identity (same host) or the node does (TCP)."""
+        buffer of exactly its size (a device buffer too: the transport stages it), no
+        replica order pending, its node not suspected. Where that does not apply, or
+        its read failed or was refused (nothing counted, ``dst`` holds no meaningful
+        bytes), the general path (``read_range``) takes it: it tries again, falls
+        back to other replicas and counts the miss. Same checks either way: the
+        transport verifies the block's identity (same host) or the node does (TCP)."""
         lock = self._lock  # acquire/release, not ``with``: every read comes here twice
         lock.acquire()  # fast path: a cached lease, no generator, no dict of one
         try:
@@ -99,8 +99,7 @@ class LeasedReads:
                 start == 0
                 and length is None
                 and len(placements) == 1
-                and type(dst) is _NDARRAY
-                and dst.nbytes == size
+                and (dst.nbytes if type(dst) is _NDARRAY else region_nbytes(dst)) == size
                 and key not in self._orders  # (racy: an order seen late is fulfilled later)
             ):
                 placement = placements[0]

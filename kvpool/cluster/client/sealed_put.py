@@ -115,9 +115,7 @@ class SealedPutter:
             except BaseException:  # no transport reaches that node from here: give it back
                 self._supply.revoke([grant.alloc_id])
                 raise
-            if (
-                sealable is None
-            ):  # a TCP node's grant, claimed ahead (kvpool.cluster.client.claims)?
+            if sealable is None:  # a TCP node's grant claimed ahead? (cluster.client.claims)
                 tcp_data = session.tcp_committing(grant.node_id, grant.region) if tcp else None
                 if tcp_data is not None:
                     return self._write_tcp(key, region, parent, size, grant, tcp_data, claimed_at)
