@@ -29,7 +29,9 @@ Over TCP (``_put_tcp``), when the next grant in stock is on a node that commits
 the TCP writes asking it to (kvpool.cluster.node_commits): one ``WRITE_COMMIT``
 of the block, acknowledged once the node holds it whole and owes its commit,
 then watched until the node answers. What it skips is the same bookkeeping:
-measured at 64 KiB, ~16 us of a ~145 us put (bench/RESULTS.md, session 25).
+measured at 64 KiB, ~16 us of a ~145 us put (bench/RESULTS.md, session 25). The
+grant's claim was usually taken ahead (kvpool.cluster.client.claims): the write
+finds its range held, and the node skips a fresh claim (session 43).
 
 Anything else answers False with nothing done: no grant in stock whose claim
 was taken ahead and no TCP node that commits, own duplicates, puts not
@@ -37,8 +39,8 @@ pipelined. So does a failed copy, a range without a record or a clock past the
 deadline: the grant goes back, oldest first with its claim, and the general path
 (``RemotePutter.put``) takes it next -- it copies the same bytes again and seals
 over TCP (a record written here is then early news). A failed or refused TCP
-write revokes its grant (the range may hold part of the bytes) and answers
-False: the general path puts the block again on another.
+write releases its claim taken ahead, revokes its grant (the range may hold part
+of the bytes) and answers False: the general path puts the block again on another.
 """
 
 from __future__ import annotations
