@@ -1,4 +1,4 @@
-"""Claims taken ahead for stocked put grants: a same-host put skips a round trip.
+"""Claims taken ahead for stocked put grants: same-host puts skip a round trip, TCP ones a claim.
 
 A same-host (shared-memory) write must hold its node's claim on the range
 while it copies (kvpool.cluster.client.fenced). For a grant the claim can be
