@@ -350,7 +350,10 @@ def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool
               f"pages: anonymous {mem['thp_anon']}, shared {mem['thp_shmem']}; free page "
               f"reporting to the host: {mem.get('free_page_reporting')}")  # fmt: skip
         native = facts["native"]
-        print(f"TCP receive spin: {native['tcp_recv']}; same-host checks: {native['shm_copy']}")
+        print(
+            f"TCP receive spin: {native['tcp_recv']}; same-host checks: {native['shm_copy']}; "
+            f"SSD writes: {native['ssd_aio']}"
+        )
     if "wake_us" in facts:  # (facts written before session 36 lack it)
         wake = [f"{when} {w['0']:.0f} / {w['20']:.0f} us" for when, w in facts["wake_us"].items()]
         print("hand-off between processes (raw TCP ping-pong p50 after 0 / 20 ms idle): "

@@ -33,6 +33,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from kvpool.storage import direct_aio
 from kvpool.transport import shm_copy, tcp_recv
 from kvpool.transport.tcp_congestion import CHOSEN
 
@@ -70,7 +71,11 @@ def machine_facts() -> dict[str, Any]:
         "python": platform.python_version(),
         "tcp_congestion": CHOSEN.status(),
         "memory": memory_facts(),
-        "native": {"tcp_recv": tcp_recv.STATUS, "shm_copy": shm_copy.STATUS},
+        "native": {
+            "tcp_recv": tcp_recv.STATUS,
+            "shm_copy": shm_copy.STATUS,
+            "ssd_aio": direct_aio.STATUS,
+        },
     }
 
 

@@ -7,6 +7,7 @@ use a fake syscall / writer, since neither can be provoked on demand.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import subprocess
 import sys
@@ -27,10 +28,19 @@ from kvpool.storage.ssd_tier import SsdTier
 _PAGE = 4096
 
 
-def _writer() -> DirectWriter:
-    writer = DirectWriter.open()
+#: Both ways of submitting and reaping: in C (kvpool.storage._aio_native) and ctypes.
+WAYS = [pytest.param(True, id="native"), pytest.param(False, id="ctypes")]
+
+
+def _writer(native: bool = False) -> DirectWriter:
+    """A real writer; ``native``: the C submit / reap (skipped where not built),
+    else the ctypes path, which the tests of its internals patch."""
+    if native and aio_module._NATIVE is None:
+        pytest.skip("kvpool.storage._aio_native is not built (or this is not x86_64)")
+    writer = DirectWriter.open(native)
     if writer is None:
         pytest.skip("native AIO is not available here")
+    assert writer.native == native
     return writer
 
 
@@ -60,8 +70,11 @@ def _assert_reopened(path: str, capacity: int, wanted: dict[bytes, np.ndarray]) 
         tier.close()
 
 
-def test_a_submitted_write_lands_whole_and_wait_reports_its_bytes(tmp_path: Any) -> None:
-    writer = _writer()
+@pytest.mark.parametrize("native", WAYS)
+def test_a_submitted_write_lands_whole_and_wait_reports_its_bytes(
+    tmp_path: Any, native: bool
+) -> None:
+    writer = _writer(native)
     plain, direct = _direct_file(str(tmp_path / "data.bin"), 4 << 20)
     try:
         data = aligned(1 << 20, 1)
@@ -79,8 +92,11 @@ def test_a_submitted_write_lands_whole_and_wait_reports_its_bytes(tmp_path: Any)
         os.close(plain)
 
 
-def test_a_misaligned_buffer_is_refused_and_nothing_stays_in_flight(tmp_path: Any) -> None:
-    writer = _writer()
+@pytest.mark.parametrize("native", WAYS)
+def test_a_misaligned_buffer_is_refused_and_nothing_stays_in_flight(
+    tmp_path: Any, native: bool
+) -> None:
+    writer = _writer(native)
     plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
     try:
         data = aligned(2 * _PAGE, 3)[1 : 1 + _PAGE]  # not page-aligned: O_DIRECT refuses
@@ -124,7 +140,7 @@ class _FakeSyscall:
 def test_a_signal_during_wait_is_raised_only_after_the_write_completed(
     completed_first: bool,
 ) -> None:
-    writer = DirectWriter(0, (-1, -1, -1, -1))  # never reaches the kernel: fake syscall
+    writer = DirectWriter(0, (-1, -1, -1, -1), native=False)  # fake syscall: no kernel
     writer._inflight = np.zeros(1, np.uint8)
     fake = _FakeSyscall(writer, completed_first)
     writer._syscall = fake  # type: ignore[assignment]
@@ -209,16 +225,19 @@ def test_a_lost_write_keeps_its_extent_used_and_commits_no_record(
 # -- waiting for small writes awake (KVPOOL_SSD_SPIN_US) -----------------------------
 
 
-def _spinning_writer() -> DirectWriter:
-    writer = _writer()
+def _spinning_writer(native: bool = False) -> DirectWriter:
+    writer = _writer(native)
     if not writer.spins:
         writer.close()
         pytest.skip("this kernel's AIO ring is not one we can watch (or spinning is off)")
     return writer
 
 
-def test_a_small_write_is_waited_for_awake_and_a_large_one_asleep(tmp_path: Any) -> None:
-    writer = _spinning_writer()
+@pytest.mark.parametrize("native", WAYS)
+def test_a_small_write_is_waited_for_awake_and_a_large_one_asleep(
+    tmp_path: Any, native: bool
+) -> None:
+    writer = _spinning_writer(native)
     plain, direct = _direct_file(str(tmp_path / "data.bin"), 4 << 20)
     try:
         small = aligned(64 << 10, 30)
@@ -237,10 +256,11 @@ def test_a_small_write_is_waited_for_awake_and_a_large_one_asleep(tmp_path: Any)
         os.close(plain)
 
 
+@pytest.mark.parametrize("native", WAYS)
 def test_a_spin_that_runs_out_of_budget_still_waits_for_the_write(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Any, native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    writer = _spinning_writer()
+    writer = _spinning_writer(native)
     monkeypatch.setattr(aio_module, "SPIN_US", 1)  # 1 us: the write nearly always outlasts it
     plain, direct = _direct_file(str(tmp_path / "data.bin"), 4 << 20)
     try:
@@ -314,23 +334,24 @@ class _CountingSyscall:
         return int(self.real(number, *args))
 
 
-def _reaping_writer(monkeypatch: pytest.MonkeyPatch) -> DirectWriter:
+def _reaping_writer(monkeypatch: pytest.MonkeyPatch, native: bool = False) -> DirectWriter:
     """A writer that takes completions from the ring, spinning until one is posted
     (a 10 s budget: never a timeout, so which path reads the completion is certain)."""
     monkeypatch.setattr(aio_module, "SPIN_US", 10_000_000)
-    writer = _spinning_writer()
+    writer = _spinning_writer(native)
     if writer._posted is None:
         writer.close()
         pytest.skip("completions are taken from the ring on x86_64 only")
     return writer
 
 
+@pytest.mark.parametrize("native", WAYS)
 def test_completions_are_taken_from_the_ring_round_and_round(
-    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Any, native: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """More writes than the ring has slots, each read back exact, every completion
     taken without io_getevents: the head wrapped round the ring."""
-    writer = _reaping_writer(monkeypatch)
+    writer = _reaping_writer(monkeypatch, native)
     ring = writer._ring
     assert ring is not None
     slots = ring[1]
@@ -416,6 +437,126 @@ def test_a_completion_that_is_not_ours_is_a_lost_write(
         os.close(plain)
 
 
+# -- the C submit / reap (kvpool.storage._aio_native) -------------------------------
+
+
+def _native_module() -> Any:
+    if aio_module._NATIVE is None:
+        pytest.skip("kvpool.storage._aio_native is not built (or this is not x86_64)")
+    return aio_module._NATIVE
+
+
+class _Ring(ctypes.Structure):
+    """A completion ring as the kernel lays it out: eight u32, then the events."""
+
+    _fields_ = [("header", ctypes.c_uint32 * 8), ("events", IoEvent * 4)]
+
+
+def test_the_writers_status_says_which_path_writes_take() -> None:
+    assert ("in C" in aio_module.STATUS) == (aio_module._NATIVE is not None)
+    writer = DirectWriter.open()
+    if writer is not None:
+        assert writer.native == (aio_module._NATIVE is not None)
+        writer.close()
+
+
+def test_the_native_reap_takes_only_our_posted_event_and_wraps_the_head() -> None:
+    native = _native_module()
+    ring, out = _Ring(), IoEvent()
+    ring.header[1] = 4  # slots
+    at, ours, out_at = ctypes.addressof(ring), 0x1234000, ctypes.addressof(out)
+    assert native.reap(at, ours, out_at, 1000) == 0  # nothing posted: the budget ran out
+    assert out.obj == 0 and ring.header[2] == 0
+    ring.header[2], ring.header[3] = 3, 0  # one event posted in the last slot
+    ring.events[3].obj, ring.events[3].res = 0x5678000, 4096
+    assert native.reap(at, ours, out_at, 10**9) == -1  # not ours: left where it is
+    assert out.obj == 0 and ring.header[2] == 3
+    ring.events[3].obj = ours
+    assert native.reap(at, ours, out_at, 10**9) == 1
+    assert (out.obj, out.res, ring.header[2]) == (ours, 4096, 0)  # taken, head wrapped
+    ring.header[2], ring.header[3] = 7, 0  # a head past the slots: a ring we misread
+    assert native.reap(at, ours, out_at, 10**9) == -1 and ring.header[2] == 7
+
+
+def test_the_native_submit_refuses_what_the_kernel_must_not_see(tmp_path: Any) -> None:
+    """Another process's context, a scattered buffer, an empty one: refused before
+    io_submit (0), nothing in flight; the writer then takes a good write."""
+    writer = _writer(native=True)
+    native = _native_module()
+    plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
+    ctx, iocb = writer._ctx.value, writer._iocb_at
+    try:
+        good = aligned(_PAGE, 140)
+        assert native.submit(ctx, iocb, direct, good, 0, os.getpid() + 1) == 0
+        assert native.submit(ctx, iocb, direct, aligned(4 * _PAGE, 141)[::2], 0, os.getpid()) == 0
+        assert native.submit(ctx, iocb, direct, aligned(_PAGE, 142)[:0], 0, os.getpid()) == 0
+        assert not writer.submit(direct, aligned(_PAGE, 143)[:0], 0)
+        assert writer._inflight is None
+        assert writer.submit(direct, good, 0) and writer.wait() == _PAGE
+        assert os.pread(plain, _PAGE, 0) == good.tobytes()
+    finally:
+        writer.close()
+        os.close(direct)
+        os.close(plain)
+
+
+def test_a_native_writer_refuses_in_a_forked_child(tmp_path: Any) -> None:
+    writer = _writer(native=True)
+    plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
+    try:
+        data = aligned(_PAGE, 150)
+        pid = os.fork()
+        if pid == 0:  # the child must not use its parent's context
+            os._exit(0 if not writer.submit(direct, data, 0) else 1)
+        _, status = os.waitpid(pid, 0)
+        assert os.WEXITSTATUS(status) == 0
+        assert writer.submit(direct, data, 0) and writer.wait() == _PAGE  # the parent's is fine
+    finally:
+        writer.close()
+        os.close(direct)
+        os.close(plain)
+
+
+class _ReapThenInterrupt:
+    """The C module, with a signal's exception landing right after ``reap`` took
+    the completion (before its caller saw the return value)."""
+
+    def __init__(self, real: Any) -> None:
+        self.real, self.submit, self.reaps = real, real.submit, 0
+
+    def reap(self, *args: Any) -> int:
+        self.reaps += 1
+        self.real.reap(*args)
+        raise KeyboardInterrupt
+
+
+def test_a_signal_after_the_native_reap_took_the_completion_reads_it_from_there(
+    tmp_path: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    writer = _reaping_writer(monkeypatch, native=True)
+    counting = _CountingSyscall(writer)
+    writer._syscall = counting  # type: ignore[assignment]
+    fast = _ReapThenInterrupt(writer._fast)
+    plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
+    try:
+        data = aligned(64 << 10, 160)
+        assert writer.submit(direct, data, 0)
+        writer._fast = fast  # type: ignore[assignment]
+        with pytest.raises(KeyboardInterrupt):
+            writer.wait()
+        assert fast.reaps == 1 and counting.getevents == 0  # taken once, in C
+        assert writer._inflight is None
+        assert os.pread(plain, data.nbytes, 0) == data.tobytes()
+        writer._fast = fast.real
+        again = aligned(64 << 10, 161)
+        assert writer.submit(direct, again, 0) and writer.wait() == again.nbytes  # usable
+        assert os.pread(plain, again.nbytes, 0) == again.tobytes()
+    finally:
+        writer.close()
+        os.close(direct)
+        os.close(plain)
+
+
 @pytest.mark.parametrize(
     ("value", "spins", "error"),
     [
@@ -482,10 +623,11 @@ def test_without_spinning_small_stores_are_written_synchronously(
         tier.close()
 
 
+@pytest.mark.parametrize("native", WAYS)
 def test_submit_takes_writable_and_read_only_buffers_and_refuses_scattered_ones(
-    tmp_path: Any,
+    tmp_path: Any, native: bool
 ) -> None:
-    writer = _writer()
+    writer = _writer(native)
     plain, direct = _direct_file(str(tmp_path / "data.bin"), 1 << 20)
     try:
         data = aligned(2 * _PAGE, 130)
