@@ -112,6 +112,63 @@ def interleaved(
     return timings
 
 
+def balanced_orders(n: int) -> list[list[int]]:
+    """Orders of ``n`` ops in which each op takes every position equally often and
+    follows every other op right before it equally often (a Williams design: n
+    orders for even n, 2n for odd n)."""
+    first = [0]
+    low, high = 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    orders = [[(op + shift) % n for op in first] for shift in range(n)]
+    if n % 2 and n > 1:
+        orders += [order[::-1] for order in orders]
+    return orders
+
+
+def item_by_item(
+    size: int,
+    ops: Mapping[str, Callable[[int], object]],
+    count: int,
+    rounds: int,
+    prepare: Mapping[str, Callable[[int], object]] | None = None,
+) -> dict[str, Timing]:
+    """Time several ops item by item: every op on item i, then every op on item i+1.
+
+    Item after item the ops take the next of the ``balanced_orders``, so each op
+    runs first, second, ... equally often and right after each of the others
+    equally often (a device that is faster for a write after a write favours no
+    op). Where the measured resource drifts over the second a whole round takes
+    (this class's virtual disk moved a raw 1 MiB read 390-720 us within minutes,
+    issue 17 session 42), ``interleaved``'s round-level alternation lets the drift
+    decide a comparison; here every op meets the same moment of the device.
+    ``prepare[name](i)`` runs untimed right before ``ops[name](i)`` (e.g. dropping
+    what the previous round's put of item i stored). One untimed warm-up pass runs
+    first, the ops in their given order.
+    """
+    prepare = prepare or {}
+    names = list(ops)
+    orders = balanced_orders(len(names))
+    timings = {name: Timing(size, []) for name in names}
+    clock = time.perf_counter
+    for r in range(rounds + 1):
+        for i in range(count):
+            order = orders[(r * count + i) % len(orders)] if r else range(len(names))
+            for name in (names[k] for k in order):
+                if (before := prepare.get(name)) is not None:
+                    before(i)
+                start = clock()
+                ops[name](i)
+                took = clock() - start
+                if r:
+                    timings[name].latencies.append(took)
+    return timings
+
+
 def paired(
     size: int,
     base: Callable[[int], object],
