@@ -27,6 +27,9 @@ from kvpool.storage.ssd_tier import SsdTier
 
 _PAGE = 4096
 
+if aio_module._NATIVE is None and os.environ.get("KVPOOL_REQUIRE_AIO_NATIVE") == "1":
+    pytest.fail(f"KVPOOL_REQUIRE_AIO_NATIVE=1 but SSD writes go {aio_module.STATUS}", pytrace=False)
+
 
 #: Both ways of submitting and reaping: in C (kvpool.storage._aio_native) and ctypes.
 WAYS = [pytest.param(True, id="native"), pytest.param(False, id="ctypes")]
