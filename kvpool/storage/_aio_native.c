@@ -20,12 +20,12 @@
  * reports the write lost, as the Python path does).
  *
  * Why in C (issue 17, session 44): a 64 KiB tier put ran 7-10 us of Python before
- * its io_submit reached the kernel and 4-6 us after the completion was posted,
- * against a ~80 us raw O_DIRECT pwrite: measured block by block between other
- * disk work (caches cold), the put was 0.82-0.85x the raw write. The ctypes
+ * its io_submit reached the kernel and 3-6 us after the completion was posted,
+ * against a ~70-90 us raw O_DIRECT pwrite: measured block by block between other
+ * disk work (caches cold), the put was 0.81-0.84x the raw write. The ctypes
  * iocb fields, the buffer's address, the getpid check, the ctypes syscall and
- * the ring's reads in ctypes were 3-7 us of that (Python path 0.885-0.953x,
- * this one 0.951-0.999x, same runs).
+ * the ring's reads in ctypes were 3-5 us of that (ctypes path 0.91-0.95x, this
+ * one 0.96-1.00x, same processes; 256 KiB: 0.90-0.92x -> 0.95-0.99x).
  *
  * Memory order: the kernel writes the event, then (smp_wmb) moves the tail, and
  * reuses a slot only after the head moved past it. So the tail is loaded with

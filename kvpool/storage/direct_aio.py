@@ -36,7 +36,7 @@ need a barrier Python cannot issue.
 Where the optional extension ``kvpool.storage._aio_native`` is built (x86_64), the
 submission (the iocb's fields, the buffer's address, the fork check, io_submit) and
 the awake wait with its taking of the completion run there, in one C call each,
-the GIL released: 3-7 us less Python around a ~80 us 64 KiB write (its header
+the GIL released: 3-5 us less Python around a ~80 us 64 KiB write (its header
 says why). The ctypes path below stays for a build without a compiler, and
 takes over the same context at any time (both fill the same ``Iocb`` and
 ``IoEvent``).
