@@ -58,6 +58,13 @@ def _direct_file(path: str, size: int) -> tuple[int, int]:
     return plain, direct
 
 
+def _writes_again(writer: DirectWriter, direct: int, plain: int, seed: int) -> None:
+    """The writer takes another write after what a test did to it, and it lands."""
+    again = aligned(64 << 10, seed)
+    assert writer.submit(direct, again, 0) and writer.wait() == again.nbytes
+    assert os.pread(plain, again.nbytes, 0) == again.tobytes()
+
+
 def _assert_reopened(path: str, capacity: int, wanted: dict[bytes, np.ndarray]) -> None:
     """Reopen the tier at ``path``: its records name exactly ``wanted``'s keys, and each
     block reads back byte for byte."""
@@ -403,9 +410,7 @@ def test_a_signal_while_taking_a_completion_leaves_it_to_io_getevents(
         assert writer._inflight is None
         assert os.pread(plain, data.nbytes, 0) == data.tobytes()
         writer._posted = posted
-        again = aligned(64 << 10, 111)
-        assert writer.submit(direct, again, 0) and writer.wait() == again.nbytes  # usable
-        assert os.pread(plain, again.nbytes, 0) == again.tobytes()
+        _writes_again(writer, direct, plain, 111)
     finally:
         writer.close()
         os.close(direct)
@@ -551,9 +556,7 @@ def test_a_signal_after_the_native_reap_took_the_completion_reads_it_from_there(
         assert writer._inflight is None
         assert os.pread(plain, data.nbytes, 0) == data.tobytes()
         writer._fast = fast.real
-        again = aligned(64 << 10, 161)
-        assert writer.submit(direct, again, 0) and writer.wait() == again.nbytes  # usable
-        assert os.pread(plain, again.nbytes, 0) == again.tobytes()
+        _writes_again(writer, direct, plain, 161)
     finally:
         writer.close()
         os.close(direct)
