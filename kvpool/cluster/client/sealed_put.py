@@ -113,17 +113,16 @@ class SealedPutter:
                 return tcp and self._put_tcp(key, region, parent, size)
             grant, claimed_at, low = taken
             try:
-                sealable = session.sealable(grant.node_id, grant.region)
+                writer = session.straight_writer(grant.node_id, grant.region)
             except BaseException:  # no transport reaches that node from here: give it back
                 self._supply.revoke([grant.alloc_id])
                 raise
-            if sealable is None:  # a TCP node's grant claimed ahead? (cluster.client.claims)
-                tcp_data = session.tcp_committing(grant.node_id, grant.region) if tcp else None
-                if tcp_data is not None:
-                    return self._write_tcp(key, region, parent, size, grant, tcp_data, claimed_at)
+            if writer is None or isinstance(writer, TcpTransport):
+                if tcp and writer is not None:  # a TCP grant claimed ahead (cluster.client.claims)
+                    return self._write_tcp(key, region, parent, size, grant, writer, claimed_at)
                 self._stock.put_back(grant, size, claimed_at)
                 return False
-            data, seals = sealable
+            data, seals = writer
             window = seals.deadline.hold_ns - seals.deadline.margin_ns
             now = now_ns()
             if renewed or now + RENEW_SLACK_NS < claimed_at + window:
@@ -190,9 +189,11 @@ class SealedPutter:
         grant = self._stock.oldest(size)
         if grant is None:
             return False
-        data = self._session.tcp_committing(grant.node_id, grant.region)
-        claimed_at = None if data is None else self._stock.take_this(size, grant)
-        if data is None or claimed_at is None:
+        data = self._session.straight_writer(grant.node_id, grant.region)
+        if not isinstance(data, TcpTransport):
+            return False
+        claimed_at = self._stock.take_this(size, grant)
+        if claimed_at is None:
             return False
         return self._write_tcp(key, region, parent, size, grant, data, claimed_at)
 

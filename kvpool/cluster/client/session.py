@@ -187,22 +187,19 @@ class ClientSession:
             known[1].close()
         return records
 
-    def sealable(
+    def straight_writer(
         self, node_id: str, granted: RegionInfo
-    ) -> tuple[ShmTransport, SealRecords] | None:
-        """``node_id``'s shared-memory transport and seal records, while its region is
-        still ``granted`` (a grant's) and the node commits the blocks sealed there
-        (kvpool.cluster.node_commits); else None."""
+    ) -> tuple[ShmTransport, SealRecords] | TcpTransport | None:
+        """How a put writes a grant's block to ``node_id`` with no master frame, while
+        the node's region is still ``granted`` (a grant's) and the node commits such
+        writes (kvpool.cluster.node_commits): its shared-memory transport and seal
+        records (the put seals there), its TCP transport (the put's ``WRITE_COMMIT``
+        asks the node to commit), or None. One look-up of the node's transport
+        for either way (the straight path's hot path)."""
         data = self._granted_transport(node_id, granted)
-        if type(data) is not ShmTransport:
-            return None
-        seals = self.seals(node_id)
-        return None if seals is None or not seals.node_commits else (data, seals)
-
-    def tcp_committing(self, node_id: str, granted: RegionInfo) -> TcpTransport | None:
-        """``node_id``'s TCP transport, while its region is still ``granted`` (a grant's)
-        and the node commits the TCP writes that ask it to (``WRITE_COMMIT``); else None."""
-        data = self._granted_transport(node_id, granted)
+        if type(data) is ShmTransport:
+            seals = self.seals(node_id)
+            return None if seals is None or not seals.node_commits else (data, seals)
         return data if type(data) is TcpTransport and data.info.tcp_node_commits else None
 
     def _granted_transport(self, node_id: str, granted: RegionInfo) -> Transport | None:
