@@ -234,6 +234,36 @@ def test_a_tcp_put_that_fails_on_a_grant_claimed_ahead_releases_the_claim_and_pu
         assert reads_back(cluster, key(4), payload(4))
 
 
+def test_a_refill_that_raises_during_a_tcp_put_is_the_callers_error_not_the_nodes(
+    cluster: Cluster, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The stock's refill is asked for while the node lands a straight TCP put's
+    bytes. An error of that request (here one a broken master link could raise,
+    which the data path would take for the node's) surfaces from ``put`` once the
+    write was answered: the block is acknowledged and reads back, the node is not
+    suspected and no grant is revoked."""
+    with writer_with_grants(cluster, "tcp") as pool:
+        supply = pool._putter.supply
+        revoked: list[int] = []
+        real_revoke = supply.revoke
+        monkeypatch.setattr(supply, "revoke", lambda ids: revoked.extend(ids) or real_revoke(ids))
+
+        def top_up(size: int) -> None:
+            raise ConnectionResetError("refill broke")
+
+        monkeypatch.setattr(supply, "top_up", top_up)
+        used = supply.stock.used
+        with pytest.raises(ConnectionResetError, match="refill broke"):
+            pool.put(key(6), payload(6))
+        monkeypatch.undo()
+        assert supply.stock.used == used + 1 and revoked == []  # the straight path took it
+        assert not pool._session.suspects.current()
+        assert pool.put(key(7), payload(7)) is True  # the connections still serve
+        pool.flush()
+        assert reads_back(cluster, key(6), payload(6))
+        assert reads_back(cluster, key(7), payload(7))
+
+
 def test_renewing_tcp_claims_taken_ahead_sends_nothing(
     cluster: Cluster, monkeypatch: pytest.MonkeyPatch
 ) -> None:

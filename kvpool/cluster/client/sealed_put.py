@@ -209,13 +209,24 @@ class SealedPutter:
     ) -> bool:
         """``_put_tcp``'s write of the taken ``grant`` (``claimed_at``: its claim taken
         ahead, 0: none), and its acknowledgement. A failed or refused write releases
-        that claim (another connection holds it) and revokes the grant: False."""
+        that claim (another connection holds it) and revokes the grant: False.
+
+        The stock's refill, if due, is asked for while the node lands the bytes. What
+        that request raises is this client's, not the node's: it is held until the
+        write's answer was read and handled, then raised, so it neither breaks the
+        exchange nor makes the node a suspect (the block stays acknowledged)."""
         session, supply = self._session, self._supply
         stamp = WriteStamp(grant.epoch, grant.alloc_id, grant.offset, size, key, parent)
-        try:  # the stock's refill, if due, is asked for while the node lands the bytes
-            status = data.stamped_one(
-                w.OP_WRITE_COMMIT, stamp.pack(), grant.offset, region, lambda: supply.top_up(size)
-            )
+        refill_error: list[BaseException] = []
+
+        def refill() -> None:
+            try:
+                supply.top_up(size)
+            except BaseException as exc:
+                refill_error.append(exc)
+
+        try:
+            status = data.stamped_one(w.OP_WRITE_COMMIT, stamp.pack(), grant.offset, region, refill)
         except TRANSFER_ERRORS:
             status = None
             supply.node_failed(grant.node_id)
@@ -223,6 +234,8 @@ class SealedPutter:
             if claimed_at:
                 fenced.release_quietly(data, [stamp])
             supply.revoke([grant.alloc_id])
+            if refill_error:
+                raise refill_error[0]
             return False
         acked = Acked(key, parent, grant.alloc_id, grant.node_id, grant.offset, size, True)
         self._commits.watch(acked, data)
@@ -230,4 +243,6 @@ class SealedPutter:
         session.counts["puts"] += 1
         if time.monotonic() > grant.expires:  # as ``RemotePutter._acknowledge``
             self._commit_late()
+        if refill_error:
+            raise refill_error[0]
         return True
