@@ -111,7 +111,8 @@ class LeasedReads:
                         transport = session.transport(node_id)
                         # shm: the identity-checked copy; TCP: the node checks the block
                         # (kvpool.transport.fencing); False: that block is not (or not yet) there
-                        if isinstance(transport, (ShmTransport, TcpTransport)):
+                        # (TCP's exact type first: an isinstance miss costs an ABC's frame)
+                        if type(transport) is TcpTransport or isinstance(transport, ShmTransport):
                             ok = transport.read_block(placement.offset, 0, dst, key)
                         else:
                             block = placement.offset

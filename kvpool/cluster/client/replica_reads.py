@@ -23,6 +23,7 @@ from kvpool.bindings.buffers import Region
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession, Placement, Read
 from kvpool.errors import StaleReadError, StaleWriteError
 from kvpool.transport.shm import ShmTransport
+from kvpool.transport.tcp import TcpTransport
 
 
 def read_replicas(
@@ -65,7 +66,8 @@ def read_from(session: ClientSession, node_id: str, items: list[Read]) -> None:
     copy checks the block's identity record (kvpool.transport.shm_ident) the way
     the node checks a TCP read: ``StaleReadError`` if a block is not there."""
     transport = session.transport(node_id)
-    if isinstance(transport, ShmTransport):
+    # (TCP's exact type first: an isinstance miss against these ABCs runs a Python frame)
+    if type(transport) is not TcpTransport and isinstance(transport, ShmTransport):
         for item, ok in zip(items, transport.read_blocks(items), strict=True):
             if not ok:  # not published? (a seal in shared memory the node has not adopted)
                 session.read_checked(node_id, [item])
