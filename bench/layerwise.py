@@ -59,6 +59,12 @@ def register_layerwise(suites: Any) -> None:
     parser.add_argument(
         "--url", default=None, help="a running cluster (kvpool://host:port) instead of embedded"
     )
+    parser.add_argument(
+        "--transport",
+        default=None,
+        choices=["shm", "tcp", "ucx"],
+        help="with --url: the data path (default: the fastest the client finds)",
+    )
     parser.add_argument("--json", default=None, metavar="F")
     parser.set_defaults(func=_run)
 
@@ -66,10 +72,12 @@ def register_layerwise(suites: Any) -> None:
 def _run(args: argparse.Namespace) -> int:
     if args.tokens < args.block_tokens or args.rounds < 1:
         raise SystemExit("--tokens must be at least --block-tokens, --rounds at least 1")
+    if args.transport and not args.url:
+        raise ValueError("--transport names the data path to a cluster: give --url too")
     layout = KVLayout(args.layers, args.kv_heads, args.head_dim, "bfloat16", args.block_tokens)
     from kvpool.cluster.client.remote_pool import connect
 
-    factory = (lambda capacity: connect(args.url)) if args.url else None
+    factory = (lambda capacity: connect(args.url, transport=args.transport)) if args.url else None
     result = run_layerwise(layout, args.tokens // args.block_tokens, args.rounds, factory)
     result["mode"] = "distributed" if args.url else "embedded"
     print(json.dumps(result, indent=2))
@@ -99,7 +107,9 @@ def run_layerwise(
     pool = pool_factory(capacity) if pool_factory else Pool.embedded(dram_bytes=capacity)
     bench = _Bench(pool, keys, layout, sources, outs)
     try:
-        return bench.run(rounds)
+        result = bench.run(rounds)
+        result["transport"] = pool.stats()["transport"]  # (embedded: "local")
+        return result
     finally:
         pool.close()
 

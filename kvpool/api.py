@@ -238,8 +238,21 @@ class KVStore(Protocol):
         """Copy the block (or bytes [offset, offset+length)) into ``out``; None on a miss."""
         ...
 
-    def get_into_batch(self, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[int | None]:
-        """``get_into`` for each pair; every argument is checked first."""
+    def get_into_batch(
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[Buffer],
+        *,
+        offsets: Sequence[int] | None = None,
+        lengths: Sequence[int | None] | None = None,
+    ) -> list[int | None]:
+        """``get_into`` for each pair: the bytes copied, None for a miss. With
+        ``offsets`` / ``lengths`` (one per key each; a length None: to the block's
+        end) read ``i`` takes bytes [offsets[i], offsets[i]+lengths[i]) of its block,
+        as ``get_into(keys[i], outs[i], offset=, length=)`` would, so a layer-wise
+        reader gets one layer of many blocks in one call (a key may appear more than
+        once). Every argument is checked first; a range past its block's end raises
+        ``BufferSpecError``."""
         ...
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:

@@ -115,6 +115,35 @@ def check_read_range(offset: object, length: object) -> None:
         raise BufferSpecError(f"bad range: length must be a positive int or None, got {length!r}")
 
 
+#: A batch read's (starts, lengths), one each per key (``check_read_ranges``).
+Ranges = tuple[list[int], list[int | None]]
+
+
+def check_read_ranges(
+    n: int, offsets: Sequence[int] | None, lengths: Sequence[int | None] | None
+) -> Ranges | None:
+    """A batch read's ranges (``get_into_batch``): ``offsets`` and ``lengths`` hold one
+    entry per key each (None: from byte 0, to the block's end), every pair checked
+    as ``get_into``'s; both as lists, or None when neither is given (whole blocks)."""
+    if offsets is None and lengths is None:
+        return None
+    try:
+        starts = [0] * n if offsets is None else list(offsets)
+        takes: list[int | None] = [None] * n if lengths is None else list(lengths)
+    except TypeError:
+        raise BufferSpecError(
+            f"offsets and lengths must be sequences, got {offsets!r} and {lengths!r}"
+        ) from None
+    if not len(starts) == len(takes) == n:
+        raise ValueError(
+            f"offsets and lengths must hold one entry per key ({n}), "
+            f"got {len(starts)} and {len(takes)}"
+        )
+    for start, take in zip(starts, takes, strict=True):
+        check_read_range(start, take)
+    return starts, takes
+
+
 def check_write_range(offset: int, nbytes: int, size: int) -> None:
     """A piecewise write of ``nbytes`` at ``offset`` must lie inside a block of ``size``."""
     end = offset + nbytes

@@ -58,6 +58,13 @@ class KVLayout:
         """Bytes of a whole block across all layers."""
         return self.num_layers * self.layer_bytes
 
+    def layer_ranges(self, layer: int, num_blocks: int) -> tuple[list[int], list[int | None]]:
+        """``get_into_batch``'s offsets and lengths that read ``layer`` of
+        ``num_blocks`` blocks: each block's K range, then its V range (its key
+        named twice in a row)."""
+        base, half = layer * self.layer_bytes, self.half_layer_bytes
+        return [base, base + half] * num_blocks, [half] * (2 * num_blocks)
+
     @property
     def bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.dtype_bytes

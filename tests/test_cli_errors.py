@@ -180,6 +180,12 @@ EXPECTED_FAILURES = [
     ),
     (["serve", "--model", "nope"], 1, "serve: error: ", "unknown model preset 'nope'"),
     (
+        ["bench", "layerwise", "--transport", "tcp"],
+        1,
+        "bench layerwise: error: ",
+        "--transport names the data path to a cluster: give --url too",
+    ),
+    (
         ["master", "--cool-reads", "9"],  # not below the default --hot-reads 8: would flap
         1,
         "master: error: ",

@@ -304,14 +304,14 @@ def test_reader_bad_inputs_release_the_lease(pool: Pool) -> None:
 def test_reader_failure_surfaces_and_releases(pool: Pool, monkeypatch: pytest.MonkeyPatch) -> None:
     keys, kv = make_keys(2), layers(2)
     store(pool, keys, kv)
-    real = pool.get_into
+    real = pool.get_into_batch
 
-    def failing(key: bytes, out: Any, *, offset: int = 0, length: int | None = None) -> Any:
-        if offset >= 2 * LAYOUT.layer_bytes:
+    def failing(keys: Any, outs: Any, *, offsets: Any = None, lengths: Any = None) -> Any:
+        if min(offsets) >= 2 * LAYOUT.layer_bytes:  # a layer is one batch of ranges
             raise ConnectionError("node lost")
-        return real(key, out, offset=offset, length=length)
+        return real(keys, outs, offsets=offsets, lengths=lengths)
 
-    monkeypatch.setattr(pool, "get_into", failing)
+    monkeypatch.setattr(pool, "get_into_batch", failing)
     reader = pool.layer_reader(keys, LAYOUT, depth=4)
     k, _ = reader.wait_layer(1)
     np.testing.assert_array_equal(k, kv[1][0])

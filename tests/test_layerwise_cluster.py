@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -11,6 +13,7 @@ from poolhelpers import make_keys
 from test_layerwise import LAYOUT, block_bytes, layers
 
 import kvpool
+from kvpool.cli import main as cli_main
 from kvpool.layerwise import LayerReader, LayerTransferError, LayerWriter
 
 
@@ -67,3 +70,18 @@ def test_nodes_lost_mid_stream_fail_writer_and_reader(cluster: Cluster) -> None:
             for layer in range(1, LAYOUT.num_layers):
                 reader.wait_layer(layer)
         reader.close()
+
+
+def test_bench_layerwise_against_the_cluster_over_tcp(cluster: Cluster, tmp_path: Path) -> None:
+    """``kvpool bench layerwise --url --transport tcp``: the distributed reader and
+    writer through the chosen data path (a layer read as one batch of ranges)."""
+    out = tmp_path / "lw.json"
+    argv = [
+        *("bench", "layerwise", "--url", cluster.url, "--transport", "tcp", "--layers", "4"),
+        *("--tokens", "128", "--kv-heads", "2", "--head-dim", "64", "--block-tokens", "64"),
+        *("--rounds", "1", "--json", str(out)),
+    ]
+    assert cli_main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["mode"] == "distributed" and result["transport"] == "tcp"
+    assert result["blocks"] == 2 and result["load_s"] > 0 and result["store_s"] > 0

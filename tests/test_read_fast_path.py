@@ -135,3 +135,46 @@ def test_a_cached_batch_reads_in_one_pass_and_checks_every_destination_first(
         assert pool.stats()["client"]["lease_round_trips"] == trips  # all from the cache
         pool.remove(a)
         pool.remove(b)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_ranged_batch_reads_its_ranges_on_every_path(cluster, transport: str) -> None:
+    """``get_into_batch`` with ``offsets``/``lengths`` (a layer-wise reader's call):
+    each read its range of its block, from the cache in one pass or by the general
+    path (a destination larger than its range), one key twice; a range past its
+    block's end raises before any byte moved; a stale entry is a miss on the
+    per-read fallback, never another block's bytes; no lease left pinned."""
+    with kvpool.connect(cluster.url, transport=transport, lease_cache_s=30.0) as pool:
+        assert wait_until(lambda: len(pool.stats()["nodes"]) == 1, timeout=15)
+        a, b = make_keys(2, seed=16 if transport == "shm" else 17)
+        assert all(pool.put_batch([a, b], [payload(1), payload(2)]))
+        keys, offsets, lengths = [a, a, b], [0, 4096, 100], [4096, 1000, None]
+        want = [(1, 0, 4096), (1, 4096, 5096), (2, 100, BLOCK)]
+        for larger in (0, 64):  # exact destinations (cache, one pass), then larger ones
+            for _ in range(2):  # the first batch leases, the second runs from the cache
+                outs = [np.full(hi - lo + larger, 7, np.uint8) for _, lo, hi in want]
+                got = pool.get_into_batch(keys, outs, offsets=offsets, lengths=lengths)
+                assert got == [hi - lo for _, lo, hi in want]
+                for out, (i, lo, hi) in zip(outs, want, strict=True):
+                    assert np.array_equal(out[: hi - lo], payload(i)[lo:hi])
+                    assert (out[hi - lo :] == 7).all()
+        lease = pool._reads.cache.lookup(a, count=False)[2]  # type: ignore[index]
+        assert lease.pins == 0
+        first = np.zeros(100, np.uint8)
+        with pytest.raises(kvpool.BufferSpecError, match="outside the block"):
+            pool.get_into_batch(
+                [a, b], [first, np.zeros(100, np.uint8)], offsets=[0, BLOCK - 50], lengths=[100] * 2
+            )
+        assert not first.any() and lease.pins == 0  # checked before any byte moved
+        # Test-only surgery (as above): a's entry names b's range; the node (TCP) or the
+        # identity record (shm) refuses a's read, the per-read fallback takes b's range.
+        cache = pool._reads.cache._blocks
+        cache[a] = (cache[b][0], BLOCK, cache[a][2])
+        outs = [np.zeros(1000, np.uint8), np.zeros(1000, np.uint8)]
+        assert pool.get_into_batch([a, b], outs, offsets=[10, 20], lengths=[1000, 1000]) == [
+            None,
+            1000,
+        ]
+        assert not outs[0].any() and np.array_equal(outs[1], payload(2)[20:1020])
+        pool.remove(a)
+        pool.remove(b)

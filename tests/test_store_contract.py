@@ -436,6 +436,62 @@ def test_bad_ranges(loaded: KVStore, keys: list[bytes], offset: int, length: int
     assert_intact(loaded, keys)
 
 
+def test_batch_range_reads_return_exact_bytes(loaded: KVStore, keys: list[bytes]) -> None:
+    outs = [np.zeros(n, np.uint8) for n in (100, 5000, 10, 8)]
+    got = loaded.get_into_batch(
+        [keys[0], keys[0], keys[1], keys[3]],
+        outs,
+        offsets=[0, 1000, BLOCK - 10, 0],
+        lengths=[100, 5000, None, 8],
+    )
+    assert got == [100, 5000, 10, None]  # a miss stays a miss
+    assert np.array_equal(outs[0], payload(0)[:100])
+    assert np.array_equal(outs[1], payload(0)[1000:6000])
+    assert np.array_equal(outs[2], payload(1)[-10:])
+    assert not outs[3].any()
+    whole = [np.zeros(BLOCK, np.uint8), np.zeros(BLOCK, np.uint8)]
+    assert loaded.get_into_batch(keys[1:3], whole, offsets=[0, 0]) == [BLOCK, BLOCK]
+    assert loaded.get_into_batch(keys[1:3], whole, lengths=[BLOCK, 7]) == [BLOCK, 7]
+    assert np.array_equal(whole[1][:7], payload(2)[:7])
+
+
+@pytest.mark.parametrize(("offset", "length"), [(BLOCK, None), (0, BLOCK + 1), (BLOCK - 1, 2)])
+def test_batch_ranges_past_the_block(
+    loaded: KVStore, keys: list[bytes], offset: int, length: int | None
+) -> None:
+    out = np.zeros(BLOCK, np.uint8)
+    with pytest.raises(BufferSpecError):
+        loaded.get_into_batch([keys[2]], [out], offsets=[offset], lengths=[length])
+    assert not out.any()
+    assert_intact(loaded, keys)
+
+
+@pytest.mark.parametrize(
+    ("offsets", "lengths", "error"),
+    [
+        ([0], None, "one entry per key"),
+        (None, [1, 2, 3], "one entry per key"),
+        ([0, -1], None, "offset must be an int >= 0"),
+        ([0, True], None, "offset must be an int >= 0"),
+        (None, [5, 0], "length must be a positive int or None"),
+        ([0, 0], [5, 2.0], "length must be a positive int or None"),
+        (5, None, "must be sequences"),
+    ],
+)
+def test_bad_batch_ranges(
+    loaded: KVStore,
+    keys: list[bytes],
+    offsets: list[object] | None,
+    lengths: list[object] | None,
+    error: str,
+) -> None:
+    outs = [np.zeros(BLOCK, np.uint8), np.zeros(BLOCK, np.uint8)]
+    with pytest.raises((BufferSpecError, ValueError), match=error):
+        loaded.get_into_batch(keys[:2], outs, offsets=offsets, lengths=lengths)  # type: ignore[arg-type]
+    assert not outs[0].any() and not outs[1].any()
+    assert_intact(loaded, keys)
+
+
 def test_range_longer_than_out(loaded: KVStore, keys: list[bytes]) -> None:
     with pytest.raises(BufferSpecError, match="out has 10 bytes but 100 are asked"):
         loaded.get_into(keys[0], bytearray(10), offset=5, length=100)

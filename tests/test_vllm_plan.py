@@ -265,6 +265,62 @@ def test_a_block_missing_at_load_time_is_reported_for_recompute() -> None:
     assert counters.take().load_failed_blocks == 16
 
 
+class _LosesKey:
+    """An embedded pool whose batch reads of ``lost`` fail (its node died under
+    them): None in their place, the other reads' bytes as they are."""
+
+    def __init__(self, pool: Any, lost: bytes) -> None:
+        self.pool, self.lost = pool, lost
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.pool, name)
+
+    def get_into_batch(self, keys: Any, outs: Any, **ranges: Any) -> Any:
+        got = self.pool.get_into_batch(keys, outs, **ranges)
+        for i, key in enumerate(keys):
+            if key == self.lost:
+                outs[i][:] = 0
+                got[i] = None
+        return got
+
+
+def test_a_read_failing_in_a_layers_batch_fails_only_its_blocks() -> None:
+    """A layer's reads go in one batch into staging; a failed read leaves a gap there,
+    which the reads behind it close before the scatter: their pages land where they
+    belong, the failed block's vLLM blocks are reported and left unwritten."""
+    from kvpool.bindings.vllm.plan import LoadOp, SaveOp
+
+    g = geometry()
+    store, counters = embedded(), CounterSink()
+    src, dst = kv_caches(), kv_caches()
+    fill(src, seed=4)
+    saver = WorkerTransfers(g, store, counters)
+    saver.register(src, NUM_BLOCKS)
+    first, second = g.keys(request("r", 1100).prompt_token_ids, None)[0][:2]
+    saves = [SaveOp("r", [first], list(range(1, 17))), SaveOp("r", [second], list(range(17, 33)))]
+    for name, tensor in src.items():
+        saver.save_layer(name, tensor, saves)
+    saver.finish_saves(saves)
+    assert counters.take().saved_blocks == 2
+    losing = _LosesKey(store.get(), first)
+
+    class LosingHandle(StoreHandle):
+        def get(self) -> Any:
+            return losing
+
+    loader = WorkerTransfers(g, LosingHandle(store.config), counters)
+    loader.register(dst, NUM_BLOCKS)
+    dim = loader.pages.block_dim if loader.pages else -1
+    loader.start_load([LoadOp("r", [[first, second]], [0, 0], [16, 16], list(range(40, 72)))])
+    for name in dst:
+        loader.wait_layer(name)
+    assert loader.take_failed() == set(range(40, 56))
+    for name in src:
+        for i in range(16):
+            assert not page(dst[name], 40 + i, dim).any()
+            assert torch.equal(page(dst[name], 56 + i, dim), page(src[name], 17 + i, dim))
+
+
 def test_registered_caches_must_match_the_spec() -> None:
     with pytest.raises(ValueError, match="bytes"):
         PagedLayers(kv_caches(), NUM_BLOCKS, geometry(page_bytes=PAGE_BYTES * 2))
@@ -282,9 +338,9 @@ class _SlowStore:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.pool, name)
 
-    def get_into(self, *args: Any, **kw: Any) -> Any:
+    def get_into_batch(self, *args: Any, **kw: Any) -> Any:
         time.sleep(self.delay)
-        return self.pool.get_into(*args, **kw)
+        return self.pool.get_into_batch(*args, **kw)
 
 
 def test_a_stalled_load_times_out_and_never_writes_late() -> None:

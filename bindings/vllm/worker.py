@@ -2,10 +2,10 @@
 
 Loads (``start_load`` / ``wait_layer``): a background thread leases the
 kvpool blocks of this step's ``LoadOp``s, then goes layer by layer: one
-ranged ``get_into`` per (kvpool block, layer) into a staging buffer, one
-``index_copy_`` into the layer's paged cache, then that layer's event. The
-forward pass waits on the event of the layer it is about to run, so layer
-l+1 loads while layer l computes. A block that cannot be read (evicted, node
+``get_into_batch`` of a ranged read per kvpool block (pipelined per node) into
+a staging buffer, one ``index_copy_`` into the layer's paged cache, then that
+layer's event. The forward pass waits on the event of the layer it is about to
+run, so layer l+1 loads while layer l computes. A block that cannot be read (evicted, node
 down, timeout) marks its vLLM blocks failed; they are reported through
 ``take_failed`` and vLLM recomputes them (``kv_load_failure_policy:
 "recompute"``). After a failure or a timeout nothing more is written into
@@ -194,33 +194,44 @@ class WorkerTransfers:
     def _load_op_layer(
         self, store: KVStore, job: _Load, op: LoadOp, layer: int, leased: set[bytes]
     ) -> int:
-        """One layer of one op: a ranged read per kvpool block into staging, one
-        scatter into the paged cache; segments that fail (here or in an earlier
-        layer) are left out and their vLLM blocks marked failed. Bytes loaded."""
+        """One layer of one op: one batch of ranged reads (a range per kvpool block,
+        pipelined per node) into staging, one scatter into the paged cache;
+        segments that fail (here or in an earlier layer) are left out and their
+        vLLM blocks marked failed. Bytes loaded."""
         assert self.pages is not None and job.staging is not None
         g = self.geometry
         staging = job.staging
-        good: list[int] = []
-        filled = at = 0
+        # (vLLM block ids, key, where in staging, bytes, offset in the block) per read
+        plan: list[tuple[list[int], bytes, int, int, int]] = []
+        placed = at = 0
         for s, key in enumerate(op.keys[self.tp_rank]):
             n = op.num_pages[s]
             ids = op.block_ids[at : at + n]
             at += n
             if ids[0] in job.failed:
                 continue
-            size = n * g.page_bytes
-            target = staging[filled : filled + size]
-            ok = (
-                key in leased
-                and store.get_into(
-                    key, target, offset=g.layer_offset(layer, op.first_page[s]), length=size
-                )
-                == size
-            )
-            if not ok:
+            if key not in leased:
                 with job.lock:
                     job.failed.update(ids)
                 continue
+            size = n * g.page_bytes
+            plan.append((ids, key, placed, size, g.layer_offset(layer, op.first_page[s])))
+            placed += size
+        got = store.get_into_batch(
+            [key for _, key, _, _, _ in plan],
+            [staging[start : start + size] for _, _, start, size, _ in plan],
+            offsets=[offset for *_, offset in plan],
+            lengths=[size for _, _, _, size, _ in plan],
+        )
+        good: list[int] = []
+        filled = 0
+        for (ids, _, start, size, _), took in zip(plan, got, strict=True):
+            if took != size:
+                with job.lock:
+                    job.failed.update(ids)
+                continue
+            if start != filled:  # behind a failed read: close the gap (a copy: they overlap)
+                staging[filled : filled + size] = staging[start : start + size].clone()
             good.extend(ids)
             filled += size
         with job.lock:

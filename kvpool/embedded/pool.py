@@ -6,8 +6,9 @@ Eviction demotes a block one tier down (GPU -> DRAM -> SSD -> gone); a hit on
 SSD promotes the block back to DRAM.
 
 The parts: ``blocks`` (the table of committed blocks, the tiers, the lock),
-``reservations`` (the two-phase write path), ``handles`` (writer, lease);
-this module is the public API and the read path.
+``reservations`` (the two-phase write path), ``handles`` (writer, lease),
+``ssd_reads`` (an SSD hit read through DRAM); this module is the public API
+and the read path.
 
 Invariants:
 - Writes are two-phase (kvpool.embedded.reservations): until commit a key is
@@ -35,21 +36,22 @@ from kvpool.args import (
     check_out_fits,
     check_parent,
     check_read_range,
+    check_read_ranges,
     check_reserve_batch,
     check_reserve_size,
     data_region,
     out_region,
 )
-from kvpool.bindings.buffers import Region, copy_region_out, region_is_device
+from kvpool.bindings.buffers import Region, copy_region_out, plain_host
 from kvpool.config import PoolConfig
 from kvpool.embedded.blocks import BlockTable, Entry, open_tiers
 from kvpool.embedded.handles import EmbeddedBlockWriter, EmbeddedLease
 from kvpool.embedded.reservations import Reservations
+from kvpool.embedded.ssd_reads import read_ssd_block
 from kvpool.embedded.stats import PoolStats
 from kvpool.eviction import make_policy
 from kvpool.index.keys import KEY_BYTES
 from kvpool.layerwise.api import LayerwiseMethods
-from kvpool.storage.ssd_record import SsdRecord
 from kvpool.storage.ssd_tier import SsdTier
 
 _NDARRAY = np.ndarray  # a global, not a module attribute load, on the hot paths
@@ -217,11 +219,25 @@ class Pool(LayerwiseMethods):
             return self._get_into_region(key, out, offset, length)
         return self._get_into_region(key, out_region(out), offset, length)
 
-    def get_into_batch(self, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[int | None]:
-        """``get_into`` for each pair; all keys and buffers are checked first."""
+    def get_into_batch(
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[Buffer],
+        *,
+        offsets: Sequence[int] | None = None,
+        lengths: Sequence[int | None] | None = None,
+    ) -> list[int | None]:
+        """``get_into`` for each pair (each its range, ``KVStore.get_into_batch``);
+        all keys, buffers and ranges are checked first."""
         check_batch(keys, outs, what="outs")
-        regions = [out_region(o) for o in outs]
-        return [self._get_into_region(k, r) for k, r in zip(keys, regions, strict=True)]
+        ranges = check_read_ranges(len(keys), offsets, lengths)
+        regions = [o if plain_host(o, writable=True) and o.size else out_region(o) for o in outs]
+        if ranges is None:
+            return [self._get_into_region(k, r) for k, r in zip(keys, regions, strict=True)]
+        return [
+            self._get_into_region(k, r, start, take)
+            for k, r, start, take in zip(keys, regions, *ranges, strict=True)
+        ]
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:
         """For each key, whether a committed block is stored under it."""
@@ -289,7 +305,7 @@ class Pool(LayerwiseMethods):
         assert record is not None
         valid = False
         try:
-            valid = self._read_from_ssd(key, entry, ssd, record, None, 0, record.size)
+            valid = read_ssd_block(self._blocks, key, entry, ssd, record, None, 0, record.size)
         finally:
             with self._lock:
                 if not valid:
@@ -349,7 +365,7 @@ class Pool(LayerwiseMethods):
         try:
             if isinstance(tier, SsdTier):
                 assert record is not None
-                valid = self._read_from_ssd(key, entry, tier, record, dst, start, want)
+                valid = read_ssd_block(blocks, key, entry, tier, record, dst, start, want)
                 return want if valid else None
             offset += start
             copy_region_out(dst, tier.buffer[offset : offset + want])  # tier.region, inlined
@@ -363,37 +379,3 @@ class Pool(LayerwiseMethods):
                     blocks.lock.notify_all()
             finally:
                 mutex.release()
-
-    def _read_from_ssd(
-        self,
-        key: bytes,
-        entry: Entry,
-        ssd: SsdTier,
-        record: SsdRecord,
-        dst: Region | None,
-        start: int,
-        length: int,
-    ) -> bool:
-        """Read bytes of a pinned SSD block into ``dst`` through a DRAM slot, promoting
-        the whole block there; False (and the block dropped) if its checksum fails.
-        A large block is copied on to ``dst`` piece by piece as it lands, while the
-        rest still reads (on False ``dst`` holds no meaningful bytes, as on any miss).
-
-        With ``dst=None`` the block is only verified and promoted.
-        """
-        dram = self._tiers.dram
-        with self._lock:
-            slot_offset = self._blocks.dram_slot(record.size)
-        if slot_offset is not None:
-            staging = dram.region(slot_offset, dram.allocator.size_of(slot_offset))
-        elif dst is None or region_is_device(dst) or length != record.size:
-            staging = np.empty(record.size, np.uint8)
-        else:
-            staging = dst
-        if dst is None or staging is dst:
-            valid = ssd.read_into(record, staging)
-        else:
-            valid = ssd.read_copying(record, staging, dst, start, length)
-        with self._lock:
-            self._blocks.settle_ssd_read(key, entry, ssd, slot_offset, valid)
-        return valid

@@ -17,9 +17,10 @@ next (on 2 vCPUs, with compute as long as the load: overlap 1.14 at
 ``depth=1`` against 1.09 unbounded, best of 41 rounds, issue 17).
 ``depth=d`` throttles it to ``d`` layers past the last one asked for (layer 0
 starts at once either way), for a caller that wants the bandwidth meanwhile.
-Each layer is one ``get_into(key, ..., offset=, length=)`` per block for K
-and one for V, so the same code serves the embedded pool and the distributed
-client.
+Each layer is one ``get_into_batch`` of every block's K and V range
+(``offsets``/``lengths``), so the same code serves the embedded pool and the
+distributed client, which pipelines a layer's reads to each node in one
+exchange instead of a round trip per piece.
 
 Where the bytes land:
 - ``out=None``: the reader's own host buffers (one allocation for every
@@ -204,7 +205,11 @@ class LayerReader:
 
     def _run(self) -> None:
         layout = self.layout
-        half, layer_bytes = layout.half_layer_bytes, layout.layer_bytes
+        half = layout.half_layer_bytes
+        # A layer is one batch read: each block's K then its V (KVLayout), pipelined per
+        # node by a distributed client instead of a round trip per piece.
+        keys = [key for key in self.keys for _ in range(2)]
+        spans = [(i * half, (i + 1) * half) for i in range(len(self.keys))]
         for layer in range(layout.num_layers):
             with self._cond:
                 while layer > self._horizon and not self._closed:
@@ -212,19 +217,17 @@ class LayerReader:
                 if self._closed:
                     return
             k_region, v_region = self._regions[layer]
+            outs = [region[lo:hi] for lo, hi in spans for region in (k_region, v_region)]
+            offsets, lengths = layout.layer_ranges(layer, len(spans))
             try:
                 with self._side.enter(k_region if region_is_device(k_region) else v_region, None):
-                    for i, key in enumerate(self.keys):
-                        lo, hi = i * half, (i + 1) * half
-                        for region, start in ((k_region, 0), (v_region, half)):
-                            got = self._pool.get_into(
-                                key, region[lo:hi], offset=layer * layer_bytes + start, length=half
-                            )
-                            if got != half:
-                                raise KVPoolError(
-                                    f"leased block {key.hex()} returned {got} bytes of layer "
-                                    f"{layer}, expected {half}"
-                                )
+                    got = self._pool.get_into_batch(keys, outs, offsets=offsets, lengths=lengths)
+                for key, took in zip(keys, got, strict=True):
+                    if took != half:
+                        raise KVPoolError(
+                            f"leased block {key.hex()} returned {took} bytes of layer "
+                            f"{layer}, expected {half}"
+                        )
             except BaseException as exc:
                 with self._cond:
                     self._error = exc

@@ -30,12 +30,12 @@ from contextlib import contextmanager
 import numpy as np
 
 from kvpool.api import Buffer
-from kvpool.args import block_range, check_out_fits, out_region
+from kvpool.args import Ranges, block_range, check_out_fits, out_region
 from kvpool.bindings.buffers import Region, plain_host, region_nbytes
 from kvpool.cluster.client.handles import RemoteLease
 from kvpool.cluster.client.lease_cache import CachedLease, LeaseCache
 from kvpool.cluster.client.lease_replies import Order, fulfil_order, wait_for_room
-from kvpool.cluster.client.replica_reads import node_failed, read_from, read_replicas
+from kvpool.cluster.client.replica_reads import node_failed, read_node, read_replicas
 from kvpool.cluster.client.session import TRANSFER_ERRORS, ClientSession, Placement, Read
 from kvpool.cluster.wire import (
     LEASE,
@@ -46,7 +46,7 @@ from kvpool.cluster.wire import (
     LeaseRequest,
     ReleaseRequest,
 )
-from kvpool.errors import KVPoolError, StaleReadError, StaleWriteError
+from kvpool.errors import KVPoolError
 from kvpool.transport.shm import ShmTransport
 from kvpool.transport.tcp import TcpTransport
 
@@ -131,22 +131,25 @@ class LeasedReads:
             hit[2].pins -= 1  # LeaseCache.unpin, inlined
             lock.release()
 
-    def read_batch(self, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[int | None]:
+    def read_batch(
+        self, keys: Sequence[bytes], outs: Sequence[Buffer], ranges: Ranges | None = None
+    ) -> list[int | None]:
         """``get_into_batch``: one pipelined exchange per node, replicas on failure.
-        Every destination is checked (``out_region``), and against its block's size,
-        before any read."""
+        ``ranges``: (starts, lengths) of the reads (``args.check_read_ranges``), None
+        for whole blocks. Every destination is checked (``out_region``), and against
+        its range in its block (a range past the end raises), before any read."""
         self._session.check_open()
         lock = self._lock
         lock.acquire()  # (acquire/release, not ``with``: the batch's hot path)
         hits = self.cache.pin_all(keys)
         lock.release()
-        if hits and (read := self._read_cached(keys, outs, hits)) is not None:
+        if hits and (read := self._read_cached(keys, outs, hits, ranges)) is not None:
             return read
         regions = [o if plain_host(o, writable=True) else out_region(o) for o in outs]
         found = self._resolve(keys)
         try:
             sizes: list[int | None] = [None] * len(keys)
-            # node -> (indices, whole-block reads) of the blocks read from it
+            # node -> (indices, reads) of the blocks read from it
             by_node: dict[str, tuple[list[int], list[Read]]] = {}
             preferred = self._session.preferred
             for i, key in enumerate(keys):
@@ -154,43 +157,40 @@ class LeasedReads:
                 if hit is None:
                     continue
                 placements, size, _ = hit
+                start, want = (0, size) if ranges is None else _range(ranges, i, size)
                 region = regions[i]
                 have = region.nbytes if type(region) is _NDARRAY else region_nbytes(region)
-                if have != size:
-                    check_out_fits(region, size)  # raises the usual error when short
-                    region = region[:size]
-                sizes[i] = size
+                if have != want:
+                    check_out_fits(region, want)  # raises the usual error when short
+                    region = region[:want]
+                sizes[i] = want
                 placement = placements[0] if len(placements) == 1 else preferred(placements)
                 located = by_node.get(placement.node_id)
                 if located is None:
                     located = by_node[placement.node_id] = ([], [])
                 located[0].append(i)
-                located[1].append((placement.offset, region, key, placement.offset))
-            session = self._session
-            for node_id, (indices, plan) in by_node.items():
-                if session.suspects.may_read(node_id):  # (suspected: one try a second)
-                    try:  # one pipelined exchange per node
-                        read_from(session, node_id, plan)
-                    except (StaleReadError, StaleWriteError):
-                        pass
-                    except TRANSFER_ERRORS:
-                        node_failed(session, node_id)
-                    else:
-                        session.suspects.cleared(node_id)
-                        session.counts["hits"] += len(indices)
-                        continue
+                located[1].append((placement.offset + start, region, key, placement.offset))
+            for node_id, (indices, plan) in by_node.items():  # one exchange per node
+                if read_node(self._session, node_id, plan):
+                    continue
                 for i in indices:  # failed or skipped there: each tries its other replicas
-                    sizes[i] = self.read_range(keys[i], found[keys[i]], regions[i], 0, None)
+                    start, take = (0, None) if ranges is None else (ranges[0][i], ranges[1][i])
+                    sizes[i] = self.read_range(keys[i], found[keys[i]], regions[i], start, take)
             return sizes
         finally:
             self._unpin_found(found)
 
     def _read_cached(
-        self, keys: Sequence[bytes], outs: Sequence[Buffer], hits: list[Found]
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[Buffer],
+        hits: list[Found],
+        ranges: Ranges | None,
     ) -> list[int | None] | None:
         """The common batch in one pass (``hits``: ``pin_all``'s, unpinned here): every
         block cached with one replica, all on one node, each destination a plain host
-        array of its block's size, read in one pipelined exchange. Their sizes; or
+        array of its range's size (``ranges`` as ``read_batch``'s; a range past its
+        block's end raises), read in one pipelined exchange. Their sizes; or
         None when the batch is not that one, or its read failed or was refused: no
         read counted, and the caller's general path takes the batch whole (its checks,
         errors, replicas and misses; a failed node is suspected already, so it is not
@@ -202,35 +202,26 @@ class LeasedReads:
         node_id = first[0].node_id if first else ""
         items: list[Read] = []
         sizes: list[int | None] = []
-        session, read = self._session, False
+        read = False
         try:
-            for key, out, (placements, size, _) in zip(keys, outs, hits, strict=True):
-                if len(placements) != 1 or not plain_host(out, writable=True) or out.nbytes != size:
+            for i, (key, out, hit) in enumerate(zip(keys, outs, hits, strict=True)):
+                placements, size, _ = hit
+                start, want = (0, size) if ranges is None else _range(ranges, i, size)
+                if len(placements) != 1 or not plain_host(out, writable=True) or out.nbytes != want:
                     return None
                 block = placements[0]
                 if block.node_id != node_id:
                     return None
-                items.append((block.offset, out, key, block.offset))
-                sizes.append(size)
-            if not session.suspects.may_read(node_id):
-                return None
-            try:
-                read_from(session, node_id, items)
-            except (StaleReadError, StaleWriteError):
-                return None
-            except TRANSFER_ERRORS:
-                node_failed(session, node_id)
-                return None
-            read = True
+                items.append((block.offset + start, out, key, block.offset))
+                sizes.append(want)
+            read = read_node(self._session, node_id, items)
         finally:
             with self._lock:
                 if read:
                     self.cache.unpin_read(keys, hits)
                 else:
                     self.cache.unpin_all([lease for _, _, lease in hits])
-        session.suspects.cleared(node_id)
-        session.counts["hits"] += len(items)
-        return sizes
+        return sizes if read else None
 
     def lease(self, keys: Sequence[bytes], prefix: bool) -> RemoteLease:
         """Pin the stored prefix of ``keys`` (or every stored key) until released."""
@@ -394,3 +385,9 @@ class LeasedReads:
         if order is not None:
             fulfil_order(self._session, key, order, dst[:want])
         return got
+
+
+def _range(ranges: Ranges, i: int, size: int) -> tuple[int, int]:
+    """Read ``i``'s (start, bytes) in its block of ``size`` (past its end: raises)."""
+    start, take = ranges[0][i], ranges[1][i]
+    return start, size if not start and take is None else block_range(start, take, size)

@@ -36,6 +36,7 @@ from kvpool.args import (
     check_keys,
     check_parent,
     check_read_range,
+    check_read_ranges,
     check_reserve_batch,
     check_reserve_size,
     data_region,
@@ -243,11 +244,19 @@ class RemotePool(LayerwiseMethods):
         self.flush()
         return self._reads.read_into(key, dst, offset, length)
 
-    def get_into_batch(self, keys: Sequence[bytes], outs: Sequence[Buffer]) -> list[int | None]:
-        """``get_into`` for each pair; at most one lease round trip for the whole batch."""
+    def get_into_batch(
+        self,
+        keys: Sequence[bytes],
+        outs: Sequence[Buffer],
+        *,
+        offsets: Sequence[int] | None = None,
+        lengths: Sequence[int | None] | None = None,
+    ) -> list[int | None]:
+        """``KVStore.get_into_batch``: one lease round trip at most, one exchange per node."""
         check_batch(keys, outs, what="outs")
+        ranges = check_read_ranges(len(keys), offsets, lengths)
         self.flush()
-        return self._reads.read_batch(keys, outs)
+        return self._reads.read_batch(keys, outs, ranges)
 
     def lease(self, keys: Sequence[bytes], *, prefix: bool = True) -> RemoteLease:
         """Pin the stored prefix of ``keys`` (or every stored key) until released."""
@@ -280,10 +289,7 @@ class RemotePool(LayerwiseMethods):
                 alloc_id, node_id, offset = alloc
                 hit = found.get(key)
                 staging = np.empty(hit[1] if hit else 0, np.uint8)
-                if (
-                    hit is None
-                    or read_replicas(session, key, hit[0], staging, 0, staging.size) is None
-                ):
+                if hit is None or read_replicas(session, key, hit[0], staging, 0, hit[1]) is None:
                     failed.append(alloc_id)
                     continue
                 stamp = WriteStamp(reply.epoch, alloc_id, offset, staging.size, key)

@@ -61,6 +61,25 @@ def read_replicas(
     return None
 
 
+def read_node(session: ClientSession, node_id: str, items: list[Read]) -> bool:
+    """A batch's reads from one node (``read_from``) unless it is suspected: True
+    once all landed (the node cleared, the reads counted as hits); False if it was
+    skipped, failed (suspected now: ``node_failed``) or refused a block as stale --
+    each read's fallback (``read_replicas``) then decides what that read gets."""
+    if not session.suspects.may_read(node_id):  # (suspected: one try a second)
+        return False
+    try:
+        read_from(session, node_id, items)
+    except (StaleReadError, StaleWriteError):
+        return False
+    except TRANSFER_ERRORS:
+        node_failed(session, node_id)
+        return False
+    session.suspects.cleared(node_id)
+    session.counts["hits"] += len(items)
+    return True
+
+
 def read_from(session: ClientSession, node_id: str, items: list[Read]) -> None:
     """Reads (offset, destination, key, block offset) from one node; a same-host
     copy checks the block's identity record (kvpool.transport.shm_ident) the way

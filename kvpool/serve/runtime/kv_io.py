@@ -248,15 +248,17 @@ class BlockLayerLoader:
                 ev.set()
 
     def _load_layer(self, layer: int) -> None:
+        """One batch read of the layer's K and V range of every block (pipelined per
+        node by a distributed client)."""
         k_dst, v_dst = self._dest[layer]
-        lay, bt = self.layout, self.layout.block_tokens
-        base, half = layer * lay.layer_bytes, lay.half_layer_bytes
-        for i, key in enumerate(self.keys):
-            for dst, offset in ((k_dst, base), (v_dst, base + half)):
-                out = _byte_view(dst[i * bt : (i + 1) * bt])
-                got = self._pool.get_into(key, out, offset=offset, length=half)
-                if got != half:
-                    raise KVMissingError(f"block {key.hex()} layer {layer} could not be read")
+        bt, n = self.layout.block_tokens, len(self.keys)
+        keys = [key for key in self.keys for _ in range(2)]
+        outs = [_byte_view(dst[i * bt : (i + 1) * bt]) for i in range(n) for dst in (k_dst, v_dst)]
+        offsets, lengths = self.layout.layer_ranges(layer, n)
+        got = self._pool.get_into_batch(keys, outs, offsets=offsets, lengths=lengths)
+        for key, took in zip(keys, got, strict=True):
+            if took != self.layout.half_layer_bytes:
+                raise KVMissingError(f"block {key.hex()} layer {layer} could not be read")
 
     def wait_layer(self, layer: int) -> tuple[Tensor, Tensor]:
         """Layer ``layer``'s loaded rows ``(K, V)``; raises if the load failed."""

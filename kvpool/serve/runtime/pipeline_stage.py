@@ -197,15 +197,18 @@ class Stage:
         """This stage's layers of the cached prefix blocks, straight into its KV buffers."""
         lay = self.model.cfg.kv_layout()
         bt, half = lay.block_tokens, lay.half_layer_bytes
-        for layer, (k_buf, v_buf) in req.kv.items():
-            for i, key in enumerate(keys):
-                for buf, off in ((k_buf, 0), (v_buf, half)):
-                    out = buf[i * bt : (i + 1) * bt].reshape(-1).view(torch.uint8)
-                    got = self.pool.get_into(
-                        key, out, offset=layer * lay.layer_bytes + off, length=half
-                    )
-                    if got != half:
-                        raise RuntimeError(f"cached block {key.hex()} vanished")
+        pieces = [key for key in keys for _ in range(2)]  # each block's K, then its V
+        for layer, (k_buf, v_buf) in req.kv.items():  # a layer: one batch read
+            outs = [
+                buf[i * bt : (i + 1) * bt].reshape(-1).view(torch.uint8)
+                for i in range(len(keys))
+                for buf in (k_buf, v_buf)
+            ]
+            offsets, lengths = lay.layer_ranges(layer, len(keys))
+            got = self.pool.get_into_batch(pieces, outs, offsets=offsets, lengths=lengths)
+            for key, took in zip(pieces, got, strict=True):
+                if took != half:
+                    raise RuntimeError(f"cached block {key.hex()} vanished")
 
     def _loop(self) -> None:
         torch.set_grad_enabled(False)
