@@ -223,13 +223,13 @@ def test_reader_overlaps_a_slow_consumer(pool: Pool, monkeypatch: pytest.MonkeyP
     4 layers take ~200 ms with prefetch against 320 ms one after the other."""
     keys, kv = make_keys(1), layers(1)
     store(pool, keys, kv)
-    real = pool.get_into
+    real = pool.get_into_batch
 
-    def slow_get_into(*args: Any, **kw: Any) -> Any:
-        time.sleep(0.02)  # two calls (K, V) per layer
+    def slow_batch(*args: Any, **kw: Any) -> Any:
+        time.sleep(0.04)  # one call (every block's K and V) per layer
         return real(*args, **kw)
 
-    monkeypatch.setattr(pool, "get_into", slow_get_into)
+    monkeypatch.setattr(pool, "get_into_batch", slow_batch)
     start = time.perf_counter()
     with pool.layer_reader(keys, LAYOUT) as reader:
         for layer in range(LAYOUT.num_layers):

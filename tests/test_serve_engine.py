@@ -324,6 +324,11 @@ class _FailingReads:
             raise OSError("connection reset by peer")
         return self._pool.get_into(key, out, **kw)
 
+    def get_into_batch(self, keys: Any, outs: Any, **kw: Any) -> list[int | None]:
+        if self._bad.intersection(keys):  # a layer's batch of ranges names a bad block
+            raise OSError("connection reset by peer")
+        return self._pool.get_into_batch(keys, outs, **kw)
+
 
 @pytest.mark.parametrize("overlap", [True, False])
 def test_failed_kv_load_fails_only_its_request(
