@@ -5,9 +5,9 @@ kvpool blocks of this step's ``LoadOp``s, then goes layer by layer: one
 ``get_into_batch`` of a ranged read per kvpool block (pipelined per node) into
 a staging buffer, one ``index_copy_`` into the layer's paged cache, then that
 layer's event. The forward pass waits on the event of the layer it is about to
-run, so layer l+1 loads while layer l computes. A block that cannot be read (evicted, node
-down, timeout) marks its vLLM blocks failed; they are reported through
-``take_failed`` and vLLM recomputes them (``kv_load_failure_policy:
+run, so layer l+1 loads while layer l computes. A block that cannot be read
+(evicted, node down, timeout) marks its vLLM blocks failed; they are reported
+through ``take_failed`` and vLLM recomputes them (``kv_load_failure_policy:
 "recompute"``). After a failure or a timeout nothing more is written into
 those blocks (``_Load.cancel``), so a late copy can never land in a block
 vLLM is recomputing.
@@ -217,11 +217,15 @@ class WorkerTransfers:
             size = n * g.page_bytes
             plan.append((ids, key, placed, size, g.layer_offset(layer, op.first_page[s])))
             placed += size
-        got = store.get_into_batch(
-            [key for _, key, _, _, _ in plan],
-            [staging[start : start + size] for _, _, start, size, _ in plan],
-            offsets=[offset for *_, offset in plan],
-            lengths=[size for _, _, _, size, _ in plan],
+        got = (
+            store.get_into_batch(
+                [key for _, key, _, _, _ in plan],
+                [staging[start : start + size] for _, _, start, size, _ in plan],
+                offsets=[offset for *_, offset in plan],
+                lengths=[size for _, _, _, size, _ in plan],
+            )
+            if plan
+            else []
         )
         good: list[int] = []
         filled = 0

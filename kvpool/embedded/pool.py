@@ -227,8 +227,9 @@ class Pool(LayerwiseMethods):
         offsets: Sequence[int] | None = None,
         lengths: Sequence[int | None] | None = None,
     ) -> list[int | None]:
-        """``get_into`` for each pair (each its range, ``KVStore.get_into_batch``);
-        all keys, buffers and ranges are checked first."""
+        """``get_into`` for each pair (each its range, ``KVStore.get_into_batch``): keys,
+        buffers and range arguments checked first, each range against its block as
+        that read comes."""
         check_batch(keys, outs, what="outs")
         ranges = check_read_ranges(len(keys), offsets, lengths)
         regions = [o if plain_host(o, writable=True) and o.size else out_region(o) for o in outs]
