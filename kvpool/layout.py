@@ -8,6 +8,7 @@ computed under one layout is meaningless under another.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 _DTYPE_BYTES = {
@@ -58,12 +59,15 @@ class KVLayout:
         """Bytes of a whole block across all layers."""
         return self.num_layers * self.layer_bytes
 
-    def layer_ranges(self, layer: int, num_blocks: int) -> tuple[list[int], list[int | None]]:
-        """``get_into_batch``'s offsets and lengths that read ``layer`` of
-        ``num_blocks`` blocks: each block's K range, then its V range (its key
-        named twice in a row)."""
+    def layer_reads(
+        self, layer: int, keys: Sequence[bytes]
+    ) -> tuple[list[bytes], list[int], list[int | None]]:
+        """``get_into_batch``'s keys, offsets and lengths that read ``layer`` of the
+        blocks ``keys``: each block's K range, then its V range (each key named twice
+        in a row; the caller's outs follow the same order)."""
         base, half = layer * self.layer_bytes, self.half_layer_bytes
-        return [base, base + half] * num_blocks, [half] * (2 * num_blocks)
+        pieces = [key for key in keys for _ in range(2)]
+        return pieces, [base, base + half] * len(keys), [half] * len(pieces)
 
     @property
     def bytes_per_token(self) -> int:

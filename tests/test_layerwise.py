@@ -348,6 +348,16 @@ def store_all(writer: LayerWriter, kv: list[tuple[np.ndarray, np.ndarray]]) -> N
     writer.wait()
 
 
+def test_layer_reads_name_each_blocks_k_then_v() -> None:
+    a, b = make_keys(2)
+    keys, offsets, lengths = LAYOUT.layer_reads(3, [a, b])
+    base, half = 3 * LAYOUT.layer_bytes, LAYOUT.half_layer_bytes
+    assert keys == [a, a, b, b]
+    assert offsets == [base, base + half, base, base + half]
+    assert lengths == [half] * 4
+    assert LAYOUT.layer_reads(0, []) == ([], [], [])
+
+
 def test_bench_layerwise_smoke(tmp_path: Any) -> None:
     pytest.importorskip("torch")
     import argparse

@@ -231,13 +231,12 @@ class Pool(LayerwiseMethods):
         buffers and range arguments checked first, each range against its block as
         that read comes."""
         check_batch(keys, outs, what="outs")
-        ranges = check_read_ranges(len(keys), offsets, lengths)
+        n = len(keys)
+        starts, takes = check_read_ranges(n, offsets, lengths) or ([0] * n, [None] * n)
         regions = [o if plain_host(o, writable=True) and o.size else out_region(o) for o in outs]
-        if ranges is None:
-            return [self._get_into_region(k, r) for k, r in zip(keys, regions, strict=True)]
         return [
             self._get_into_region(k, r, start, take)
-            for k, r, start, take in zip(keys, regions, *ranges, strict=True)
+            for k, r, start, take in zip(keys, regions, starts, takes, strict=True)
         ]
 
     def exists(self, keys: Sequence[bytes]) -> list[bool]:

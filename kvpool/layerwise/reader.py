@@ -208,7 +208,6 @@ class LayerReader:
         half = layout.half_layer_bytes
         # A layer is one batch read: each block's K then its V (KVLayout), pipelined per
         # node by a distributed client instead of a round trip per piece.
-        keys = [key for key in self.keys for _ in range(2)]
         spans = [(i * half, (i + 1) * half) for i in range(len(self.keys))]
         for layer in range(layout.num_layers):
             with self._cond:
@@ -218,7 +217,7 @@ class LayerReader:
                     return
             k_region, v_region = self._regions[layer]
             outs = [region[lo:hi] for lo, hi in spans for region in (k_region, v_region)]
-            offsets, lengths = layout.layer_ranges(layer, len(spans))
+            keys, offsets, lengths = layout.layer_reads(layer, self.keys)
             try:
                 with self._side.enter(k_region if region_is_device(k_region) else v_region, None):
                     got = self._pool.get_into_batch(keys, outs, offsets=offsets, lengths=lengths)

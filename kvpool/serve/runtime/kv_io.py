@@ -252,9 +252,8 @@ class BlockLayerLoader:
         node by a distributed client)."""
         k_dst, v_dst = self._dest[layer]
         bt, n = self.layout.block_tokens, len(self.keys)
-        keys = [key for key in self.keys for _ in range(2)]
+        keys, offsets, lengths = self.layout.layer_reads(layer, self.keys)
         outs = [_byte_view(dst[i * bt : (i + 1) * bt]) for i in range(n) for dst in (k_dst, v_dst)]
-        offsets, lengths = self.layout.layer_ranges(layer, n)
         got = self._pool.get_into_batch(keys, outs, offsets=offsets, lengths=lengths)
         for key, took in zip(keys, got, strict=True):
             if took != self.layout.half_layer_bytes:

@@ -197,14 +197,13 @@ class Stage:
         """This stage's layers of the cached prefix blocks, straight into its KV buffers."""
         lay = self.model.cfg.kv_layout()
         bt, half = lay.block_tokens, lay.half_layer_bytes
-        pieces = [key for key in keys for _ in range(2)]  # each block's K, then its V
         for layer, (k_buf, v_buf) in req.kv.items():  # a layer: one batch read
+            pieces, offsets, lengths = lay.layer_reads(layer, keys)
             outs = [
                 buf[i * bt : (i + 1) * bt].reshape(-1).view(torch.uint8)
                 for i in range(len(keys))
                 for buf in (k_buf, v_buf)
             ]
-            offsets, lengths = lay.layer_ranges(layer, len(keys))
             got = self.pool.get_into_batch(pieces, outs, offsets=offsets, lengths=lengths)
             for key, took in zip(pieces, got, strict=True):
                 if took != half:
