@@ -357,6 +357,30 @@ def test_pieces_of_several_blocks_in_one_batch(store: KVStore, keys: list[bytes]
         BlockWriter.write_pieces([(group[1], 0, b"late")])
 
 
+def test_adjacent_pieces_of_a_block_in_one_batch(store: KVStore, keys: list[bytes]) -> None:
+    """A layer-wise store's batch: each block's pieces back to back (K then V of a
+    layer: the cluster client sends such a run as one write), then a piece that does
+    not follow; each block reads back as its pieces would have written it."""
+    eighth = BLOCK // 8
+    writers = [store.reserve(keys[i], BLOCK) for i in range(2)]
+    group: list[BlockWriter] = [w for w in writers if w is not None]
+    assert len(group) == 2
+    for layer in (1, 0):  # two eighths a layer, adjacent in each block
+        at = 2 * layer * eighth
+        BlockWriter.write_pieces(
+            [(w, at + half * eighth, payload(i)[at + half * eighth : at + (half + 1) * eighth])
+             for i, w in enumerate(group) for half in (0, 1)]
+        )  # fmt: skip
+    BlockWriter.write_pieces(
+        [(w, at, payload(i)[at : at + eighth]) for i, w in enumerate(group)
+         for at in (6 * eighth, 4 * eighth, 5 * eighth)]
+        + [(group[0], 7 * eighth, payload(0)[7 * eighth :])]
+        + [(group[1], 7 * eighth, payload(1)[7 * eighth :])]
+    )  # fmt: skip
+    BlockWriter.commit_all(group)
+    assert [store.get(k) for k in keys[:2]] == [payload(0).tobytes(), payload(1).tobytes()]
+
+
 @pytest.mark.parametrize("warm", [False, True], ids=["first-put", "later-puts"])
 def test_a_put_racing_a_reservation_of_its_key(
     new_store: Callable[[], KVStore], keys: list[bytes], kind: str, warm: bool

@@ -253,16 +253,35 @@ class TcpTransport(Transport):
         return region
 
     def stamped(self, items: Sequence[tuple[int, bytes, int, Any]]) -> list[int]:
-        """Fenced ops (op, packed stamp, offset, data or None) on one connection,
-        pipelined: each one's status (tcp_wire ST_OK, ST_STALE or ST_BUSY)."""
+        """Fenced ops (op, packed stamp, offset, data) on one connection, pipelined
+        and sent in one gather send: each one's status (tcp_wire ST_OK, ST_STALE or
+        ST_BUSY). ``data`` is None, a buffer, or a list of buffers whose bytes go
+        back to back as the op's one payload (adjacent pieces of one block:
+        ``fenced.write_parts``)."""
         plan = [
-            (op, stamp, offset, None if data is None else self._source(offset, data))
+            (op, stamp, offset, None if data is None else self._payload(offset, data))
             for op, stamp, offset, data in items
         ]
         out: list[int] = []
         self._io(lambda conn: out.extend(conn.stamped_many(plan)))
-        self.bytes_written += sum(r.nbytes for _, _, _, r in plan if r is not None)
+        self.bytes_written += sum(_nbytes(r) for _, _, _, r in plan if r is not None)
         return out
+
+    def _payload(self, offset: int, data: Any) -> Any:
+        """``_source`` of a buffer, or of a list of buffers sent back to back (device
+        ones staged together into one host buffer)."""
+        if not isinstance(data, list):
+            return self._source(offset, data)
+        regions = [as_region(r, what="data") for r in data]
+        sizes = [region_nbytes(r) for r in regions]
+        check_range(offset, sum(sizes), self.info.size)
+        if not any(region_is_device(r) for r in regions):
+            return regions
+        host, at = _staging(sum(sizes)), 0
+        for region, n in zip(regions, sizes, strict=True):
+            copy_region(host[at : at + n], region)
+            at += n
+        return host
 
     def stamped_one(
         self,
@@ -340,6 +359,11 @@ def _raise_transfer_error(node_id: str, exc: BaseException) -> NoReturn:
     if isinstance(exc, (TimeoutError, BlockingIOError)):  # BlockingIOError: SO_RCVTIMEO/SNDTIMEO
         raise CallTimeoutError(f"data transfer with {node_id} timed out") from exc
     raise ConnectionLostError(f"data connection to {node_id}: {exc}") from exc
+
+
+def _nbytes(payload: Any) -> int:
+    """Bytes of a ``_payload``: one host region or a list of them."""
+    return sum(r.nbytes for r in payload) if isinstance(payload, list) else int(payload.nbytes)
 
 
 def _staging(n: int) -> np.ndarray:

@@ -288,28 +288,32 @@ class DataConn:
         return self.stamped_statuses(self.stamped_send(plan), self._sent - sent)
 
     def stamped_send(self, plan: list[tuple[int, bytes, int, Any]]) -> list[int]:
-        """Send fenced ops; their request ids, for ``stamped_statuses``. Payload-less
-        ops next to each other (a refill's claims taken ahead, seals, releases) leave
-        in one ``sendall``: on loopback each send runs the node's receive path on this
-        CPU, and each wakes the node once (issue 17)."""
+        """Send fenced ops (op, packed stamp, offset, payload: None, a host buffer, or a
+        list of them sent back to back as the op's bytes); their request ids, for
+        ``stamped_statuses``. The whole run leaves in one gather ``sendmsg`` (more only
+        past ``tcp_wire.IOV_MAX`` parts or a short send): on loopback each send runs the
+        node's receive path on this CPU and wakes the node once (issue 17, session 47)."""
         rids = self._next_rids(len(plan))
-        heads: list[bytes] = []
+        parts: list[bytes | memoryview] = []
+        heads = bytearray()  # requests since the last payload: one part (a refill's claims)
+        sent = self._sent
         for rid, (op, stamp, off, data) in zip(rids, plan, strict=True):
             if data is None:
-                heads.append(w.REQ.pack(op, 0, rid, off, 0) + stamp)
+                heads += w.REQ.pack(op, 0, rid, off, 0) + stamp
                 continue
-            self._send_heads(heads)
-            self._send_request(op, rid, off, data, stamp)
-        self._send_heads(heads)
-        return rids
-
-    def _send_heads(self, heads: list[bytes]) -> None:
-        """Send (then forget) the payload-less requests queued in ``heads``, in one call."""
-        if heads:
-            blob = b"".join(heads)
-            self.sock.sendall(blob)
-            self._sent += len(blob)
+            views = [w.byte_view(d) for d in (data if isinstance(data, list) else [data])]
+            n = sum(v.nbytes for v in views)
+            pad = w.write_pad(sent + len(heads) + w.REQ.size + len(stamp))
+            heads += w.REQ.pack(op, pad, rid, off, n) + stamp + _ZEROS[:pad]
+            parts += (bytes(heads), *views)
+            sent += len(heads) + n
             heads.clear()
+        if heads:
+            parts.append(bytes(heads))
+            sent += len(heads)
+        w.send_all(self.sock, parts)
+        self._sent = sent
+        return rids
 
     def _send_request(self, op: int, rid: int, off: int, data: Any, extra: bytes) -> None:
         """REQ + ``extra`` (a STAMP) [+ pad + payload] in one gather send; a

@@ -106,6 +106,7 @@ ST_STALE, ST_BUSY = 6, 7  # the write fence refused the stamp (kvpool.transport.
 
 SOCK_BUF = 8 * 1024 * 1024
 MAX_CHUNK = 1 << 30  # per recv_into/send call; keeps counts well inside int limits
+IOV_MAX = 512  # buffers one scatter/gather call takes at most (Linux refuses over 1024)
 #: Replies up to this many bytes are received with one blocking ``MSG_WAITALL`` call;
 #: larger ones with plain receives that return what has arrived. Why (issue 17,
 #: session 9, loopback, client and node pinned apart): a 1 MiB checked read ran at
@@ -284,9 +285,10 @@ def _skip(views: list[memoryview], n: int) -> None:
 
 def _iov(views: list[memoryview]) -> list[memoryview]:
     """The views one scatter/gather call may take: up to the first over ``MAX_CHUNK``,
-    cut to it (the views after it wait: the stream's bytes stay in order)."""
+    cut to it, and ``IOV_MAX`` at most (the views after them wait: the stream's bytes
+    stay in order)."""
     out = []
-    for v in views:
+    for v in views[:IOV_MAX]:
         if v.nbytes > MAX_CHUNK:
             out.append(v[:MAX_CHUNK])
             break

@@ -21,7 +21,7 @@ import contextlib
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 
-from kvpool.bindings.buffers import Region
+from kvpool.bindings.buffers import Region, region_nbytes
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import Transport
 from kvpool.transport.fencing import WriteStamp
@@ -132,13 +132,16 @@ def write_parts(
 ) -> list[int]:
     """Pieces of reserved blocks on one node, (stamp, offset absolute in the node's
     region, bytes): each piece's status. Over TCP every piece carries its stamp, all
-    in one pipelined exchange. Another transport's copies are bracketed by a claim
-    and a release of each distinct stamp, pipelined (two round trips for the lot),
-    held only while these bytes move, so a writer that idles between calls never
-    keeps a newer allocation off the range; pieces of a refused stamp are not
-    copied."""
+    in one pipelined exchange, and a run of adjacent pieces of one block (a layer's
+    K then V) goes as one write (``adjacent_runs``). Another transport's copies are
+    bracketed by a claim and a release of each distinct stamp, pipelined (two round
+    trips for the lot), held only while these bytes move, so a writer that idles
+    between calls never keeps a newer allocation off the range; pieces of a refused
+    stamp are not copied."""
     if isinstance(data, TcpTransport):
-        return data.stamped([(w.OP_WRITE_PART, s.pack(), off, src) for s, off, src in items])
+        runs = adjacent_runs(items)
+        statuses = data.stamped([(w.OP_WRITE_PART, s.pack(), off, srcs) for s, off, srcs in runs])
+        return [status for (_, _, srcs), status in zip(runs, statuses, strict=True) for _ in srcs]
     stamps = list(dict.fromkeys(stamp for stamp, _, _ in items))
     try:
         claims = dict(zip(stamps, ops(control, w.OP_CLAIM, stamps), strict=True))
@@ -152,6 +155,28 @@ def write_parts(
     finally:
         ops(control, w.OP_RELEASE, [s for s in stamps if claims[s] == OK])
     return [claims[stamp] for stamp, _, _ in items]
+
+
+def adjacent_runs(
+    items: Sequence[tuple[WriteStamp, int, Region]],
+) -> list[tuple[WriteStamp, int, list[Region]]]:
+    """``items`` as runs (stamp, offset, pieces): consecutive pieces of one stamp,
+    each starting where the one before it ended, in one run; order kept.
+
+    Why: a stamped write costs the node mostly per request (the header's receive,
+    the fence's claim and seal, the answer): a layer-wise store of 128 KiB K and V
+    pieces over loopback moved 3.1 GB/s one request a piece, 3.7-3.8 one a block's
+    K and V (issue 17, session 47). A run's one status is each of its pieces' (the
+    fence decides by stamp)."""
+    runs: list[tuple[WriteStamp, int, list[Region]]] = []
+    end = -1
+    for stamp, offset, src in items:
+        if offset == end and runs[-1][0] == stamp:
+            runs[-1][2].append(src)
+        else:
+            runs.append((stamp, offset, [src]))
+        end = offset + region_nbytes(src)
+    return runs
 
 
 def ops(control: TcpTransport, op: int, stamps: Sequence[WriteStamp]) -> list[int]:
