@@ -13,11 +13,16 @@ import os
 import socket
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings
 from poolhelpers import BLOCK, make_keys
 
 from kvpool import Pool
+from kvpool.cluster.block_table import BlockTable
+from kvpool.transport.base import RegionInfo
+from kvpool.transport.tcp import TcpTransport
+from kvpool.transport.tcp_server import TcpDataServer
 
 settings.register_profile(
     "ci",
@@ -94,3 +99,20 @@ def checked_read_path(request: pytest.FixtureRequest, monkeypatch: pytest.Monkey
     elif tcp_recv.read_blocks is None:
         pytest.skip(f"the native exchange is off: {tcp_recv.STATUS}")
     return str(request.param)
+
+
+@pytest.fixture
+def fenced_server() -> Iterator[tuple[np.ndarray, BlockTable, TcpTransport]]:
+    """A real TCP data server on a 64 KiB region behind the node's real write fence
+    (term 3, claims wait 0.2 s), and a client transport to it."""
+    region = np.zeros(1 << 16, np.uint8)
+    fence = BlockTable(lambda offset, size: offset + size + 1, claim_wait=0.2)
+    fence.new_term(3)
+    server = TcpDataServer(region, fence=fence)
+    server.start()
+    info = RegionInfo("n", region.nbytes, tcp_host="127.0.0.1", tcp_port=server.address[1])
+    info.tcp_instance = server.instance
+    transport = TcpTransport(info, timeout=5)
+    yield region, fence, transport
+    transport.close()
+    server.close()

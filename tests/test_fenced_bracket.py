@@ -29,7 +29,6 @@ from kvpool.transport import tcp_wire as w
 from kvpool.transport.base import RegionInfo, Transport
 from kvpool.transport.fencing import WriteStamp
 from kvpool.transport.tcp import TcpTransport
-from kvpool.transport.tcp_server import TcpDataServer
 
 K1, K2 = b"\x01" * 16, b"\x02" * 16
 PAGE = 4096
@@ -62,19 +61,9 @@ class OneSided(Transport):
 
 
 @pytest.fixture
-def node():
-    region = np.zeros(16 * PAGE, np.uint8)
-    fence = BlockTable(lambda offset, size: 1, claim_wait=0.2)
-    fence.new_term(3)
-    server = TcpDataServer(region, fence=fence)
-    server.start()
-    info = RegionInfo("n", region.nbytes, tcp_host="127.0.0.1", tcp_port=server.address[1])
-    info.tcp_instance = server.instance
-    control = TcpTransport(info, timeout=5)
-    data = OneSided(info, region, fence)
-    yield region, fence, control, data
-    control.close()
-    server.close()
+def node(fenced_server):
+    region, fence, control = fenced_server  # 16 pages
+    yield region, fence, control, OneSided(control.info, region, fence)
 
 
 def block(fill: int, size: int = PAGE) -> np.ndarray:

@@ -128,20 +128,6 @@ def test_listing_drops_blocks_whose_bytes_changed() -> None:
     assert t.listing() == []
 
 
-@pytest.fixture
-def fenced_server():
-    region = np.zeros(1 << 16, np.uint8)
-    fence = table(epoch=3, wait=0.2)
-    server = TcpDataServer(region, fence=fence)
-    server.start()
-    info = RegionInfo("n", region.nbytes, tcp_host="127.0.0.1", tcp_port=server.address[1])
-    info.tcp_instance = server.instance
-    transport = TcpTransport(info, timeout=5)
-    yield region, fence, transport
-    transport.close()
-    server.close()
-
-
 def test_tcp_stamped_writes_are_fenced(fenced_server) -> None:
     region, fence, tcp = fenced_server
     new = np.full(4096, 7, np.uint8)

@@ -2,38 +2,19 @@
 a run of adjacent pieces of one block goes as one stamped write whose payload is
 the pieces back to back, and a whole pipelined batch leaves in one gather send
 (kvpool.transport.tcp_conn.DataConn.stamped_send). Against a real TCP data
-server and the node's real fence."""
+server and the node's real fence (``fenced_server``, tests/conftest.py)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from kvpool.cluster.block_table import BlockTable
 from kvpool.cluster.client import fenced
 from kvpool.transport import tcp_wire as w
-from kvpool.transport.base import RegionInfo
 from kvpool.transport.fencing import WriteStamp
-from kvpool.transport.tcp import TcpTransport
-from kvpool.transport.tcp_server import TcpDataServer
 
-EPOCH, BLOCK = 3, 8192
+EPOCH, BLOCK = 3, 8192  # (the term of the ``fenced_server`` fixture)
 K1, K2 = b"\x01" * 16, b"\x02" * 16
-
-
-@pytest.fixture
-def node():
-    region = np.zeros(1 << 16, np.uint8)
-    fence = BlockTable(lambda offset, size: 1, claim_wait=0.2)
-    fence.new_term(EPOCH)
-    server = TcpDataServer(region, fence=fence)
-    server.start()
-    info = RegionInfo("n", region.nbytes, tcp_host="127.0.0.1", tcp_port=server.address[1])
-    info.tcp_instance = server.instance
-    transport = TcpTransport(info, timeout=5)
-    yield region, transport
-    transport.close()
-    server.close()
 
 
 def piece(n: int, seed: int) -> np.ndarray:
@@ -69,7 +50,7 @@ def test_adjacent_runs_in_exact_order() -> None:
 
 @pytest.mark.parametrize("iov_max", [w.IOV_MAX, 3], ids=["default", "cut-every-3-parts"])
 def test_runs_land_whole_and_each_piece_gets_its_stamps_status(
-    node, monkeypatch: pytest.MonkeyPatch, iov_max: int
+    fenced_server, monkeypatch: pytest.MonkeyPatch, iov_max: int
 ) -> None:
     """A layer-like batch (two blocks, K then V halves, then a quarter that does not
     follow) with one block's stamp stale: the good block's bytes land where each
@@ -78,7 +59,7 @@ def test_runs_land_whole_and_each_piece_gets_its_stamps_status(
     batch and a plain read after it are exact) whether the one gather send is cut
     at the default or every three parts."""
     monkeypatch.setattr(w, "IOV_MAX", iov_max)
-    region, tcp = node
+    region, _, tcp = fenced_server
     good = WriteStamp(EPOCH, 10, 0, BLOCK, K1)
     stale = WriteStamp(EPOCH - 1, 11, BLOCK, BLOCK, K2)  # an older term
     q = BLOCK // 4
@@ -104,12 +85,12 @@ def test_runs_land_whole_and_each_piece_gets_its_stamps_status(
 
 
 def test_a_batch_of_more_runs_than_one_send_takes_stays_exact(
-    node, monkeypatch: pytest.MonkeyPatch
+    fenced_server, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """More parts than ``IOV_MAX`` (each run two pieces plus its header): the gather
     send goes on in order over several calls and every byte lands."""
     monkeypatch.setattr(w, "IOV_MAX", 16)
-    region, tcp = node
+    region, _, tcp = fenced_server
     n, size = 40, 512
     stamps = [WriteStamp(EPOCH, 20 + i, i * size, size, K1) for i in range(n)]
     halves = [piece(size // 2, i) for i in range(2 * n)]
