@@ -9,7 +9,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from kvpool.bindings import buffers
 from kvpool.cluster.client import fenced
+from kvpool.transport import tcp as tcp_module
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.fencing import WriteStamp
 
@@ -99,3 +101,41 @@ def test_a_batch_of_more_runs_than_one_send_takes_stays_exact(
     assert fenced.write_parts(tcp, tcp, items) == [w.ST_OK] * (2 * n)
     assert np.array_equal(region[: n * size], np.concatenate(halves))
     assert tcp.bytes_written == n * size
+
+
+def test_a_run_with_device_pieces_is_staged_once_in_order(
+    fenced_server, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A run holding a device piece goes through one host staging buffer of the run's
+    size, its pieces copied in order (host ones too); a run of host pieces (torch CPU
+    tensors and numpy arrays) is sent from the pieces themselves. No GPU here: torch
+    CPU tensors stand in for device ones (the transport's region conversion, device
+    test and staging are patched; the copy into staging is the real ``copy_region``)."""
+    torch = pytest.importorskip("torch")
+    staged: list[int] = []
+
+    def staging(n: int) -> np.ndarray:
+        staged.append(n)
+        return np.empty(n, np.uint8)
+
+    region, _, tcp = fenced_server
+    stamp = WriteStamp(EPOCH, 30, 0, BLOCK, K1)
+    parts = [piece(1024, 40 + i) for i in range(3)]
+    host_run = [(stamp, 0, torch.from_numpy(parts[0].copy())), (stamp, 1024, parts[1])]
+    assert fenced.write_parts(tcp, tcp, host_run) == [w.ST_OK] * 2
+    assert np.array_equal(region[:2048], np.concatenate(parts[:2]))
+
+    def as_region(obj: object, **kwargs: object) -> object:  # a "device" tensor stays one
+        return obj if isinstance(obj, torch.Tensor) else buffers.as_region(obj, **kwargs)
+
+    monkeypatch.setattr(tcp_module, "as_region", as_region)
+    monkeypatch.setattr(tcp_module, "region_is_device", lambda r: isinstance(r, torch.Tensor))
+    monkeypatch.setattr(tcp_module, "_staging", staging)
+    run = [
+        (stamp, 4096, torch.from_numpy(parts[2].copy())),
+        (stamp, 5120, parts[0]),
+        (stamp, 6144, torch.from_numpy(parts[1].copy())),
+    ]
+    assert fenced.write_parts(tcp, tcp, run) == [w.ST_OK] * 3
+    assert staged == [3072]
+    assert np.array_equal(region[4096:7168], np.concatenate([parts[2], parts[0], parts[1]]))
