@@ -30,9 +30,13 @@ def connect(cluster: Cluster, transport: str | None = None) -> kvpool.RemotePool
     return pool
 
 
-def test_round_trip_through_the_cluster(cluster: Cluster) -> None:
+@pytest.mark.parametrize("transport", [None, "tcp"], ids=["fastest", "tcp"])
+def test_round_trip_through_the_cluster(cluster: Cluster, transport: str | None) -> None:
+    """Stored layer by layer (in any order), loaded layer by layer, byte-exact: on the
+    fastest data path (same host) and over TCP (each block's K and V of a layer go
+    as one stamped write there, ``fenced.adjacent_runs``)."""
     keys, kv = make_keys(4), layers(3)
-    with connect(cluster) as pool:
+    with connect(cluster, transport) as pool:
         with LayerWriter(pool, keys[:3], LAYOUT) as writer:
             for layer in [1, 0, 3, 2]:
                 writer.write_layer(layer, *kv[layer])
