@@ -101,7 +101,7 @@ class DataConn:
         status, got_rid, length = w.RESP.unpack_from(self._resp)
         self._received += w.RESP.size
         if status != w.ST_OK:
-            msg = bytearray(length)
+            msg = bytearray(w.message_length(length))
             w.recv_into_exact(self.sock, memoryview(msg))
             self._received += length
             raise RemoteError("data", msg.decode(errors="replace"))
@@ -130,7 +130,7 @@ class DataConn:
             if got > h + length:  # a short error spilled the next reply into our buffers
                 raise ConnectionLostError("data stream out of sync (short error reply)")
             early = bytes(hdr[h:got]) + bytes(payload[: max(0, got - h - pad)])
-            msg = bytearray(length)
+            msg = bytearray(w.message_length(length, max(w.MAX_MESSAGE, pad + n)))
             k = min(len(early), length)
             msg[:k] = early[:k]
             if k < length:
@@ -275,7 +275,7 @@ class DataConn:
         spin_ack(self._fd, data.nbytes)
         w.recv_into_exact(self.sock, self._resp_mv[:h])
         status, got_rid, length = w.RESP.unpack_from(self._resp)
-        msg = bytearray(length)
+        msg = bytearray(w.message_length(length))
         if length:
             w.recv_into_exact(self.sock, memoryview(msg))
         self._received += h + length
@@ -340,7 +340,7 @@ class DataConn:
             self._recv_owed(pending, h, h * left, payload)
             status, got_rid, length = w.RESP.unpack_from(pending)
             if length:
-                self._recv_owed(pending, h + length, h * left + length, payload)
+                self._recv_owed(pending, h + w.message_length(length), h * left + length, payload)
             msg = bytes(pending[h : h + length])
             del pending[: h + length]
             self._received += h + length
@@ -370,7 +370,7 @@ class DataConn:
         try:
             self.sock.sendall(request)
             self._sent += len(request)
-            states = bytearray(self._read_resp(rid))
+            states = bytearray(w.message_length(self._read_resp(rid), len(ids)))
             w.recv_into_exact(self.sock, memoryview(states))
         finally:
             set_io_timeout(self.sock, self._timeout)
@@ -383,8 +383,8 @@ class DataConn:
         rids, sent = self._next_rids(len(plan)), self._sent
         for rid, (off, data) in zip(rids, plan, strict=True):
             self._send_request(w.OP_WRITE, rid, off, data, b"")
-        for rid in rids:
-            self._read_resp(rid, self._sent - sent)
+        for rid in rids:  # a write's acknowledgement carries no bytes
+            w.message_length(self._read_resp(rid, self._sent - sent), 0)
 
 
 def _fence_status(status: int, got_rid: int, rid: int, msg: bytes | bytearray) -> int:

@@ -118,6 +118,9 @@ IOV_MAX = 512  # buffers one scatter/gather call takes at most (Linux refuses ov
 #: the sender's CPU while it copies. Below this size a reply mostly arrives whole,
 #: and the one call is the cheaper way to take it.
 WAITALL_MAX = 128 << 10
+#: The longest error message a data server sends (its texts run to ~100 B; a refused
+#: checked read's, padded as long as an ok reply, is checked against that reply).
+MAX_MESSAGE = 64 << 10
 
 
 def recv_flags(nbytes: int) -> int:
@@ -151,6 +154,15 @@ def read_pads(received: int, hosts: list[Any]) -> list[int]:
         pads.append(pad)
         received += RESP.size + pad + host.nbytes
     return pads
+
+
+def message_length(length: int, most: int = MAX_MESSAGE) -> int:
+    """``length``, an error reply's message length from its header, checked before a
+    buffer that long is made: past ``most`` the header was no reply's (the stream is
+    out of sync), and allocating it would fail or take the host's memory."""
+    if length > most:
+        raise ConnectionLostError(f"data stream out of sync (a reply of {length} B)")
+    return length
 
 
 def checked_reply_found(heads: bytearray, i: int, rid: int, pad: int, host: Any) -> bool:
