@@ -34,6 +34,7 @@ from kvpool.cluster.client.acked import Acked
 from kvpool.cluster.client.node_watch import NodeWatch
 from kvpool.cluster.node_commits import BUSY_S, IDLE_S, QUIET_S, SealCommitter
 from kvpool.errors import MasterUnavailableError
+from kvpool.transport import shm_doorbell
 from kvpool.transport.fencing import FENCE_OK
 from kvpool.transport.shm_seal import (
     NODE_COMMITS,
@@ -188,16 +189,22 @@ class CountedPolls(SealRecords):
         return super().rung()
 
 
-def test_an_idle_committer_stops_polling_until_a_claim_or_an_owe_wakes_it(
-    tmp_path, monkeypatch
+@pytest.mark.parametrize("rings_wake", [True, False])
+def test_an_idle_committer_stops_polling_until_a_ring_or_an_owe_wakes_it(
+    tmp_path, monkeypatch, rings_wake: bool
 ) -> None:
-    """Nothing open, nothing owed: the thread waits (``DOZE_S``, made long here so
-    only a wake can explain a prompt commit) instead of polling every ``IDLE_S``;
-    a claim taken ahead, or a TCP write's owed commit, wakes it at once."""
+    """Nothing owed: the thread waits (``DOZE_S``, made long here so only a wake can
+    explain a prompt commit) instead of polling every ``IDLE_S``, open claims taken
+    ahead or not: a writer's ring, or a TCP write's owed commit, wakes it at once.
+    Where rings cannot wake it (a writer without the futex attached: ``rings_wake``
+    False) an open claim keeps it polling, and the claim taken ahead wakes it."""
     monkeypatch.setattr(node_commits, "DOZE_S", 60.0)
     path = str(tmp_path / "arena.seal")
     node = CountedPolls(path, 16 * PAGE, create=True, node_commits=True)
+    if not rings_wake:
+        monkeypatch.setattr(shm_doorbell, "AVAILABLE", False)
     writer = SealRecords(path, 16 * PAGE, create=False)
+    assert node.rings_wake == (rings_wake and shm_doorbell.AVAILABLE)
     t = table(node)
     link = Link([True], [True])
     committer = SealCommitter(t, node, lambda: link)  # type: ignore[arg-type]
@@ -205,7 +212,12 @@ def test_an_idle_committer_stops_polling_until_a_claim_or_an_owe_wakes_it(
     try:
         time.sleep(0.2)
         assert node.polls == 1  # one look, then it waits: ~100 polls at IDLE_S otherwise
-        assert t.claim(ahead(1), owner="claims") == FENCE_OK  # wakes it: it polls again
+        assert t.claim(ahead(1), owner="claims") == FENCE_OK
+        time.sleep(0.1)
+        if node.rings_wake:
+            assert node.polls == 1  # an open claim: its writer's ring will wake it
+        else:
+            assert node.polls > 10  # the claim woke it, and it polls while it is open
         writer.write(real(1), node_commits=True)
         assert wait_until(lambda: writer.outcome(0, 1) == VISIBLE, timeout=10, interval=0.001)
         time.sleep(max(BUSY_S, QUIET_S) + 0.1)  # it polls a while after a block, then waits
@@ -400,6 +412,49 @@ def test_a_put_whose_node_stalls_is_settled_by_the_writer_within_the_bound() -> 
             finally:
                 os.kill(node.pid, signal.SIGCONT)
             assert node_watch.ANSWER_S - 0.1 <= took < node_watch.ANSWER_S + 5
+            assert reads_back(cluster.url, keys[1], 1)
+    finally:
+        cluster.stop()
+
+
+def wake_ups(pid: int, seconds: float) -> int:
+    """Voluntary context switches of every thread of process ``pid`` over ``seconds``:
+    how often it woke (each wake-up ends a sleep)."""
+
+    def total() -> int:
+        count = 0
+        for task in os.listdir(f"/proc/{pid}/task"):
+            with open(f"/proc/{pid}/task/{task}/status") as status:
+                for line in status:
+                    if line.startswith("voluntary_ctxt_switches:"):
+                        count += int(line.split()[1])
+        return count
+
+    before = total()
+    time.sleep(seconds)
+    return total() - before
+
+
+@pytest.mark.skipif(not shm_doorbell.AVAILABLE, reason="no futex doorbell: the node polls")
+def test_a_node_idle_beside_a_same_host_client_sleeps_until_a_put_rings() -> None:
+    """A same-host client holds its stock of grants claimed on the node (claims taken
+    ahead stay open while it runs): the idle node's commit thread sleeps on the
+    doorbell instead of polling it every ``IDLE_S`` (~500 wake-ups a second before),
+    and the next put's ring still gets its block committed, read back by another
+    client, within the bound."""
+    cluster = start_cluster(["16MiB"])
+    try:
+        keys = make_keys(2, seed=85)
+        with kvpool.connect(cluster.url, timeout=10, transport="shm") as writer:
+            stock_claimed_grants(writer, keys[0])
+            time.sleep(BUSY_S + QUIET_S + 0.2)  # past the busy and quiet spells
+            woke = wake_ups(cluster.nodes[0].pid, 1.0)
+            assert woke < 150, f"the idle node woke {woke} times in a second"
+            with kvpool.connect(cluster.url, timeout=10) as reader:
+                assert writer.put(keys[1], payload(1))
+                began = time.monotonic()
+                assert wait_until(lambda: reader.exists([keys[1]]) == [True], 5, interval=0)
+                assert time.monotonic() - began < 0.5 + IDLE_S
             assert reads_back(cluster.url, keys[1], 1)
     finally:
         cluster.stop()

@@ -27,10 +27,16 @@
  *     Copy src into arena[offset : offset + len(src)], then write the seal
  *     record of offset: its fields (epoch, allocation, size, has-parent, key,
  *     parent or zeros), then ``mark`` (SEALED or NODE_COMMITS) in its sealed
- *     word last, then for NODE_COMMITS the doorbell word. 1: done. 0: no
+ *     word last, then for NODE_COMMITS rings the doorbell (doorbell_ring). 1: done. 0: no
  *     record for offset, or a key or parent not 16 bytes: nothing copied or
  *     written. -1: the range lies outside the arena, a negative offset
  *     included (nothing copied; the caller raises).
+ *
+ * doorbell_ring(seals, value, force) / doorbell_wait(seals, timeout_ns, announce)
+ *     The seal file's doorbell as a futex, so that the node's commit thread sleeps
+ *     until a same-host writer asks it to commit instead of polling (see their
+ *     comments and "The doorbell" in kvpool.transport.shm_seal). write_sealed rings it
+ *     the same way.
  *
  * ``way``: 1 copies with the streaming kernel (copy_kernels.h), 0 with memcpy
  * (numpy's copy of contiguous bytes), as kvpool.bindings.stream_copy learned
@@ -41,7 +47,8 @@
  * Record layouts (native byte order), the same as the Python modules' structs
  * (tests/test_shm_copy.py checks one side against the other):
  * - identity: record block_offset / 4096 of 32 bytes: seq u64, size u64, key 16 B;
- * - seal: a 128-byte header (the doorbell is its word 8), then record
+ * - seal: a 128-byte header (the doorbell is its word 8, the node's sleeping word its
+ *   word 9), then record
  *   offset / 4096 of 72 bytes: sealed u64, epoch u64, alloc id u64, size u64,
  *   has parent u64, key 16 B, parent 16 B.
  *
@@ -54,6 +61,10 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
 
 #include "copy_kernels.h"
 
@@ -62,7 +73,9 @@
 #define SEAL_HEADER 128
 #define SEAL_RECORD 72
 #define DOORBELL_WORD 8
+#define SLEEPING_WORD 9 /* the node's commit thread sleeps on the doorbell: a ring wakes it */
 #define NODE_COMMITS 2
+#define RING_WRITER 1 /* the doorbell's value: a writer rang; the node itself hurries with 2 */
 
 static kv_copy_fn kernel = kv_plain_copy;
 
@@ -89,6 +102,97 @@ static int export_all(PyObject *const *args, const int *flags, Py_buffer *views,
 static void release_all(Py_buffer *views, int n) {
     while (n--)
         PyBuffer_Release(&views[n]);
+}
+
+/* The doorbell's futex word: the 32-bit half of the u64 doorbell holding its low bits. */
+static uint32_t *doorbell32(uint64_t *words) {
+#if __BYTE_ORDER__ == __ORDER_BIG_ENDIAN__
+    return (uint32_t *)&words[DOORBELL_WORD] + 1;
+#else
+    return (uint32_t *)&words[DOORBELL_WORD];
+#endif
+}
+
+/* Ring the doorbell (value: RING_WRITER, or the node's own hurry) and wake the node's
+ * commit thread if it said it sleeps on it (force: wake it whatever it said). The ring
+ * is a sequentially consistent store, so either this load sees the node's sleeping word
+ * or the node's futex wait, which follows its own such store, sees the ring (see
+ * "The doorbell" in kvpool.transport.shm_seal). Runs without the GIL. */
+static void ring_and_wake(uint64_t *words, uint64_t value, int force) {
+    __atomic_store_n(&words[DOORBELL_WORD], value, __ATOMIC_SEQ_CST);
+    if (force || __atomic_load_n(&words[SLEEPING_WORD], __ATOMIC_SEQ_CST))
+        syscall(SYS_futex, doorbell32(words), FUTEX_WAKE, 1, NULL, NULL, 0);
+}
+
+/* The seal file's words from a writable buffer of at least its header; NULL with a
+ * Python error set otherwise (the view released). */
+static uint64_t *seal_header(PyObject *obj, Py_buffer *view) {
+    if (PyObject_GetBuffer(obj, view, PyBUF_WRITABLE) < 0)
+        return NULL;
+    if (view->len < SEAL_HEADER || (uintptr_t)view->buf % 8) {
+        PyBuffer_Release(view);
+        PyErr_SetString(PyExc_ValueError, "not a seal file's mapping");
+        return NULL;
+    }
+    return view->buf;
+}
+
+/* doorbell_ring(seals, value, force) -> None: ring_and_wake, for the Python paths. */
+static PyObject *doorbell_ring(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "doorbell_ring(seals, value, force)");
+        return NULL;
+    }
+    uint64_t value = PyLong_AsUnsignedLongLong(args[1]);
+    if (value == (uint64_t)-1 && PyErr_Occurred())
+        return NULL;
+    int force = PyObject_IsTrue(args[2]);
+    Py_buffer view;
+    uint64_t *words = force < 0 ? NULL : seal_header(args[0], &view);
+    if (words == NULL)
+        return NULL;
+    ring_and_wake(words, value, force);
+    PyBuffer_Release(&view);
+    Py_RETURN_NONE;
+}
+
+/* doorbell_wait(seals, timeout_ns, announce) -> int: the node's commit thread waits,
+ * without the GIL, until the doorbell is rung (a non-zero value: returned at once if it
+ * already is), a wake, a signal or timeout_ns passed; returns the doorbell's value then
+ * (not cleared: SealRecords.rung clears it). announce: say so in the sleeping word for
+ * the wait, so that writers' rings wake it; without it only a forced ring does. One
+ * thread of the node waits at a time (it alone writes the sleeping word). */
+static PyObject *doorbell_wait(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
+    (void)module;
+    if (nargs != 3) {
+        PyErr_SetString(PyExc_TypeError, "doorbell_wait(seals, timeout_ns, announce)");
+        return NULL;
+    }
+    long long timeout_ns = PyLong_AsLongLong(args[1]);
+    if (timeout_ns == -1 && PyErr_Occurred())
+        return NULL;
+    int announce = PyObject_IsTrue(args[2]);
+    Py_buffer view;
+    uint64_t *words = announce < 0 ? NULL : seal_header(args[0], &view);
+    if (words == NULL)
+        return NULL;
+    if (timeout_ns < 0)
+        timeout_ns = 0;
+    struct timespec wait = {timeout_ns / 1000000000LL, timeout_ns % 1000000000LL};
+    uint64_t value;
+    Py_BEGIN_ALLOW_THREADS
+    if (announce)
+        __atomic_store_n(&words[SLEEPING_WORD], 1, __ATOMIC_SEQ_CST);
+    /* sleeps only while the word is still 0 (checked atomically by the kernel); an
+     * EINTR, EAGAIN (rung already) or ETIMEDOUT return all mean: look again */
+    syscall(SYS_futex, doorbell32(words), FUTEX_WAIT, 0, &wait, NULL, 0);
+    if (announce)
+        __atomic_store_n(&words[SLEEPING_WORD], 0, __ATOMIC_SEQ_CST);
+    value = __atomic_load_n(&words[DOORBELL_WORD], __ATOMIC_ACQUIRE);
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&view);
+    return PyLong_FromUnsignedLongLong(value);
 }
 
 /* One checked read's record checks and copy (no Python object touched: callers run
@@ -295,7 +399,7 @@ static PyObject *write_sealed(PyObject *module, PyObject *const *args, Py_ssize_
         memset(record + 7, 0, 16);
     __atomic_store_n(&record[0], mark, __ATOMIC_RELEASE); /* last: the node reads it first */
     if (mark == NODE_COMMITS)
-        __atomic_store_n(&words[DOORBELL_WORD], 1, __ATOMIC_RELEASE);
+        ring_and_wake(words, RING_WRITER, 0);
     Py_END_ALLOW_THREADS
     result = 1;
 done:
@@ -314,6 +418,12 @@ static PyMethodDef methods[] = {
      "write_sealed(arena, src, seals, offset, epoch, alloc_id, key, parent, mark, way, /) -> "
      "1 written and sealed, 0 no record, -1 outside the arena: a same-host put's copy and "
      "its seal record."},
+    {"doorbell_ring", (PyCFunction)(void (*)(void))doorbell_ring, METH_FASTCALL,
+     "doorbell_ring(seals, value, force, /) -> None: ring the seal file's doorbell and wake "
+     "the node's commit thread if it sleeps on it (force: in any case)."},
+    {"doorbell_wait", (PyCFunction)(void (*)(void))doorbell_wait, METH_FASTCALL,
+     "doorbell_wait(seals, timeout_ns, announce, /) -> int: wait (GIL released) until the "
+     "doorbell is rung, woken or timeout_ns passed; the doorbell's value then."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -42,9 +42,10 @@ Commits by the node (issue 17): a writer may seal with ``NODE_COMMITS``
 instead of ``SEALED``, asking the node to send the block's master ``COMMIT``
 for it (kvpool.cluster.node_commits), so that a same-host put sends nothing
 at all. Only a node whose header has ``FLAG_NODE_COMMITS`` does so. After
-sealing, the writer rings the doorbell (a header word the node polls and
-clears, then takes its table lock -- a full fence on x86 -- before it reads
-records, so a ring is never lost). The node answers in the record's word:
+sealing, the writer rings the doorbell (a header word the node clears, then
+takes its table lock -- a full fence on x86 -- before it reads records, so a
+ring is never lost; the node's commit thread sleeps on it as a futex and a ring
+wakes it: kvpool.transport.shm_doorbell). The node answers in the record's word:
 ``VISIBLE`` (committed, or found stored: the key holds a block) or
 ``NOT_COMMITTED`` (the master knew no such grant: the writer settles it as
 a refused pipelined commit). The writer reads that answer only while the
@@ -52,7 +53,8 @@ record still names its allocation (``outcome``); a record reused for a
 later claim is no answer, and the writer looks the key up instead.
 
 Layout (native byte order): a 128-byte header (magic, hold ns, margin ns,
-flags; the doorbell word at byte 64, its own cache line), then one
+flags; the doorbell's words at byte 64, their own cache line: doorbell,
+sleeping, polled), then one
 ``RECORD`` per ``ALIGN``-byte granule of the arena: sealed u64, epoch u64,
 alloc id u64, size u64, has parent u64, key 16 B, parent 16 B.
 """
@@ -66,17 +68,18 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvpool.transport import shm_doorbell
 from kvpool.transport.fencing import WriteStamp
+from kvpool.transport.shm_doorbell import DOORBELL_WORD, POLLED_WORD
 from kvpool.transport.shm_side_file import SideFile
 
 ALIGN = 4096
 HEADER = struct.Struct("=QQQQ")
 HEADER_BYTES = 128
-DOORBELL_WORD = 8  # byte 64
 RECORD = struct.Struct("=QQQQQ16s16s")
 _FIELDS = struct.Struct("=QQQQ16s16s")  # all but ``sealed``
 _EPOCH_WORD, _ALLOC_WORD = 1, 2  # the record's term and alloc id, in words from ``sealed``
-MAGIC = 0x6B7670736C303032  # "kvpsl002"
+MAGIC = 0x6B7670736C303033  # "kvpsl003": the doorbell wakes a sleeping node
 FLAG_NODE_COMMITS = 1  # the node commits records sealed with NODE_COMMITS
 # The record's ``sealed`` word: written 0 by the node (claim granted), 1 or 2 by
 # the writer, then 3 or 4 by the node (only after a 2).
@@ -148,6 +151,9 @@ class SealRecords(SideFile):
         #: the ``sealed`` word of a writer that asks the node to commit its block:
         #: ``NODE_COMMITS`` where the node does (and the doorbell is rung), else ``SEALED``
         self.commit_mark = NODE_COMMITS if self.node_commits else SEALED
+        words = self._words
+        if not create and self.node_commits and not shm_doorbell.AVAILABLE and words is not None:
+            words[POLLED_WORD] = 1  # this writer's rings wake no one: the node polls
         self._records = (size - HEADER_BYTES) // RECORD.size
         # Every record's ``sealed`` word, for the node's poll of many records at once.
         self._sealed: np.ndarray | None = np.ndarray(
@@ -193,14 +199,36 @@ class SealRecords(SideFile):
         hits = np.flatnonzero((words == SEALED) | (words == NODE_COMMITS))
         return [offsets[i] for i in hits.tolist()]
 
-    def rung(self) -> bool:
-        """Whether a writer rang since the last call (then cleared). The caller must
-        take a lock (a full fence) before it reads records, so no ring is lost."""
+    def rung(self) -> int:
+        """Who rang since the last call (``shm_doorbell.WRITER`` or ``HURRY``; 0: no one),
+        then cleared. The caller must take a lock (a full fence) before it reads records,
+        so no ring is lost."""
         words = self._words
-        if words is None or not words[DOORBELL_WORD]:
-            return False
+        if words is None or not (bell := words[DOORBELL_WORD]):
+            return 0
         words[DOORBELL_WORD] = 0
-        return True
+        return int(bell)
+
+    @property
+    def rings_wake(self) -> bool:
+        """Whether writers' rings wake a ``wait_ring`` (else the node polls: no futex in
+        this process, or a writer that cannot ring one attached)."""
+        words = self._words
+        return shm_doorbell.AVAILABLE and words is not None and not words[POLLED_WORD]
+
+    def wait_ring(self, timeout_s: float, announce: bool) -> None:
+        """The node's commit thread waits at most ``timeout_s`` for a ring (returning at
+        once if one is pending); ``announce``: writers' rings wake it, else only a
+        ``hurry`` does (``shm_doorbell.wait``). Only where ``rings_wake``."""
+        mapping = self._mmap
+        if mapping is not None:
+            shm_doorbell.wait(mapping, timeout_s, announce=announce)
+
+    def hurry(self) -> None:
+        """Make the waiting commit thread look now (the node's own threads)."""
+        mapping = self._mmap
+        if shm_doorbell.AVAILABLE and mapping is not None:
+            shm_doorbell.ring(mapping, shm_doorbell.HURRY, force=True)
 
     def answer(self, offset: int, alloc_id: int, epoch: int, state: int) -> None:
         """``VISIBLE`` or ``NOT_COMMITTED`` for the block of allocation ``alloc_id``
@@ -240,7 +268,10 @@ class SealRecords(SideFile):
         mark = self.commit_mark if node_commits else SEALED
         words[word] = mark  # last: the node reads this word before the fields
         if mark == NODE_COMMITS:
-            words[DOORBELL_WORD] = 1
+            if shm_doorbell.AVAILABLE:
+                shm_doorbell.ring(mm)  # and wakes a sleeping node
+            else:
+                words[DOORBELL_WORD] = shm_doorbell.WRITER
         return True
 
     def outcome(self, offset: int, alloc_id: int) -> int | None:

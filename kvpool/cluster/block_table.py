@@ -317,11 +317,12 @@ class BlockTable:
             entry = self._entries.get(stamp.offset)
             return entry is not None and self._claims is not None and self._claims.owe(entry, stamp)
 
-    def seal_work(self, wake: Callable[[], object] | None) -> bool:
-        """Claims taken ahead open or commits owed? ``wake()`` (under the lock) as one appears."""
+    def seal_work(self, wake: Callable[[], object] | None, claims_ring: bool = False) -> bool:
+        """``SealedClaims.pending`` (``claims_ring``: writers' rings wake the node), and
+        ``wake()`` (under the lock) as such work appears."""
         with self._lock:
             if self._claims is not None:
-                self._claims.wake = wake
+                self._claims.wake, self._claims.claims_ring = wake, claims_ring
             return self._claims is not None and self._claims.pending()
 
     def adopt_owed(self) -> list[Entry]:

@@ -13,13 +13,20 @@ thread that does it:
    owed (``outcomes``), or ``IDLE_S`` passing adopts the records sealed for
    claims taken ahead and takes the blocks the table owes
    (``BlockTable.adopt_owed``; TCP writes are owed by their data server: ``owe``).
-   Once ``QUIET_S`` passed without a block owed, and no claim taken ahead is
-   open, no commit owed or to retry, it stops polling (``DOZE_S``, or
-   ``ORPHAN_SCAN_S`` while it looks for orphans) until the table wakes it as a
-   claim is taken ahead or a commit owed (``BlockTable.seal_work``): an idle
-   node woke 500 times a second, ~2.4% of a CPU here, for nothing. The quiet
-   period keeps a stream of TCP puts (no claims taken ahead) sharing frames
-   per poll, rather than waking the thread, and sending a frame, per put;
+   Once ``QUIET_S`` passed without a block owed, and no commit is owed or to
+   retry, it stops polling (``DOZE_S``, or ``ORPHAN_SCAN_S`` while it looks for
+   orphans) until the table wakes it as a commit is owed
+   (``BlockTable.seal_work``) or a writer rings: it sleeps on the doorbell as a
+   futex (kvpool.transport.shm_doorbell), so claims taken ahead may stay open --
+   a same-host client's stock of grants, for as long as it runs -- without a
+   poll. An idle node woke 500 times a second, ~2.4% of a CPU here, for nothing
+   (issue 17, session 26), and still did with a same-host client attached (~3%,
+   session 48). Where the doorbell cannot wake it (``SealRecords.rings_wake``
+   False: no compiled module, or a writer without one attached) open claims
+   keep it polling every ``IDLE_S``, and the table wakes it as a claim is
+   taken ahead. The quiet period keeps a stream of TCP puts (no claims taken
+   ahead) sharing frames per poll, rather than waking the thread, and sending a
+   frame, per put;
 2. commit the blocks the table owes in one ``COMMIT`` (grant ids, keys,
    parents) on the node's own master connection, one call at a time, so a
    stream of puts shares frames;
@@ -49,8 +56,11 @@ an older term is answered by its state once the node serves a new term
 with its key, and every registration reports it.
 
 Bound (the README's visibility rule): a healthy node commits a sealed block
-within one poll period (at most ``IDLE_S``) plus the commit's round trip,
-after the one in flight; sooner when its writer asks for the answer (a flush).
+within one poll period (at most ``IDLE_S``; a ring wakes a sleeping thread at
+once) plus the commit's round trip, after the one in flight; sooner when its
+writer asks for the answer (a flush). A writer without the compiled module
+attached after the thread went to sleep: its first ring is seen within
+``DOZE_S``, then the thread polls.
 """
 
 from __future__ import annotations
@@ -67,6 +77,7 @@ from kvpool.cluster.link import MasterLink
 from kvpool.cluster.wire import COMMIT, CommitRequest
 from kvpool.errors import KVPoolError
 from kvpool.transport.fencing import WriteStamp
+from kvpool.transport.shm_doorbell import WRITER
 from kvpool.transport.shm_seal import NOT_COMMITTED, VISIBLE, SealRecords
 
 log = logging.getLogger("kvpool.cluster.node")
@@ -93,7 +104,7 @@ class SealCommitter:
         self._table, self._records, self._link = table, records, link
         self._orphan_age = orphan_age  # None: leave unconfirmed blocks alone
         self._stop = threading.Event()
-        self._hurry = threading.Event()  # a writer waits for an answer: poll now
+        self._hurry = threading.Event()  # look now (``hurry``; the doorbell too)
         self.answers = CommitAnswers()  # of the TCP writers' asks
         self._thread = threading.Thread(target=self._loop, name="kvpool-node-commits", daemon=True)
         self._waiting: list[Entry] = []  # owed, not answered yet (master unreachable)
@@ -108,7 +119,7 @@ class SealCommitter:
         """Stop polling. A commit call riding a master outage is not waited for past
         1 s: the thread is a daemon, and the node closes its link next."""
         self._stop.set()
-        self._hurry.set()
+        self.hurry()
         if self._thread.is_alive():
             self._thread.join(1.0)
 
@@ -119,9 +130,10 @@ class SealCommitter:
             now = time.monotonic()
             hurried = self._hurry.is_set()
             self._hurry.clear()
-            if self._records.rung():
+            bell = self._records.rung()
+            if bell == WRITER:
                 rang_at = now
-            if hurried or rang_at >= scanned_at or now - scanned_at >= IDLE_S:
+            if hurried or bell or now - scanned_at >= IDLE_S:
                 scanned_at = now
                 owed = self._table.adopt_owed()
                 if owed:
@@ -149,18 +161,36 @@ class SealCommitter:
                     )
                     pause, backoff = time.monotonic() + backoff, min(2 * backoff, 1.0)
             if now - rang_at < BUSY_S:
-                self._hurry.wait(FAST_S)
+                self._pause(FAST_S)
             elif self._waiting or self._orphans or now - owed_at < QUIET_S or not self._doze():
-                self._hurry.wait(IDLE_S)
+                self._pause(IDLE_S)
+
+    def hurry(self) -> None:
+        """Make the thread look now: an ask, a commit owed while it sleeps, ``close``."""
+        self._hurry.set()
+        self._records.hurry()  # where it sleeps on the doorbell
+
+    def _pause(self, seconds: float) -> None:
+        """A poll period: ``hurry`` ends it, writers' rings do not (they are polled)."""
+        if self._records.rings_wake:
+            self._records.wait_ring(seconds, announce=False)
+        else:
+            self._hurry.wait(seconds)
 
     def _doze(self) -> bool:
-        """Wait (False at once: work is pending) until the table has seals to poll
-        for, an ask or ``close`` hurries, or the orphan scan is due."""
-        table = self._table
-        if table.seal_work(self._hurry.set):  # set first: a claim taken from here on wakes
+        """Wait (False at once: work is pending) until the table has work to poll for,
+        a writer rings (where rings wake), an ask or ``close`` hurries, or the orphan
+        scan is due."""
+        table, records = self._table, self._records
+        rings = records.rings_wake
+        if table.seal_work(self.hurry, rings):  # set first: work from here on wakes
             table.seal_work(None)
             return False
-        self._hurry.wait(DOZE_S if self._orphan_age is None else ORPHAN_SCAN_S)
+        span = DOZE_S if self._orphan_age is None else ORPHAN_SCAN_S
+        if rings:
+            records.wait_ring(span, announce=True)
+        else:
+            self._hurry.wait(span)
         table.seal_work(None)
         return True
 
@@ -176,7 +206,7 @@ class SealCommitter:
 
     def outcomes(self, ids: list[tuple[int, int]], wait_s: float) -> bytes:
         """How those commits went; one still owed is committed now (its writer waits)."""
-        return self.answers.ask(ids, wait_s, self._hurry.set)
+        return self.answers.ask(ids, wait_s, self.hurry)
 
     def _commit(self, owed: list[Entry]) -> list[Entry]:
         """Commit ``owed`` and answer their writers; returns those to retry."""

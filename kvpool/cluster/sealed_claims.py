@@ -16,9 +16,11 @@ Invariants:
   its allocation, asks for one (``NODE_COMMITS``); or when its final TCP write
   asked for one (``owe``: its data server calls it once, right after the seal).
   ``take_owed`` hands the owed entries over in the order they were owed;
-- ``wake`` (when set) is called as a claim is taken ahead or a commit becomes
-  owed: the node's commit thread sets it before it stops polling (nothing open,
-  nothing owed) and clears it when it wakes, so a busy node pays no call per put.
+- ``wake`` (when set) is called as a commit becomes owed, or a claim is taken
+  ahead unless ``claims_ring`` (their writers ring the node's doorbell, which
+  wakes it: kvpool.transport.shm_doorbell): the node's commit thread sets it
+  before it stops polling (nothing to poll for) and clears it when it wakes, so a
+  busy node pays no call per put.
 """
 
 from __future__ import annotations
@@ -39,10 +41,12 @@ class SealedClaims:
         self.open: dict[int, Entry] = {}
         self._owed: list[Entry] = []
         self.wake: Callable[[], object] | None = None
+        self.claims_ring = False  # open claims' writers ring the node awake: no poll
 
     def pending(self) -> bool:
-        """A claim taken ahead is open or a commit is owed: the commit thread polls."""
-        return bool(self.open or self._owed)
+        """A commit is owed, or a claim taken ahead is open and its writer's ring would
+        not wake the node (``claims_ring`` False): the commit thread polls."""
+        return bool(self._owed or (self.open and not self.claims_ring))
 
     def granted(self, entry: Entry) -> None:
         """A claim taken ahead is about to be answered: no seal recorded in its
@@ -51,7 +55,7 @@ class SealedClaims:
         entry.granted_ns = self._clock()
         if self.records.clear(offset):
             self.open[offset] = entry
-            if self.wake is not None:
+            if self.wake is not None and not self.claims_ring:
                 self.wake()
 
     def renewed(self, entry: Entry, stamp: WriteStamp) -> bool:

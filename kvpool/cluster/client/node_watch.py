@@ -27,8 +27,9 @@ Invariants:
   round trip per node) and by ``wait``. So a client that only writes keeps at
   most the puts its nodes have not answered yet, plus a tick's worth.
 
-Bound for other clients: the node's poll period (``node_commits.IDLE_S``,
-2 ms; 0.25 ms while same-host puts stream) plus one master round trip.
+Bound for other clients: at once after the put's ring or owed write wakes the
+node's commit thread, or its poll period while it polls (``node_commits.IDLE_S``,
+2 ms; 0.25 ms while same-host puts stream), plus one master round trip.
 """
 
 from __future__ import annotations

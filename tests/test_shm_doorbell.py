@@ -1,0 +1,132 @@
+"""The seal file's doorbell as a futex (kvpool.transport.shm_doorbell), on real mappings.
+
+The node's commit thread sleeps on the doorbell; a same-host writer's ring wakes
+it, from another process. The proofs: a ring pending before the wait returns at
+once; an announced wait is woken by a writer process's ring; an unannounced one
+only by a forced ring (the node's own hurry); no ring is lost when rings race the
+thread's clear-then-wait, thousands of times; a writer that cannot ring a futex
+makes the node poll (``rings_wake`` False).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+import pytest
+
+from kvpool.transport import shm_doorbell
+from kvpool.transport.shm_doorbell import HURRY, SLEEPING_WORD, WRITER
+from kvpool.transport.shm_seal import SealRecords
+
+pytestmark = pytest.mark.skipif(
+    not shm_doorbell.AVAILABLE, reason="kvpool.transport._shm_copy not built: the node polls"
+)
+PAGE = 4096
+
+
+@pytest.fixture
+def seals(tmp_path: Any) -> Any:
+    """(the node's seal file, a writer's mapping of it)."""
+    path = str(tmp_path / "arena.seal")
+    node = SealRecords(path, 16 * PAGE, create=True, node_commits=True)
+    writer = SealRecords(path, 16 * PAGE, create=False)
+    yield node, writer
+    writer.close()
+    node.close()
+
+
+def _timed_wait(node: SealRecords, timeout_s: float, announce: bool) -> float:
+    began = time.monotonic()
+    node.wait_ring(timeout_s, announce)
+    return time.monotonic() - began
+
+
+def test_a_wait_with_no_ring_lasts_its_timeout_and_a_pending_ring_ends_it_at_once(
+    seals,
+) -> None:
+    node, writer = seals
+    assert node.rings_wake
+    assert 0.09 <= _timed_wait(node, 0.1, announce=True) < 2.0
+    assert node.rung() == 0
+    shm_doorbell.ring(writer.mapping)
+    assert _timed_wait(node, 30.0, announce=True) < 1.0  # rung before the wait
+    assert node.rung() == WRITER and node.rung() == 0
+
+
+def _ring_from_another_process(path: str, after_s: float) -> subprocess.Popen[bytes]:
+    code = (
+        "import sys, time\n"
+        "from kvpool.transport import shm_doorbell\n"
+        "from kvpool.transport.shm_seal import SealRecords\n"
+        "w = SealRecords(sys.argv[1], int(sys.argv[2]), create=False)\n"
+        "time.sleep(float(sys.argv[3]))\n"
+        "shm_doorbell.ring(w.mapping)\n"
+    )
+    args = [sys.executable, "-c", code, path, str(16 * PAGE), str(after_s)]
+    return subprocess.Popen(args)
+
+
+def test_an_announced_wait_is_woken_by_a_writer_process(seals) -> None:
+    node, writer = seals
+    ringer = _ring_from_another_process(writer.path, 0.3)
+    took = _timed_wait(node, 60.0, announce=True)
+    assert ringer.wait(30) == 0
+    assert took < 10.0  # the ring woke it: the wait was a minute
+    assert node.rung() == WRITER
+    with memoryview(writer.mapping).cast("Q") as words:
+        assert words[SLEEPING_WORD] == 0  # it said it is awake again
+
+
+def test_an_unannounced_wait_sleeps_through_rings_but_not_a_hurry(seals) -> None:
+    node, writer = seals
+    threading.Timer(0.05, lambda: shm_doorbell.ring(writer.mapping)).start()
+    assert _timed_wait(node, 0.5, announce=False) >= 0.45  # polled: the ring waits for it
+    assert node.rung() == WRITER
+    threading.Timer(0.05, node.hurry).start()
+    assert _timed_wait(node, 60.0, announce=False) < 10.0
+    assert node.rung() == HURRY
+
+
+def test_no_ring_is_lost_between_the_clear_and_the_wait(seals) -> None:
+    """The node's loop -- clear, look, wait announced -- against a writer thread ringing
+    at random moments: every ring ends a wait long before its (long) timeout."""
+    node, writer = seals
+    rings, seen = 2000, 0
+    taken, done = threading.Event(), threading.Event()
+    taken.set()
+
+    def ring() -> None:
+        for i in range(rings):
+            assert taken.wait(30)  # one ring at a time: each must be seen
+            taken.clear()
+            if i % 7 == 0:
+                time.sleep(0.0001)
+            shm_doorbell.ring(writer.mapping)
+        done.set()
+
+    threading.Thread(target=ring, daemon=True).start()
+    began = time.monotonic()
+    while seen < rings:
+        if node.rung():
+            seen += 1
+            taken.set()
+            continue
+        assert _timed_wait(node, 5.0, announce=True) < 4.0, f"ring {seen + 1} was lost"
+        assert time.monotonic() - began < 120
+    assert done.wait(10) and seen == rings
+
+
+def test_a_writer_that_cannot_ring_a_futex_makes_the_node_poll(tmp_path, monkeypatch) -> None:
+    path = str(tmp_path / "arena.seal")
+    node = SealRecords(path, 16 * PAGE, create=True, node_commits=True)
+    assert node.rings_wake
+    monkeypatch.setattr(shm_doorbell, "AVAILABLE", False)  # a writer's install without it
+    writer = SealRecords(path, 16 * PAGE, create=False)
+    monkeypatch.setattr(shm_doorbell, "AVAILABLE", True)
+    assert not node.rings_wake
+    writer.close()
+    node.close()
