@@ -2,10 +2,9 @@
 
 The node's commit thread sleeps on the doorbell; a same-host writer's ring wakes
 it, from another process. The proofs: a ring pending before the wait returns at
-once; an announced wait is woken by a writer process's ring; an unannounced one
-only by a forced ring (the node's own hurry); no ring is lost when rings race the
-thread's clear-then-wait, thousands of times; a writer that cannot ring a futex
-makes the node poll (``rings_wake`` False).
+once; a wait is woken by a writer process's ring, and by the node's own hurry; no
+ring is lost when rings race the thread's clear-then-wait, thousands of times; a
+writer that cannot ring a futex makes the node poll (``rings_wake`` False).
 """
 
 from __future__ import annotations
@@ -39,9 +38,9 @@ def seals(tmp_path: Any) -> Any:
     node.close()
 
 
-def _timed_wait(node: SealRecords, timeout_s: float, announce: bool) -> float:
+def _timed_wait(node: SealRecords, timeout_s: float) -> float:
     began = time.monotonic()
-    node.wait_ring(timeout_s, announce)
+    node.wait_ring(timeout_s)
     return time.monotonic() - began
 
 
@@ -50,10 +49,10 @@ def test_a_wait_with_no_ring_lasts_its_timeout_and_a_pending_ring_ends_it_at_onc
 ) -> None:
     node, writer = seals
     assert node.rings_wake
-    assert 0.09 <= _timed_wait(node, 0.1, announce=True) < 2.0
+    assert 0.09 <= _timed_wait(node, 0.1) < 2.0
     assert node.rung() == 0
     shm_doorbell.ring(writer.mapping)
-    assert _timed_wait(node, 30.0, announce=True) < 1.0  # rung before the wait
+    assert _timed_wait(node, 30.0) < 1.0  # rung before the wait
     assert node.rung() == WRITER and node.rung() == 0
 
 
@@ -70,10 +69,10 @@ def _ring_from_another_process(path: str, after_s: float) -> subprocess.Popen[by
     return subprocess.Popen(args)
 
 
-def test_an_announced_wait_is_woken_by_a_writer_process(seals) -> None:
+def test_a_wait_is_woken_by_a_writer_process(seals) -> None:
     node, writer = seals
     ringer = _ring_from_another_process(writer.path, 0.3)
-    took = _timed_wait(node, 60.0, announce=True)
+    took = _timed_wait(node, 60.0)
     assert ringer.wait(30) == 0
     assert took < 10.0  # the ring woke it: the wait was a minute
     assert node.rung() == WRITER
@@ -81,18 +80,15 @@ def test_an_announced_wait_is_woken_by_a_writer_process(seals) -> None:
         assert words[SLEEPING_WORD] == 0  # it said it is awake again
 
 
-def test_an_unannounced_wait_sleeps_through_rings_but_not_a_hurry(seals) -> None:
-    node, writer = seals
-    threading.Timer(0.05, lambda: shm_doorbell.ring(writer.mapping)).start()
-    assert _timed_wait(node, 0.5, announce=False) >= 0.45  # polled: the ring waits for it
-    assert node.rung() == WRITER
+def test_a_wait_is_woken_by_the_nodes_own_hurry(seals) -> None:
+    node, _ = seals
     threading.Timer(0.05, node.hurry).start()
-    assert _timed_wait(node, 60.0, announce=False) < 10.0
+    assert _timed_wait(node, 60.0) < 10.0
     assert node.rung() == HURRY
 
 
 def test_no_ring_is_lost_between_the_clear_and_the_wait(seals) -> None:
-    """The node's loop -- clear, look, wait announced -- against a writer thread ringing
+    """The node's loop -- clear, look, sleep -- against a writer thread ringing
     at random moments: every ring ends a wait long before its (long) timeout."""
     node, writer = seals
     rings, seen = 2000, 0
@@ -115,7 +111,7 @@ def test_no_ring_is_lost_between_the_clear_and_the_wait(seals) -> None:
             seen += 1
             taken.set()
             continue
-        assert _timed_wait(node, 5.0, announce=True) < 4.0, f"ring {seen + 1} was lost"
+        assert _timed_wait(node, 5.0) < 4.0, f"ring {seen + 1} was lost"
         assert time.monotonic() - began < 120
     assert done.wait(10) and seen == rings
 

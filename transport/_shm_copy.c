@@ -32,7 +32,7 @@
  *     written. -1: the range lies outside the arena, a negative offset
  *     included (nothing copied; the caller raises).
  *
- * doorbell_ring(seals, value, force) / doorbell_wait(seals, timeout_ns, announce)
+ * doorbell_ring(seals, value, force) / doorbell_wait(seals, timeout_ns)
  *     The seal file's doorbell as a futex, so that the node's commit thread sleeps
  *     until a same-host writer asks it to commit instead of polling (see their
  *     comments and "The doorbell" in kvpool.transport.shm_seal). write_sealed rings it
@@ -157,24 +157,23 @@ static PyObject *doorbell_ring(PyObject *module, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
-/* doorbell_wait(seals, timeout_ns, announce) -> int: the node's commit thread waits,
- * without the GIL, until the doorbell is rung (a non-zero value: returned at once if it
- * already is), a wake, a signal or timeout_ns passed; returns the doorbell's value then
- * (not cleared: SealRecords.rung clears it). announce: say so in the sleeping word for
- * the wait, so that writers' rings wake it; without it only a forced ring does. One
- * thread of the node waits at a time (it alone writes the sleeping word). */
+/* doorbell_wait(seals, timeout_ns) -> int: the node's commit thread waits, without the
+ * GIL, until the doorbell is rung (a non-zero value: returned at once if it already
+ * is), a signal comes or timeout_ns passed; returns the doorbell's value then (not
+ * cleared: SealRecords.rung clears it). It says so in the sleeping word for the wait,
+ * so that writers' rings wake it. One thread of the node waits at a time (it alone
+ * writes the sleeping word). */
 static PyObject *doorbell_wait(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
-    if (nargs != 3) {
-        PyErr_SetString(PyExc_TypeError, "doorbell_wait(seals, timeout_ns, announce)");
+    if (nargs != 2) {
+        PyErr_SetString(PyExc_TypeError, "doorbell_wait(seals, timeout_ns)");
         return NULL;
     }
     long long timeout_ns = PyLong_AsLongLong(args[1]);
     if (timeout_ns == -1 && PyErr_Occurred())
         return NULL;
-    int announce = PyObject_IsTrue(args[2]);
     Py_buffer view;
-    uint64_t *words = announce < 0 ? NULL : seal_header(args[0], &view);
+    uint64_t *words = seal_header(args[0], &view);
     if (words == NULL)
         return NULL;
     if (timeout_ns < 0)
@@ -182,13 +181,11 @@ static PyObject *doorbell_wait(PyObject *module, PyObject *const *args, Py_ssize
     struct timespec wait = {timeout_ns / 1000000000LL, timeout_ns % 1000000000LL};
     uint64_t value;
     Py_BEGIN_ALLOW_THREADS
-    if (announce)
-        __atomic_store_n(&words[SLEEPING_WORD], 1, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&words[SLEEPING_WORD], 1, __ATOMIC_SEQ_CST);
     /* sleeps only while the word is still 0 (checked atomically by the kernel); an
      * EINTR, EAGAIN (rung already) or ETIMEDOUT return all mean: look again */
     syscall(SYS_futex, doorbell32(words), FUTEX_WAIT, 0, &wait, NULL, 0);
-    if (announce)
-        __atomic_store_n(&words[SLEEPING_WORD], 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&words[SLEEPING_WORD], 0, __ATOMIC_SEQ_CST);
     value = __atomic_load_n(&words[DOORBELL_WORD], __ATOMIC_ACQUIRE);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
@@ -422,8 +419,8 @@ static PyMethodDef methods[] = {
      "doorbell_ring(seals, value, force, /) -> None: ring the seal file's doorbell and wake "
      "the node's commit thread if it sleeps on it (force: in any case)."},
     {"doorbell_wait", (PyCFunction)(void (*)(void))doorbell_wait, METH_FASTCALL,
-     "doorbell_wait(seals, timeout_ns, announce, /) -> int: wait (GIL released) until the "
-     "doorbell is rung, woken or timeout_ns passed; the doorbell's value then."},
+     "doorbell_wait(seals, timeout_ns, /) -> int: wait (GIL released) until the doorbell "
+     "is rung or timeout_ns passed; the doorbell's value then."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -24,8 +24,8 @@ the 32-bit half of the doorbell holding its low bits):
   So either the writer sees the thread asleep and wakes it, or the thread's futex
   wait (which sleeps only while the doorbell is still 0) sees the ring: no ring is
   lost, and a writer pays a system call only for the first ring after a quiet spell.
-  While writers are busy the thread polls without setting it (``SealRecords.
-  wait_ring`` with ``announce=False``), so a stream of puts costs them nothing extra.
+  While writers are busy the thread polls (a timed wait on its own event, the
+  word not set), so a stream of puts costs them nothing extra and shares frames.
 - ``POLLED`` (word 10): set by a writer that cannot ring this way (the compiled
   module absent from its install): the node then polls as before, so that writer's
   rings are seen within the poll period.
@@ -58,13 +58,13 @@ AVAILABLE = _module is not None
 
 def ring(mapping: Any, value: int = WRITER, *, force: bool = False) -> None:
     """Ring the doorbell of the seal file mapped at ``mapping`` with ``value`` and wake
-    the node's commit thread if it sleeps on it (``force``: whatever it announced). Call
+    the node's commit thread if it said it sleeps on it (``force``: in any case). Call
     only where ``AVAILABLE``."""
     _module.doorbell_ring(mapping, value, force)
 
 
-def wait(mapping: Any, timeout_s: float, *, announce: bool) -> int:
-    """The commit thread's wait, at most ``timeout_s``: until the doorbell is rung (at
-    once if it is), a forced ring or, with ``announce``, any writer's ring wakes it;
-    the doorbell's value then (not cleared). Call only where ``AVAILABLE``."""
-    return int(_module.doorbell_wait(mapping, int(timeout_s * 1e9), announce))
+def wait(mapping: Any, timeout_s: float) -> int:
+    """The commit thread's sleep, at most ``timeout_s``, until the doorbell is rung (at
+    once if it is); the doorbell's value then (not cleared). Call only where
+    ``AVAILABLE``."""
+    return int(_module.doorbell_wait(mapping, int(timeout_s * 1e9)))

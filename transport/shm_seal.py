@@ -216,13 +216,13 @@ class SealRecords(SideFile):
         words = self._words
         return shm_doorbell.AVAILABLE and words is not None and not words[POLLED_WORD]
 
-    def wait_ring(self, timeout_s: float, announce: bool) -> None:
-        """The node's commit thread waits at most ``timeout_s`` for a ring (returning at
-        once if one is pending); ``announce``: writers' rings wake it, else only a
-        ``hurry`` does (``shm_doorbell.wait``). Only where ``rings_wake``."""
+    def wait_ring(self, timeout_s: float) -> None:
+        """The node's commit thread sleeps at most ``timeout_s`` until a writer rings or
+        a ``hurry`` (at once if a ring is pending: ``shm_doorbell.wait``). Only where
+        ``rings_wake``."""
         mapping = self._mmap
         if mapping is not None:
-            shm_doorbell.wait(mapping, timeout_s, announce=announce)
+            shm_doorbell.wait(mapping, timeout_s)
 
     def hurry(self) -> None:
         """Make the waiting commit thread look now (the node's own threads)."""

@@ -161,21 +161,14 @@ class SealCommitter:
                     )
                     pause, backoff = time.monotonic() + backoff, min(2 * backoff, 1.0)
             if now - rang_at < BUSY_S:
-                self._pause(FAST_S)
+                self._hurry.wait(FAST_S)  # polled: a stream of puts shares frames
             elif self._waiting or self._orphans or now - owed_at < QUIET_S or not self._doze():
-                self._pause(IDLE_S)
+                self._hurry.wait(IDLE_S)
 
     def hurry(self) -> None:
         """Make the thread look now: an ask, a commit owed while it sleeps, ``close``."""
         self._hurry.set()
         self._records.hurry()  # where it sleeps on the doorbell
-
-    def _pause(self, seconds: float) -> None:
-        """A poll period: ``hurry`` ends it, writers' rings do not (they are polled)."""
-        if self._records.rings_wake:
-            self._records.wait_ring(seconds, announce=False)
-        else:
-            self._hurry.wait(seconds)
 
     def _doze(self) -> bool:
         """Wait (False at once: work is pending) until the table has work to poll for,
@@ -188,7 +181,7 @@ class SealCommitter:
             return False
         span = DOZE_S if self._orphan_age is None else ORPHAN_SCAN_S
         if rings:
-            records.wait_ring(span, announce=True)
+            records.wait_ring(span)
         else:
             self._hurry.wait(span)
         table.seal_work(None)
