@@ -27,16 +27,16 @@
  *     Copy src into arena[offset : offset + len(src)], then write the seal
  *     record of offset: its fields (epoch, allocation, size, has-parent, key,
  *     parent or zeros), then ``mark`` (SEALED or NODE_COMMITS) in its sealed
- *     word last, then for NODE_COMMITS rings the doorbell (doorbell_ring). 1: done. 0: no
- *     record for offset, or a key or parent not 16 bytes: nothing copied or
- *     written. -1: the range lies outside the arena, a negative offset
+ *     word last, then for NODE_COMMITS rings the doorbell (doorbell_ring).
+ *     1: done. 0: no record for offset, or a key or parent not 16 bytes: nothing
+ *     copied or written. -1: the range lies outside the arena, a negative offset
  *     included (nothing copied; the caller raises).
  *
  * doorbell_ring(seals, value, force) / doorbell_wait(seals, timeout_ns)
  *     The seal file's doorbell as a futex, so that the node's commit thread sleeps
  *     until a same-host writer asks it to commit instead of polling (see their
- *     comments and "The doorbell" in kvpool.transport.shm_seal). write_sealed rings it
- *     the same way.
+ *     comments and the protocol in kvpool.transport.shm_doorbell). write_sealed
+ *     rings it the same way.
  *
  * ``way``: 1 copies with the streaming kernel (copy_kernels.h), 0 with memcpy
  * (numpy's copy of contiguous bytes), as kvpool.bindings.stream_copy learned
@@ -116,8 +116,8 @@ static uint32_t *doorbell32(uint64_t *words) {
 /* Ring the doorbell (value: RING_WRITER, or the node's own hurry) and wake the node's
  * commit thread if it said it sleeps on it (force: wake it whatever it said). The ring
  * is a sequentially consistent store, so either this load sees the node's sleeping word
- * or the node's futex wait, which follows its own such store, sees the ring (see
- * "The doorbell" in kvpool.transport.shm_seal). Runs without the GIL. */
+ * or the node's futex wait, which follows its own such store, sees the ring (the
+ * protocol: kvpool.transport.shm_doorbell). Runs without the GIL. */
 static void ring_and_wake(uint64_t *words, uint64_t value, int force) {
     __atomic_store_n(&words[DOORBELL_WORD], value, __ATOMIC_SEQ_CST);
     if (force || __atomic_load_n(&words[SLEEPING_WORD], __ATOMIC_SEQ_CST))
@@ -157,12 +157,12 @@ static PyObject *doorbell_ring(PyObject *module, PyObject *const *args, Py_ssize
     Py_RETURN_NONE;
 }
 
-/* doorbell_wait(seals, timeout_ns) -> int: the node's commit thread waits, without the
- * GIL, until the doorbell is rung (a non-zero value: returned at once if it already
- * is), a signal comes or timeout_ns passed; returns the doorbell's value then (not
- * cleared: SealRecords.rung clears it). It says so in the sleeping word for the wait,
- * so that writers' rings wake it. One thread of the node waits at a time (it alone
- * writes the sleeping word). */
+/* doorbell_wait(seals, timeout_ns) -> None: the node's commit thread waits, without the
+ * GIL, until the doorbell is rung (a non-zero value: it returns at once if it already
+ * is), a signal comes or timeout_ns passed; the doorbell is left as it is
+ * (SealRecords.rung reads and clears it). It says so in the sleeping word for the
+ * wait, so that writers' rings wake it. One thread of the node waits at a time (it
+ * alone writes the sleeping word). */
 static PyObject *doorbell_wait(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (nargs != 2) {
@@ -179,17 +179,15 @@ static PyObject *doorbell_wait(PyObject *module, PyObject *const *args, Py_ssize
     if (timeout_ns < 0)
         timeout_ns = 0;
     struct timespec wait = {timeout_ns / 1000000000LL, timeout_ns % 1000000000LL};
-    uint64_t value;
     Py_BEGIN_ALLOW_THREADS
     __atomic_store_n(&words[SLEEPING_WORD], 1, __ATOMIC_SEQ_CST);
     /* sleeps only while the word is still 0 (checked atomically by the kernel); an
      * EINTR, EAGAIN (rung already) or ETIMEDOUT return all mean: look again */
     syscall(SYS_futex, doorbell32(words), FUTEX_WAIT, 0, &wait, NULL, 0);
     __atomic_store_n(&words[SLEEPING_WORD], 0, __ATOMIC_SEQ_CST);
-    value = __atomic_load_n(&words[DOORBELL_WORD], __ATOMIC_ACQUIRE);
     Py_END_ALLOW_THREADS
     PyBuffer_Release(&view);
-    return PyLong_FromUnsignedLongLong(value);
+    Py_RETURN_NONE;
 }
 
 /* One checked read's record checks and copy (no Python object touched: callers run
@@ -419,8 +417,8 @@ static PyMethodDef methods[] = {
      "doorbell_ring(seals, value, force, /) -> None: ring the seal file's doorbell and wake "
      "the node's commit thread if it sleeps on it (force: in any case)."},
     {"doorbell_wait", (PyCFunction)(void (*)(void))doorbell_wait, METH_FASTCALL,
-     "doorbell_wait(seals, timeout_ns, /) -> int: wait (GIL released) until the doorbell "
-     "is rung or timeout_ns passed; the doorbell's value then."},
+     "doorbell_wait(seals, timeout_ns, /) -> None: wait (GIL released) until the doorbell "
+     "is rung or timeout_ns passed."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -63,8 +63,8 @@ def ring(mapping: Any, value: int = WRITER, *, force: bool = False) -> None:
     _module.doorbell_ring(mapping, value, force)
 
 
-def wait(mapping: Any, timeout_s: float) -> int:
+def wait(mapping: Any, timeout_s: float) -> None:
     """The commit thread's sleep, at most ``timeout_s``, until the doorbell is rung (at
-    once if it is); the doorbell's value then (not cleared). Call only where
+    once if it is; ``SealRecords.rung`` then reads and clears it). Call only where
     ``AVAILABLE``."""
-    return int(_module.doorbell_wait(mapping, int(timeout_s * 1e9)))
+    _module.doorbell_wait(mapping, int(timeout_s * 1e9))
