@@ -126,3 +126,18 @@ def test_a_writer_that_cannot_ring_a_futex_makes_the_node_poll(tmp_path, monkeyp
     assert not node.rings_wake
     writer.close()
     node.close()
+
+
+def test_a_buffer_that_is_no_seal_file_is_refused() -> None:
+    """Ringing or waiting takes only a writable mapping at least a seal header long:
+    a short buffer is a ``ValueError``, a read-only one a ``BufferError``; nothing is
+    written to either."""
+    short, read_only = bytearray(64), b"\0" * 4096
+    with pytest.raises(ValueError, match="not a seal file"):
+        shm_doorbell.ring(short)
+    with pytest.raises(ValueError, match="not a seal file"):
+        shm_doorbell.wait(short, 0.0)
+    for call in (lambda: shm_doorbell.ring(read_only), lambda: shm_doorbell.wait(read_only, 0.0)):
+        with pytest.raises((BufferError, TypeError)):
+            call()
+    assert short == bytearray(64) and read_only == b"\0" * 4096
