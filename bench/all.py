@@ -352,6 +352,7 @@ def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool
         native = facts["native"]
         print(
             f"TCP receive spin: {native['tcp_recv']}; same-host checks: {native['shm_copy']}; "
+            f"node's checked TCP reads: {native.get('tcp_serve', '-')}; "
             f"SSD writes: {native['ssd_aio']}"
         )
     if "wake_us" in facts:  # (facts written before session 36 lack it)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvpool.storage import direct_aio
-from kvpool.transport import shm_copy, tcp_recv
+from kvpool.transport import shm_copy, tcp_read_gate, tcp_recv
 from kvpool.transport.tcp_congestion import CHOSEN
 
 #: File systems whose files live in memory: SSD rows measured there measure DRAM.
@@ -74,6 +74,7 @@ def machine_facts() -> dict[str, Any]:
         "native": {
             "tcp_recv": tcp_recv.STATUS,
             "shm_copy": shm_copy.STATUS,
+            "tcp_serve": tcp_read_gate.STATUS,
             "ssd_aio": direct_aio.STATUS,
         },
     }

@@ -153,7 +153,8 @@ def test_machine_facts_are_written_and_printed(quick_run: tuple[list[dict], dict
     assert f"memory {mem['gib']} GiB, NUMA nodes {mem['numa_nodes']}" in stdout
     assert (
         f"TCP receive spin: {native['tcp_recv']}; same-host checks: {native['shm_copy']}; "
-        f"SSD writes: {native['ssd_aio']}" in stdout
+        f"node's checked TCP reads: {native['tcp_serve']}; SSD writes: {native['ssd_aio']}"
+        in stdout
     )
     ssd = facts["ssd_dir"]  # where the SSD rows' files lived
     assert f"SSD rows: {ssd['dir']} on {ssd['filesystem']} (" in stdout

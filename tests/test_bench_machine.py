@@ -198,11 +198,12 @@ def test_memory_size_numa_nodes_and_huge_pages(tmp_path: Path) -> None:
 
 def test_the_native_helpers_say_which_path_runs() -> None:
     from kvpool.storage import direct_aio
-    from kvpool.transport import shm_copy, tcp_recv
+    from kvpool.transport import shm_copy, tcp_read_gate, tcp_recv
 
     native = machine_facts()["native"]
     assert native == {
         "tcp_recv": tcp_recv.STATUS,
         "shm_copy": shm_copy.STATUS,
+        "tcp_serve": tcp_read_gate.STATUS,
         "ssd_aio": direct_aio.STATUS,
     }

@@ -36,6 +36,7 @@ from kvpool.transport import shm_copy, tcp_congestion, tcp_recv
 from kvpool.transport.base import RegionInfo, Transport, host_identity
 from kvpool.transport.fencing import CommitDesk, WriteFence
 from kvpool.transport.select import check_override, select_transport
+from kvpool.transport.tcp_read_gate import ReadGate
 from kvpool.transport.tcp_server import TcpDataServer
 
 WILDCARDS = ("", "0.0.0.0", "::")
@@ -93,6 +94,7 @@ def expose_region(
     ucx_port: int = 0,
     fence: WriteFence | None = None,
     commits: CommitDesk | None = None,
+    read_gate: ReadGate | None = None,
 ) -> ExposedRegion:
     """Serve ``region`` over TCP (and UCX: ``ucx=None`` means as ``$KVPOOL_UCX`` says,
     by default where UCXX and an RDMA device are present).
@@ -100,9 +102,18 @@ def expose_region(
     ``shm_name`` is the /dev/shm file backing ``region`` ("" if it is not
     shared); same-host clients then map it instead of using a socket.
     ``fence`` checks stamped writes (kvpool.transport.fencing); ``commits`` takes
-    the TCP writes whose writer asks the node to commit them.
+    the TCP writes whose writer asks the node to commit them; ``read_gate`` serves
+    checked reads natively (kvpool.transport.tcp_read_gate).
     """
-    tcp = TcpDataServer(region, host=host, port=port, token=token, fence=fence, commits=commits)
+    tcp = TcpDataServer(
+        region,
+        host=host,
+        port=port,
+        token=token,
+        fence=fence,
+        commits=commits,
+        read_gate=read_gate,
+    )
     _, tcp_port = tcp.start()
     info = RegionInfo(
         node_id=node_id,

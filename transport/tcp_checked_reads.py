@@ -10,7 +10,10 @@ whole is answered with one gather send (``GATHER_MAX`` requests, ``GATHER_BYTES`
 of payload at most), its blocks held by one fence call.
 
 ``CheckedReads`` serves them for one data server (kvpool.transport.tcp_server);
-every connection's thread calls it. Invariant: a block is held from before its
+every connection's thread calls it. Given the node's read gate, a read alone
+whose block's identity record names it is served in one native call, held by
+the gate's count instead of the fence (kvpool.transport.tcp_read_gate); the
+others, and pipelined batches, as above. Invariant: a block is held from before its
 first byte is sent until its send ended (or failed), and released exactly once.
 """
 
@@ -22,6 +25,7 @@ from typing import Any
 from kvpool.transport import tcp_wire as w
 from kvpool.transport.fencing import WriteFence
 from kvpool.transport.tcp_inbox import Inbox
+from kvpool.transport.tcp_read_gate import ReadGate
 
 _STALE_MSG = b"that block no longer holds this range"
 #: Checked reads one gather send answers, at most: requests, payload bytes so far.
@@ -38,9 +42,13 @@ PADS = tuple(bytes(n) for n in range(w.ALIGN))  # an ok reply's pad, by length: 
 class CheckedReads:
     """The checked reads of one data server's ``region`` (a flat byte view)."""
 
-    def __init__(self, region: memoryview, fence: WriteFence | None) -> None:
+    def __init__(
+        self, region: memoryview, fence: WriteFence | None, gate: ReadGate | None = None
+    ) -> None:
         self._mv, self.size, self.fence = region, region.nbytes, fence
+        self._serve = None if gate is None else gate.serve  # None: every read in Python
         self.bytes_read = 0  # payload bytes served (the server's plain reads count here too)
+        self.gated = 0  # checked reads the read gate served
 
     def one(self, sock: socket.socket, inbox: Inbox, sent: int) -> int:
         """The checked read at the head of ``inbox``, alone (``batch`` without its
@@ -48,6 +56,12 @@ class CheckedReads:
         holds the range, held until the send ends; else ST_STALE as long as an ok reply."""
         at = inbox.start
         if inbox.end - at >= _BLOCK_REQ:
+            serve = self._serve  # the node's read gate first (kvpool.transport.tcp_read_gate)
+            if serve is not None and (done := serve(sock.fileno(), inbox.buf, at, sent)):
+                inbox.start = at + _BLOCK_REQ
+                self.bytes_read += done - w.RESP.size - (-(sent + w.RESP.size) % w.ALIGN)
+                self.gated += 1
+                return done
             inbox.start = at + _BLOCK_REQ
         else:
             at = inbox.take(_BLOCK_REQ)

@@ -8,7 +8,8 @@ blocks: the master decides which ranges are valid; this server only refuses rang
 outside the region and, given a ``fence`` (kvpool.transport.fencing), passes every
 stamped op through it before a byte lands (the node's block table checks the epoch
 and allocation) and serves a checked read only while its block holds the range
-(kvpool.transport.tcp_checked_reads). Given ``commits`` (a ``CommitDesk``) it also
+(kvpool.transport.tcp_checked_reads; given the node's ``read_gate``, most of them
+natively: kvpool.transport.tcp_read_gate). Given ``commits`` (a ``CommitDesk``) it also
 takes final writes whose writer asks the node to send the master commit
 (``WRITE_COMMIT``) and answers how those commits went (``COMMITS``). The token rule
 of ``kvpool.rpc.auth`` applies (a non-loopback bind needs a token).
@@ -39,6 +40,7 @@ from kvpool.transport.fencing import (
 )
 from kvpool.transport.tcp_checked_reads import PADS, CheckedReads
 from kvpool.transport.tcp_inbox import Inbox, Outbox
+from kvpool.transport.tcp_read_gate import ReadGate
 
 log = logging.getLogger("kvpool.transport.tcp")
 #: Fenced ops with no payload either way (a claim taken ahead, a seal, a release):
@@ -62,6 +64,7 @@ class TcpDataServer:
         write_timeout: float = 30.0,
         max_connections: int = 1024,
         commits: CommitDesk | None = None,
+        read_gate: ReadGate | None = None,
     ) -> None:
         self.token = resolve_token(token)
         check_bind(host, self.token)
@@ -77,7 +80,9 @@ class TcpDataServer:
         self._lock = threading.Lock()
         self._closed = False
         self._thread: threading.Thread | None = None
-        self.reads = CheckedReads(self._mv, fence)  # READ_BLOCK (and READ: counts there too)
+        if read_gate is not None and (fence is None or read_gate.size != self.size):
+            raise ValueError("a read gate needs the fence of the region it was made for")
+        self.reads = CheckedReads(self._mv, fence, read_gate)  # READ_BLOCK (READ counts there)
         self.bytes_written = 0
         self.instance = secrets.token_hex(8)  # this incarnation (see tcp_wire)
 

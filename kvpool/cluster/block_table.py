@@ -24,15 +24,16 @@ Invariants (all under one lock):
   only that allocation's entry: after a remove and a re-put of the same key into the same range,
   a late commit or free of the old block never marks or drops the new one (0: unknown, matched
   by range and key, as events of blocks re-registered with this master are);
-- a heartbeat ``commit`` marks an entry the table holds, never creates one (SSD loads insert
-  theirs: ``promoted``): a later load's ``take_over`` (a direct RPC) can overtake the commit
-  of the block loaded before, which must not come back over the new bytes;
+- a heartbeat ``commit`` marks an entry the table holds, never creates one (SSD loads insert theirs:
+  ``promoted``): a later load's ``take_over`` (an RPC) can overtake the commit of the block loaded
+  before, which must not come back over the new bytes;
 - a heartbeat ``free`` drops only a ``COMMITTED`` entry: an entry written for a newer allocation
   of the same range (its commit event comes later in the ordered stream) is kept; or a
   ``WRITTEN`` one it names by its own allocation id (an SSD load the master no longer wants);
-- same-host readers check the identity records (kvpool.transport.shm_ident): a block's record is
-  published once it is whole (WRITTEN or COMMITTED) and retracted when its entry goes or another
-  entry starts there, always before a claim that lets new bytes into the range is granted;
+- same-host readers and the node's native TCP reads check the identity records (kvpool.transport.
+  shm_ident): a block's is published once it is whole (WRITTEN or COMMITTED) and retracted when its
+  entry goes or another starts there, before a claim letting new bytes in is granted; a claim or
+  load retracts first, then looks for native reads in flight (kvpool.cluster.outside_reads);
 - shared-memory seals (kvpool.transport.shm_seal): a claim taken ahead (placeholder key) has its
   record cleared before it is granted, its deadline restarted when sent again (``renewed``); a
   record naming it (claimed, not aborted) is adopted as a ``SEAL`` would be, and a new term aborts
@@ -55,12 +56,14 @@ from kvpool.cluster.block_entry import (
     Entry,
     Waits,
 )
+from kvpool.cluster.outside_reads import OutsideReads
 from kvpool.cluster.sealed_claims import SealedClaims
 from kvpool.cluster.unconfirmed import Unconfirmed
 from kvpool.cluster.write_holders import WriteHolders
 from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, FENCE_STALE, WriteStamp
 from kvpool.transport.shm_ident import BlockIdents
 from kvpool.transport.shm_seal import SealRecords, now_ns
+from kvpool.transport.tcp_read_gate import ReadGate
 
 DEFAULT_CLAIM_WAIT = 2.0  # seconds a newer claim waits for older writes in flight
 
@@ -75,9 +78,10 @@ class BlockTable:
         idents: BlockIdents | None = None,
         seals: SealRecords | None = None,
         clock: Callable[[], int] = now_ns,
+        read_gate: ReadGate | None = None,
     ) -> None:
         self._checksum = checksum  # (offset, size) -> xxh3_64 of those arena bytes
-        self._idents = idents  # same-host readers check these (None: not published)
+        self._outside = OutsideReads(idents, read_gate)  # reads without this table's lock
         self._claims = None if seals is None else SealedClaims(seals, clock)  # same-host seals
         self.claim_wait = claim_wait
         self.epoch = 0  # the term served now (0: none, every claim is stale)
@@ -108,7 +112,8 @@ class BlockTable:
                     self._adopt_sealed(other)
                 if any(o.stamp.order >= stamp.order for o in overlapped):
                     return FENCE_STALE
-                if not any(o.inflight for o in overlapped):
+                self._outside.retract(overlapped)  # first: see kvpool.cluster.outside_reads
+                if not self._outside.held(overlapped):
                     for other in overlapped:
                         self._remove(other)
                     entry = Entry(stamp, CLAIMED)
@@ -120,7 +125,7 @@ class BlockTable:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return FENCE_BUSY
-                self._waits.wait(left)
+                self._waits.wait(self._outside.wait_s(left))
 
     def finish(
         self, stamp: WriteStamp, owner: object, *, ok: bool, seal: bool, any_owner: bool = False
@@ -147,9 +152,8 @@ class BlockTable:
             self._waits.notify_all()
 
     def begin_read(self, key: bytes, block_offset: int, offset: int, length: int) -> Entry | None:
-        """The whole block ``key`` at ``block_offset`` covering the range, held (no newer
-        claim takes it) until ``end_read``; None if the range holds something else now
-        (the reader's lease is from an older placement). The node's hot path: few calls."""
+        """The whole block ``key`` at ``block_offset`` covering the range, held (no newer claim
+        takes it) until ``end_read``; None if the range holds something else (an old lease)."""
         with self._lock:
             return self._begin_read(key, block_offset, offset, length)
 
@@ -234,7 +238,7 @@ class BlockTable:
                 # Committed before its seal arrived (seal and commit run in parallel;
                 # the master commits only once the bytes are in place): whole now.
                 entry.stamp = s._replace(key=key, parent=parent)
-                self._publish(entry)
+                self._outside.publish(entry)
             self._entries.set_state(entry, COMMITTED)
             return entry
 
@@ -250,7 +254,7 @@ class BlockTable:
                 return None
             entry = Entry(WriteStamp(self.epoch, alloc_id, offset, size, key, parent), WRITTEN)
             self._insert(entry)
-            self._publish(entry)
+            self._outside.publish(entry)
             return entry
 
     def freed(self, offset: int, alloc_id: int = 0) -> None:
@@ -265,27 +269,28 @@ class BlockTable:
                 entry.state == WRITTEN and entry.is_allocation(alloc_id, epoch)  # an unwanted load
             ):
                 entry.aborted = True  # end_reads removes it once no read is in flight
+                self._outside.retract([entry])
                 self._settle(entry)
                 self._waits.notify_all()
 
     def take_over(self, offset: int, size: int) -> None:
-        """The node itself is about to write [offset, offset + size) (an SSD load
-        into a range the master chose): whatever the table still holds there is
-        gone (its late free may not have arrived). No new read or write of it
-        starts; reads and writes in flight there are waited for (at most
-        ``claim_wait``, as a newer claim waits), so a reader is not sent a mix of
-        old and loaded bytes; then the entries go, and a stale writer's seal
-        there is refused."""
+        """The node itself is about to write [offset, offset + size) (an SSD load into a
+        range the master chose): whatever the table still holds there is gone (its late
+        free may not have arrived). No new read or write of it starts; those in flight
+        there are waited for (at most ``claim_wait``, as a newer claim waits), so a reader
+        is not sent a mix of old and loaded bytes; then the entries go, and a stale
+        writer's seal there is refused."""
         deadline = time.monotonic() + self.claim_wait
         with self._lock:
             overlapped = self._entries.overlapping(offset, size)
             for entry in overlapped:
                 entry.aborted = True
-            while any(e.inflight > 0 for e in overlapped):
+            self._outside.retract(overlapped)
+            while self._outside.held(overlapped):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
-                self._waits.wait(left)
+                self._waits.wait(self._outside.wait_s(left))
             for entry in overlapped:
                 self._remove(entry)
             self._waits.notify_all()
@@ -341,7 +346,7 @@ class BlockTable:
         self._entries.set_state(entry, COMMITTED if was == COMMITTED else WRITTEN)
         if was == CLAIMED:
             self._unconfirmed.sealed(entry, self._entries)
-            self._publish(entry)
+            self._outside.publish(entry)
             if self._claims is not None:
                 self._claims.sealed(entry)
         self._waits.notify_all()
@@ -379,22 +384,17 @@ class BlockTable:
             self._settle(entry)
             self._waits.notify_all()
 
-    def _settle(self, entry: Entry) -> None:
-        if entry.aborted and entry.inflight <= 0 and self._entries.get(entry.stamp.offset) is entry:
+    def _settle(self, entry: Entry) -> None:  # (a native read's hold: the next writer does)
+        ours = entry.aborted and self._entries.get(entry.stamp.offset) is entry
+        if ours and not self._outside.held([entry]):
             self._remove(entry)
 
     def _insert(self, entry: Entry) -> None:
         self._entries.add(entry)
-        if self._idents is not None:
-            self._idents.retract(entry.stamp.offset)  # not readable until published
+        self._outside.retract([entry])  # not readable until published
 
     def _remove(self, entry: Entry) -> None:
         if self._entries.discard(entry):
-            if self._idents is not None:
-                self._idents.retract(entry.stamp.offset)
+            self._outside.retract([entry])
             if self._claims is not None:
                 self._claims.gone(entry)
-
-    def _publish(self, entry: Entry) -> None:
-        if self._idents is not None:
-            self._idents.publish(entry.stamp.offset, entry.stamp.size, entry.stamp.key)

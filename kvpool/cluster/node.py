@@ -67,6 +67,7 @@ from kvpool.transport.peers import expose_region
 from kvpool.transport.shm import shm_path
 from kvpool.transport.shm_ident import ALIGN, BlockIdents, ident_name
 from kvpool.transport.shm_seal import SealRecords, seal_name
+from kvpool.transport.tcp_read_gate import ReadGate
 
 log = logging.getLogger("kvpool.cluster.node")
 
@@ -113,7 +114,11 @@ class StorageNode:
             self.idents.close()
             self.arena.close()
             raise
-        self.table = BlockTable(self._checksum, idents=self.idents, seals=self.seals)
+        # checked TCP reads served natively, held by counts (kvpool.transport.tcp_read_gate)
+        self.read_gate = ReadGate(self.idents, self.arena.view)
+        self.table = BlockTable(
+            self._checksum, idents=self.idents, seals=self.seals, read_gate=self.read_gate
+        )
         # blocks no commit event confirmed within a heartbeat (+ margin) of their seal: the
         # node commits them for their writer (kvpool.cluster.unconfirmed)
         orphan_age = config.heartbeat_interval + ORPHAN_MARGIN_S
@@ -128,6 +133,7 @@ class StorageNode:
                 token=config.token,
                 fence=self.table,
                 commits=self.committer,
+                read_gate=self.read_gate,
             )
         except BaseException:
             self.seals.close()

@@ -1,0 +1,226 @@
+"""The node's read gate (kvpool.transport.tcp_read_gate, kvpool.cluster.outside_reads).
+
+A real TCP data server behind the node's real block table, identity records and gate:
+checked reads of whole blocks are served natively, byte-exact, whole or in part; a read
+the gate does not take (another block's key, a claim not yet whole, the gate off) takes
+the Python path with its usual answer. A native read in flight -- a reader that stops
+reading a 48 MiB reply, so the node's send blocks with the block held -- holds its block
+against a newer claim (busy after the claim's bound, the block's record retracted
+first) and an SSD load's ``take_over``, and keeps a freed block's entry until a writer
+finds it idle; once the reader drains its reply, the claim is granted.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from kvpool.cluster.block_table import BlockTable
+from kvpool.cluster.outside_reads import OutsideReads
+from kvpool.transport import tcp_read_gate
+from kvpool.transport import tcp_wire as w
+from kvpool.transport.base import RegionInfo
+from kvpool.transport.fencing import FENCE_BUSY, FENCE_OK, IDENT, WriteStamp
+from kvpool.transport.shm import shm_path
+from kvpool.transport.shm_ident import ALIGN, BlockIdents, ident_name
+from kvpool.transport.tcp import TcpTransport
+from kvpool.transport.tcp_conn import DataConn
+from kvpool.transport.tcp_read_gate import ReadGate
+from kvpool.transport.tcp_server import TcpDataServer
+
+needs_gate = pytest.mark.skipif(
+    tcp_read_gate.STATUS.startswith("Python"), reason=f"no native gate: {tcp_read_gate.STATUS}"
+)
+K1, K2 = b"\x01" * 16, b"\x02" * 16
+BIG = 48 << 20  # more than both ends' socket buffers hold (8 MiB asked, twice that given)
+REGION = 64 << 20
+
+
+@dataclass
+class Gated:
+    region: np.ndarray
+    idents: BlockIdents
+    gate: ReadGate
+    table: BlockTable
+    server: TcpDataServer
+    transport: TcpTransport
+
+
+@pytest.fixture
+def gated() -> Iterator[Gated]:
+    """A 64 MiB region (term 3, claims wait 0.2 s) behind the node's table, records and gate."""
+    region = np.zeros(REGION, np.uint8)
+    name = f"kvpool-test-{os.getpid()}-{secrets.token_hex(4)}"
+    idents = BlockIdents(shm_path(ident_name(name)), REGION, create=True)
+    gate = ReadGate(idents, region)
+    table = BlockTable(lambda offset, size: 1, claim_wait=0.2, idents=idents, read_gate=gate)
+    table.new_term(3)
+    server = TcpDataServer(region, fence=table, read_gate=gate)
+    server.start()
+    info = RegionInfo("n", REGION, tcp_host="127.0.0.1", tcp_port=server.address[1])
+    info.tcp_instance = server.instance
+    transport = TcpTransport(info, timeout=10)
+    yield Gated(region, idents, gate, table, server, transport)
+    transport.close()
+    server.close()
+    idents.close()
+
+
+def _whole(g: Gated, key: bytes, offset: int, size: int, alloc: int, seed: int) -> np.ndarray:
+    """Block ``key`` written whole at ``offset`` (allocation ``alloc``); its bytes."""
+    stamp = WriteStamp(3, alloc, offset, size, key)
+    assert g.table.claim(stamp, "w") == FENCE_OK
+    data = np.random.default_rng(seed).integers(0, 256, size, dtype=np.uint8)
+    g.region[offset : offset + size] = data
+    assert g.table.finish(stamp, "w", ok=True, seal=True) == FENCE_OK
+    return data
+
+
+def _until(cond: Callable[[], bool], timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.002)
+
+
+class _StalledRead:
+    """A checked read of ``length`` bytes whose reader does not read its reply yet."""
+
+    def __init__(self, g: Gated, key: bytes, offset: int, length: int) -> None:
+        self.conn = DataConn("127.0.0.1", g.server.address[1], None, 10.0, g.server.instance)
+        request = w.REQ.pack(w.OP_READ_BLOCK, 0, 1, offset, length) + IDENT.pack(key, offset)
+        self.conn.sock.sendall(request)
+        self.length = length
+
+    def drain(self) -> bytes:
+        """The whole reply (header, pad, payload): the node's send ends."""
+        pad = w.read_pad(w.HELLO_REPLY.size)
+        want = w.RESP.size + pad + self.length
+        got = bytearray(want)
+        w.recv_into_exact(self.conn.sock, memoryview(got))
+        self.conn.close()
+        status, _, rid, length = w.READ_RESP.unpack_from(got)
+        assert (status, rid, length) == (w.ST_OK, 1, self.length)
+        return bytes(got[w.RESP.size + pad :])
+
+
+@needs_gate
+def test_checked_reads_are_served_natively_byte_exact_whole_or_in_part(gated: Gated) -> None:
+    a = _whole(gated, K1, 0, 1 << 20, 1, seed=1)
+    b = _whole(gated, K2, 2 << 20, 100_000, 2, seed=2)  # not a multiple of the granule
+    out = np.zeros(1 << 20, np.uint8)
+    assert gated.transport.read_block(0, 0, out, K1) and np.array_equal(out, a)
+    part = np.zeros(5000, np.uint8)
+    assert gated.transport.read_block(2 << 20, 777, part, K2)
+    assert np.array_equal(part, b[777:5777])
+    outs = [np.zeros(1 << 20, np.uint8) for _ in range(3)]  # one after another, pads vary
+    for i, o in enumerate(outs):
+        assert gated.transport.read_block(0, 0, o, K1), i
+        assert np.array_equal(o, a)
+    # (the server's thread counts once it has the GIL again: the client may be first)
+    _until(lambda: gated.server.reads.gated == 5 and not gated.gate.readers.any())
+    assert gated.server.bytes_read == 4 * (1 << 20) + 5000  # every count back down above
+
+
+@needs_gate
+def test_a_read_the_gate_declines_takes_the_python_path(gated: Gated) -> None:
+    a = _whole(gated, K1, 0, 8192, 1, seed=3)
+    out = np.zeros(8192, np.uint8)
+    assert not gated.transport.read_block(0, 0, out, K2)  # another key: refused as stale
+    assert not gated.transport.read_block(0, 4096, out, K1)  # past the block's end
+    claim = WriteStamp(3, 2, 1 << 20, 8192, K2)
+    assert gated.table.claim(claim, "w") == FENCE_OK  # claimed, not whole: no record
+    assert not gated.transport.read_block(1 << 20, 0, out, K2)
+    assert gated.server.reads.gated == 0
+    assert gated.transport.read_block(0, 0, out, K1) and np.array_equal(out, a)
+    _until(lambda: gated.server.reads.gated == 1)
+
+
+def test_with_the_gate_off_every_read_takes_the_python_path(
+    gated: Gated, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(tcp_read_gate, "_serve_read", None)
+    off = ReadGate(gated.idents, gated.region)
+    assert off.serve is None
+    server = TcpDataServer(gated.region, fence=gated.table, read_gate=off)
+    server.start()
+    info = RegionInfo("n", REGION, tcp_host="127.0.0.1", tcp_port=server.address[1])
+    info.tcp_instance = server.instance
+    transport = TcpTransport(info, timeout=10)
+    try:
+        a = _whole(gated, K1, 0, 1 << 20, 1, seed=4)
+        out = np.zeros(1 << 20, np.uint8)
+        assert transport.read_block(0, 0, out, K1) and np.array_equal(out, a)
+        _until(lambda: server.bytes_read == 1 << 20)
+        assert server.reads.gated == 0
+    finally:
+        transport.close()
+        server.close()
+
+
+@needs_gate
+def test_a_native_read_in_flight_holds_its_block_against_a_newer_claim(gated: Gated) -> None:
+    a = _whole(gated, K1, 0, BIG, 1, seed=5)
+    stalled = _StalledRead(gated, K1, 0, BIG)
+    _until(lambda: gated.gate.readers[0] == 1)  # the node's send blocks, the block held
+    newer = WriteStamp(3, 9, 0, 8192, K2)
+    assert gated.table.claim(newer, "new") == FENCE_BUSY  # after its 0.2 s bound
+    assert gated.idents.seq(0) % 2 == 1  # retracted first: no new native read starts there
+    assert gated.table.state_of(0) is not None  # the block is still there, held
+    assert stalled.drain() == a.tobytes()  # the bytes sent are the block's, whole
+    _until(lambda: gated.gate.readers[0] == 0)
+    assert gated.table.claim(newer, "new") == FENCE_OK  # the range is the new claim's now
+    out = np.zeros(8192, np.uint8)
+    assert not gated.transport.read_block(0, 0, out, K1)  # the old block is gone
+
+
+@needs_gate
+def test_take_over_waits_for_a_native_read_in_flight(gated: Gated) -> None:
+    gated.table.claim_wait = 10.0
+    a = _whole(gated, K1, 0, BIG, 1, seed=6)
+    stalled = _StalledRead(gated, K1, 0, BIG)
+    _until(lambda: gated.gate.readers[0] == 1)
+    done = threading.Event()
+    taker = threading.Thread(target=lambda: (gated.table.take_over(0, BIG), done.set()))
+    taker.start()
+    time.sleep(0.1)
+    assert not done.is_set()  # an SSD load may not land under the read
+    assert stalled.drain() == a.tobytes()
+    assert done.wait(5.0)
+    taker.join()
+    assert gated.table.state_of(0) is None
+
+
+@needs_gate
+def test_a_freed_block_a_native_read_holds_stays_until_a_writer_finds_it_idle(
+    gated: Gated,
+) -> None:
+    a = _whole(gated, K1, 0, BIG, 1, seed=7)
+    gated.table.committed(K1, 0, BIG, None, 1)
+    stalled = _StalledRead(gated, K1, 0, BIG)
+    _until(lambda: gated.gate.readers[0] == 1)
+    gated.table.freed(0, 1)  # the master freed it mid-read (a lease ran out)
+    assert gated.idents.seq(0) % 2 == 1  # no new read of it starts
+    assert gated.table.state_of(0) is not None  # kept: the read in flight holds it
+    newer = WriteStamp(3, 9, ALIGN, 8192, K2)  # overlaps the freed block, not its start
+    assert gated.table.claim(newer, "new") == FENCE_BUSY
+    assert stalled.drain() == a.tobytes()
+    _until(lambda: gated.gate.readers[0] == 0)
+    assert gated.table.claim(newer, "new") == FENCE_OK
+    assert gated.table.state_of(0) is None  # the claim found it idle and removed it
+
+
+def test_a_gate_needs_the_records_and_the_fence_of_its_region(gated: Gated) -> None:
+    with pytest.raises(ValueError, match="read gate"):
+        TcpDataServer(gated.region, read_gate=gated.gate)  # no fence
+    with pytest.raises(ValueError, match="read gate"):
+        TcpDataServer(np.zeros(1 << 20, np.uint8), fence=gated.table, read_gate=gated.gate)
+    with pytest.raises(ValueError, match="identity records"):
+        OutsideReads(None, gated.gate)
