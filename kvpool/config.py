@@ -1,11 +1,14 @@
-"""Configuration dataclasses and human-readable sizes ("4GiB", "512MiB")."""
+"""Configuration dataclasses, human-readable sizes ("4GiB", "512MiB"), environment
+switches, and the optional compiled helpers they turn on or off."""
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import re
 from dataclasses import dataclass
+from types import ModuleType
 
 _UNITS = {
     "": 1,
@@ -102,3 +105,15 @@ class PoolConfig:
             raise ValueError("gpu_bytes and ssd_bytes must be >= 0")
         if (self.ssd_path is None) != (self.ssd_bytes == 0):
             raise ValueError("ssd_path and ssd_bytes go together: give both or neither")
+
+
+def optional_extension(name: str, switch: str | None = None) -> tuple[ModuleType | None, str]:
+    """The compiled module ``name`` (an optional extension: built where a C compiler was
+    at install time), or None and why not: ``$switch=0`` turned it off, or it was not
+    built. Imported by name: the compiled module, never a Python one."""
+    if switch is not None and os.environ.get(switch, "1") == "0":
+        return None, f"${switch}=0"
+    try:
+        return importlib.import_module(name), ""
+    except ImportError as exc:
+        return None, f"{name} not built: {exc}"

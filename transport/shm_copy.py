@@ -25,23 +25,11 @@ and the record layouts they share with the Python modules: transport/_shm_copy.c
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable
-from typing import Any
 
+from kvpool.config import optional_extension
 
-def _native() -> tuple[Any, str]:
-    """The compiled module (None where it is off or was not built), and why not."""
-    if os.environ.get("KVPOOL_SHM_COPY", "1") == "0":
-        return None, "$KVPOOL_SHM_COPY=0"
-    try:  # by name: the compiled module, not a Python one
-        return importlib.import_module("kvpool.transport._shm_copy"), ""
-    except ImportError as exc:  # built without a compiler: the optional extension is absent
-        return None, f"kvpool.transport._shm_copy not built: {exc}"
-
-
-_module, _missing = _native()
+_module, _missing = optional_extension("kvpool.transport._shm_copy", "KVPOOL_SHM_COPY")
 STATUS = (
     "one native call per checked read and per sealed put"
     if _module is not None

@@ -12,9 +12,10 @@ of payload at most), its blocks held by one fence call.
 ``CheckedReads`` serves them for one data server (kvpool.transport.tcp_server);
 every connection's thread calls it. Given the node's read gate, a read alone
 whose block's identity record names it is served in one native call, held by
-the gate's count instead of the fence (kvpool.transport.tcp_read_gate); the
-others, and pipelined batches, as above. Invariant: a block is held from before its
-first byte is sent until its send ended (or failed), and released exactly once.
+the gate's count instead of the fence (kvpool.transport.tcp_read_gate), and so is
+a pipelined batch's longest prefix the gate takes; the others as above.
+Invariant: a block is held from before its first byte is sent until its send
+ended (or failed), and released exactly once.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class CheckedReads:
     ) -> None:
         self._mv, self.size, self.fence = region, region.nbytes, fence
         self._serve = None if gate is None else gate.serve  # None: every read in Python
+        self._serve_batch = None if gate is None else gate.serve_batch
         self.bytes_read = 0  # payload bytes served (the server's plain reads count here too)
         self.gated = 0  # checked reads the read gate served
 
@@ -92,6 +94,15 @@ class CheckedReads:
         blocks held (one fence call for all) until the send ends; (bytes sent, bytes
         received). The caller saw the first two whole: both checked reads."""
         start, block_req, read_block = inbox.start, _BLOCK_REQ, w.OP_READ_BLOCK
+        serve = self._serve_batch  # the node's read gate first: the requests it takes
+        if serve is not None:
+            got = serve(sock.fileno(), inbox.buf, start, inbox.end, sent, GATHER_MAX, GATHER_BYTES)
+            if got is not None:
+                n, done, payload = got
+                inbox.start = start + n * block_req
+                self.bytes_read += payload
+                self.gated += n
+                return done, n * block_req
         whole = min((inbox.end - start) // block_req, GATHER_MAX)
         reads = []  # (op, pad, rid, offset, length, key, block offset) per request
         asked = 0  # payload bytes the requests taken ask for

@@ -9,7 +9,8 @@ session 49). The gate serves the common read without them: the compiled
 ``kvpool.transport._tcp_serve.serve_read`` checks the block's identity record
 (kvpool.transport.shm_ident: the table publishes a block's record once it is
 whole and retracts it when it goes), raises the block's reader count, sends the
-reply with the GIL released and lowers the count. Any read it does not take
+reply with the GIL released and lowers the count; a pipelined batch of them
+(``serve_reads``) in one gather send, as the Python path sends it. Any read it does not take
 (no such record now, a claim sealed in shared memory the table has not
 adopted, the extension not built) takes the Python path, which answers it.
 
@@ -25,30 +26,21 @@ land). ``KVPOOL_TCP_SERVE=0`` turns the gate off (every read in Python).
 
 from __future__ import annotations
 
-import importlib
-import os
 from collections.abc import Callable, Iterable
 from functools import partial
-from typing import Any
 
 import numpy as np
 
+from kvpool.config import optional_extension
 from kvpool.transport.shm_ident import ALIGN, BlockIdents
 
-
-def _native() -> tuple[Any, str]:
-    """``serve_read`` (None where it is off or was not built), and why not."""
-    if os.environ.get("KVPOOL_TCP_SERVE", "1") == "0":
-        return None, "$KVPOOL_TCP_SERVE=0"
-    try:  # by name: the compiled module, not a Python one
-        return importlib.import_module("kvpool.transport._tcp_serve").serve_read, ""
-    except ImportError as exc:  # built without a compiler: the optional extension is absent
-        return None, f"kvpool.transport._tcp_serve not built: {exc}"
-
-
-_serve_read, _missing = _native()
+_module, _missing = optional_extension("kvpool.transport._tcp_serve", "KVPOOL_TCP_SERVE")
 #: Whether checked reads are served natively, and why not (for ``kvpool bench`` reports).
-STATUS = "native: one call per checked read" if _serve_read else f"Python ({_missing})"
+STATUS = (
+    "native: one call per checked read or pipelined batch"
+    if _module is not None
+    else f"Python ({_missing})"
+)
 
 
 class ReadGate:
@@ -56,18 +48,23 @@ class ReadGate:
 
     ``serve(fd, inbox, at, sent)``: the checked read at ``inbox[at:]`` served (the
     bytes sent), or None -- not taken here, nothing sent (the caller's Python path
-    answers it); None itself where the gate is off. The compiled function with the
-    region, its records and the counts bound (a C partial: no Python frame per read)."""
+    answers it). ``serve_batch(fd, inbox, at, end, sent, max_n, max_bytes)``: the
+    same for the pipelined requests in ``inbox[at:end]``, as many from the first as
+    it takes (at most ``max_n``, up to ``max_bytes`` of payload) in one gather send:
+    (served, bytes sent, payload bytes), or None when it takes none. Both None where
+    the gate is off; else the compiled functions with the region, its records and
+    the counts bound (C partials: no Python frame per read)."""
 
     def __init__(self, idents: BlockIdents, region: np.ndarray) -> None:
         self.size = region.nbytes
         self.readers = np.zeros(max(1, -(-self.size // ALIGN)), np.uint32)
-        records = idents.mapping
-        self.serve: Callable[[int, bytearray, int, int], int | None] | None = (
-            None
-            if _serve_read is None or records is None
-            else partial(_serve_read, region, records, self.readers)
-        )
+        records, module = idents.mapping, _module
+        self.serve: Callable[[int, bytearray, int, int], int | None] | None = None
+        self.serve_batch: Callable[..., tuple[int, int, int] | None] | None = None
+        if module is not None and records is not None:
+            bound = (region, records, self.readers)
+            self.serve = partial(module.serve_read, *bound)
+            self.serve_batch = partial(module.serve_reads, *bound)
 
     def reading(self, block_offsets: Iterable[int]) -> bool:
         """Whether a native read of a block starting at any of these offsets is being

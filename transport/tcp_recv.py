@@ -51,11 +51,10 @@ extension: no C compiler at install time) ``spin`` does nothing and
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
-from kvpool.config import env_int
+from kvpool.config import env_int, optional_extension
 
 DEFAULT_SPIN_US = 100
 DEFAULT_SPINNERS = 1
@@ -72,15 +71,8 @@ LONG_YIELD_US, FIRST_PAUSE_MS, MAX_PAUSE_MS = 500, 10, 1000
 ACK_EXTRA_MAX_US = 1000
 
 
-def _native() -> tuple[Any, str]:
-    """The compiled module (None where it was not built), and why not."""
-    try:  # by name: the compiled module, not a Python one
-        return importlib.import_module("kvpool.transport._tcp_recv"), ""
-    except ImportError as exc:  # built without a compiler: the optional extension is absent
-        return None, f"kvpool.transport._tcp_recv not built: {exc}"
-
-
-_module, _missing = _native()
+_module: Any  # (its functions are looked up where STATUS says it is there)
+_module, _missing = optional_extension("kvpool.transport._tcp_recv")
 _BUDGET_NS = SPIN_US * 1000 if SPINNERS else 0
 if not _BUDGET_NS:
     STATUS = "off ($KVPOOL_TCP_SPIN_US or $KVPOOL_TCP_SPINNERS is 0)"
