@@ -9,10 +9,10 @@ session 49). The gate serves the common read without them: the compiled
 ``kvpool.transport._tcp_serve.serve_read`` checks the block's identity record
 (kvpool.transport.shm_ident: the table publishes a block's record once it is
 whole and retracts it when it goes), raises the block's reader count, sends the
-reply with the GIL released and lowers the count; a pipelined batch of them
-(``serve_reads``) in one gather send, as the Python path sends it. Any read it does not take
-(no such record now, a claim sealed in shared memory the table has not
-adopted, the extension not built) takes the Python path, which answers it.
+reply with the GIL released and lowers the count; ``serve_reads`` does the same
+for a pipelined batch, in one gather send as the Python path sends it. Any read
+it does not take (no such record now, a claim sealed in shared memory the table
+has not adopted, the extension not built) takes the Python path, which answers it.
 
 Invariants: a block a native read is sending is never overwritten. The table
 (kvpool.cluster.block_table) retracts the records of the blocks a claim or an

@@ -69,6 +69,8 @@ class TcpDataServer:
         self.token = resolve_token(token)
         check_bind(host, self.token)
         self.region = host_view(region, writable=True, what="region")
+        if read_gate is not None and (fence is None or read_gate.size != self.region.nbytes):
+            raise ValueError("a read gate needs the fence of the region it was made for")
         self._mv = memoryview(self.region)  # type: ignore[arg-type]
         self.size = self.region.nbytes
         self.handshake_timeout = handshake_timeout
@@ -80,8 +82,6 @@ class TcpDataServer:
         self._lock = threading.Lock()
         self._closed = False
         self._thread: threading.Thread | None = None
-        if read_gate is not None and (fence is None or read_gate.size != self.size):
-            raise ValueError("a read gate needs the fence of the region it was made for")
         self.reads = CheckedReads(self._mv, fence, read_gate)  # READ_BLOCK (READ counts there)
         self.bytes_written = 0
         self.instance = secrets.token_hex(8)  # this incarnation (see tcp_wire)
