@@ -184,9 +184,12 @@ def test_a_pipelined_batch_is_served_natively_up_to_the_first_read_it_declines(
     stale = (2 << 20, outs[4], K1, 2 << 20)  # block 2's range, another key: declined
     plan = [(3 << 20, outs[3], bytes([4]) * 16, 3 << 20), stale, plan[1], plan[0]]
     assert gated.transport.read_blocks(plan) == [True, False, True, True]
-    assert wait_until(lambda: gated.server.reads.gated == 4)  # the first natively, then Python
+
+    def served() -> tuple[int, int]:  # (its thread counts after its send: wait for it too)
+        return gated.server.reads.gated, gated.server.bytes_read
+
+    assert wait_until(lambda: served() == (4, 6 * 300_000)), served()  # 1 native, 3 Python
     assert np.array_equal(outs[3], blocks[3]) and np.array_equal(outs[1], blocks[1])
-    assert gated.server.bytes_read == 6 * 300_000
 
 
 @needs_gate
