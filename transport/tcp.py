@@ -216,16 +216,7 @@ class TcpTransport(Transport):
             offset, out, key, block_offset = items[0]
             return [self.read_block(block_offset, offset - block_offset, out, key)]
         reads = items if type(items) is list else list(items)
-        try:  # _io, inline (as read_block): host reads as they are, in one native call
-            conn = self._idle.pop()
-        except IndexError:
-            conn = self._acquire()
-        try:
-            got = conn.read_blocks(reads, self.info.size)
-        except BaseException as exc:
-            self._release(conn, False)
-            _raise_transfer_error(self.info.node_id, exc)
-        self._release(conn, True)
+        got = self._io(DataConn.read_blocks, reads, self.info.size)  # host reads: as they are
         if got is None:  # one is not: the checks (their errors) and device staging here
             return self._read_staged(reads)
         self.bytes_read += got[1]

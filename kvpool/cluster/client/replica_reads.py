@@ -85,13 +85,8 @@ def read_from(session: ClientSession, node_id: str, items: list[Read]) -> None:
     copy checks the block's identity record (kvpool.transport.shm_ident) the way
     the node checks a TCP read: ``StaleReadError`` if a block is not there."""
     transport = session.transport(node_id)
-    # (TCP's exact type first: an isinstance miss against these ABCs runs a Python frame;
-    # and TCP's checked reads straight from here, not through ``read_many``, which would
-    # look the transport up again: each frame costs ~1 us after a batch's megabytes)
-    if type(transport) is TcpTransport:
-        if not all(transport.read_blocks(items)):
-            raise StaleReadError(f"node {node_id} holds other blocks there now")
-    elif isinstance(transport, ShmTransport):
+    # (TCP's exact type first: an isinstance miss against these ABCs runs a Python frame)
+    if type(transport) is not TcpTransport and isinstance(transport, ShmTransport):
         for item, ok in zip(items, transport.read_blocks(items), strict=True):
             if not ok:  # not published? (a seal in shared memory the node has not adopted)
                 session.read_checked(node_id, [item])
