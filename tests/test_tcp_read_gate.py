@@ -152,7 +152,7 @@ def test_with_the_gate_off_every_read_takes_the_python_path(
 ) -> None:
     monkeypatch.setattr(tcp_read_gate, "_module", None)  # as $KVPOOL_TCP_SERVE=0 leaves it
     off = ReadGate(gated.idents, gated.region)
-    assert off.serve is None and off.serve_batch is None
+    assert off.serve is None
     server = TcpDataServer(gated.region, fence=gated.table, read_gate=off)
     server.start()
     info = RegionInfo("n", REGION, tcp_host="127.0.0.1", tcp_port=server.address[1])

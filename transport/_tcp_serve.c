@@ -1,30 +1,25 @@
 /* kvpool.transport._tcp_serve: a node's checked TCP read (READ_BLOCK), served in one call.
  *
- * serve_read(region, idents, readers, fd, inbox, at, sent) -> int | None
- *     (the node's three first, fixed per server: kvpool.transport.tcp_read_gate)
- *     inbox[at:at + 48] is one READ_BLOCK request (kvpool.transport.tcp_wire
- *     READ_BLOCK_REQ: op, pad, request id, offset, length, then IDENT: key, block
- *     offset; big-endian). Served here when the identity record of the block offset
- *     (``idents``: kvpool.transport.shm_ident's records, 32 bytes per 4 KiB granule:
- *     seq u64, size u64, key 16 B, native order) names that key, whole (seq even, not
- *     0) and covering [offset, offset + length) inside ``region``: the block's reader
- *     count (``readers``, one u32 per granule) goes up, the reply (an ok READ_RESP,
- *     its pad to the stream's 64-byte alignment given ``sent``, the region's bytes)
- *     is sent with the GIL released, and the count goes down again. Returns the
- *     bytes sent; None when the request is not one served here (any other op, a
- *     bad range, a record that does not name that block now, the count at its
- *     limit): nothing sent, and the Python path (kvpool.transport.tcp_checked_reads)
- *     answers it, with the node's block table. A failed send raises OSError
- *     (EAGAIN: the socket's SO_SNDTIMEO) with the count back down.
- *
  * serve_reads(region, idents, readers, fd, inbox, at, end, sent, max_n, max_bytes)
  *     -> (served, bytes sent, payload bytes) | None
- *     The same for a pipelined batch: the whole READ_BLOCK requests in inbox[at:end],
- *     from the first, as long as each is one served here, at most max_n (and MAX_READS)
- *     of them, and up to the one whose payload brings the total to max_bytes; their
- *     replies in one gather send (tcp_checked_reads' GATHER_*), every block held
- *     until it ended. None when the first is not one served here; the caller answers
- *     the requests after the ones served.
+ *     (the node's three first, fixed per server: kvpool.transport.tcp_read_gate)
+ *     inbox[at:end] holds pipelined requests; each READ_BLOCK (kvpool.transport.tcp_wire
+ *     READ_BLOCK_REQ, 48 bytes: op, pad, request id, offset, length, then IDENT: key,
+ *     block offset; big-endian) is served here when the identity record of its block
+ *     offset (``idents``: kvpool.transport.shm_ident's records, 32 bytes per 4 KiB
+ *     granule: seq u64, size u64, key 16 B, native order) names that key, whole (seq
+ *     even, not 0) and covering [offset, offset + length) inside ``region``. Served:
+ *     the whole requests from the first, as long as each is one served here, at most
+ *     max_n (and MAX_READS) of them, up to the one whose payload brings the total to
+ *     max_bytes (tcp_checked_reads' GATHER_*): each block's reader count (``readers``,
+ *     one u32 per granule) goes up, their replies (an ok READ_RESP, its pad to the
+ *     stream's 64-byte alignment given ``sent``, the region's bytes) go in one gather
+ *     send with the GIL released, and the counts go down again. None when the first
+ *     is not one served here (any other op, a bad range, a record that does not name
+ *     that block now, its count at its limit): nothing sent, and the Python path
+ *     (kvpool.transport.tcp_checked_reads) answers it, with the node's block table;
+ *     the caller answers the requests after the ones served the same way. A failed
+ *     send raises OSError (EAGAIN: the socket's SO_SNDTIMEO) with the counts back down.
  *
  * Why (issue 17, session 49): the Python path's fence check (the table's lock, its
  * dict, the entry and its stamp) and reply cost a checked 1 MiB read ~8-12 us more
@@ -116,7 +111,7 @@ static int hold_buffers(PyObject *const *args, Py_buffer *views) {
 }
 
 /* Request ``req`` (48 bytes) admitted: its block's count (raised), its range in out;
- * NULL when it is not one served here (see serve_read). Runs holding the GIL. */
+ * NULL when it is not one served here (see serve_reads). Runs holding the GIL. */
 static uint32_t *admit(const unsigned char *req, const Py_buffer *views, uint64_t *range) {
     if (req[0] != OP_READ_BLOCK)
         return NULL;
@@ -131,7 +126,8 @@ static uint32_t *admit(const unsigned char *req, const Py_buffer *views, uint64_
     uint32_t *count = (uint32_t *)views[2].buf + slot;
     uint64_t seq = __atomic_load_n(&record[0], __ATOMIC_ACQUIRE);
     if ((seq & 1) || seq == 0 || offset - block + length > record[1] ||
-        memcmp(record + 2, req + 24, KEY) || __atomic_load_n(count, __ATOMIC_RELAXED) == UINT32_MAX)
+        memcmp(record + 2, req + 24, KEY) ||
+        __atomic_load_n(count, __ATOMIC_RELAXED) == UINT32_MAX)
         return NULL;
     __atomic_add_fetch(count, 1, __ATOMIC_SEQ_CST); /* held: see "Why the count" above */
     range[0] = offset;
@@ -169,7 +165,8 @@ static Py_ssize_t serve(PyObject *const *args, int fd, PyObject *inbox, Py_ssize
     uint64_t total = 0, payload = 0, range[2];
     while (n < whole && payload < max_bytes &&
            (counts[n] = admit(requests + n * REQUEST, views, range)) != NULL) {
-        size_t pad = (size_t)((WIRE_ALIGN - (uint64_t)(sent + (long long)total + RESP) % WIRE_ALIGN) % WIRE_ALIGN);
+        uint64_t at_head = (uint64_t)sent + total + RESP; /* the stream offset after the header */
+        size_t pad = (size_t)((WIRE_ALIGN - at_head % WIRE_ALIGN) % WIRE_ALIGN);
         unsigned char *head = heads[n];
         memset(head, 0, RESP + pad);
         head[1] = (unsigned char)pad; /* status 0 (ST_OK), then the pad's length */
@@ -213,27 +210,6 @@ static int fd_arg(PyObject *obj) {
     return (int)fd;
 }
 
-static PyObject *serve_read(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
-    (void)module;
-    if (nargs != 7) {
-        PyErr_SetString(PyExc_TypeError,
-                        "serve_read(region, idents, readers, fd, inbox, at, sent)");
-        return NULL;
-    }
-    int fd = fd_arg(args[3]);
-    Py_ssize_t at = PyLong_AsSsize_t(args[5]);
-    long long sent = PyLong_AsLongLong(args[6]);
-    if (fd < 0 || PyErr_Occurred())
-        return NULL;
-    uint64_t out[2];
-    Py_ssize_t n = serve(args, fd, args[4], at, at + REQUEST, sent, 1, UINT64_MAX, out);
-    if (n < 0)
-        return NULL;
-    if (n == 0)
-        Py_RETURN_NONE;
-    return PyLong_FromUnsignedLongLong(out[0]);
-}
-
 static PyObject *serve_reads(PyObject *module, PyObject *const *args, Py_ssize_t nargs) {
     (void)module;
     if (nargs != 10) {
@@ -258,8 +234,6 @@ static PyObject *serve_reads(PyObject *module, PyObject *const *args, Py_ssize_t
 }
 
 static PyMethodDef methods[] = {
-    {"serve_read", (PyCFunction)(void (*)(void))serve_read, METH_FASTCALL,
-     "Serve one checked read whose block's identity record names it; None if not."},
     {"serve_reads", (PyCFunction)(void (*)(void))serve_reads, METH_FASTCALL,
      "Serve the prefix of a pipelined batch of checked reads served here; None if none."},
     {NULL, NULL, 0, NULL},

@@ -48,7 +48,6 @@ class CheckedReads:
     ) -> None:
         self._mv, self.size, self.fence = region, region.nbytes, fence
         self._serve = None if gate is None else gate.serve  # None: every read in Python
-        self._serve_batch = None if gate is None else gate.serve_batch
         self.bytes_read = 0  # payload bytes served (the server's plain reads count here too)
         self.gated = 0  # checked reads the read gate served
 
@@ -58,12 +57,8 @@ class CheckedReads:
         holds the range, held until the send ends; else ST_STALE as long as an ok reply."""
         at = inbox.start
         if inbox.end - at >= _BLOCK_REQ:
-            serve = self._serve  # the node's read gate first (kvpool.transport.tcp_read_gate)
-            if serve is not None and (done := serve(sock.fileno(), inbox.buf, at, sent)):
-                inbox.start = at + _BLOCK_REQ
-                self.bytes_read += done - w.RESP.size - (-(sent + w.RESP.size) % w.ALIGN)
-                self.gated += 1
-                return done
+            if self._serve is not None and (gated := self._gated(sock, inbox, sent, 1)):
+                return gated[0]
             inbox.start = at + _BLOCK_REQ
         else:
             at = inbox.take(_BLOCK_REQ)
@@ -94,15 +89,8 @@ class CheckedReads:
         blocks held (one fence call for all) until the send ends; (bytes sent, bytes
         received). The caller saw the first two whole: both checked reads."""
         start, block_req, read_block = inbox.start, _BLOCK_REQ, w.OP_READ_BLOCK
-        serve = self._serve_batch  # the node's read gate first: the requests it takes
-        if serve is not None:
-            got = serve(sock.fileno(), inbox.buf, start, inbox.end, sent, GATHER_MAX, GATHER_BYTES)
-            if got is not None:
-                n, done, payload = got
-                inbox.start = start + n * block_req
-                self.bytes_read += payload
-                self.gated += n
-                return done, n * block_req
+        if self._serve is not None and (gated := self._gated(sock, inbox, sent, GATHER_MAX)):
+            return gated
         whole = min((inbox.end - start) // block_req, GATHER_MAX)
         reads = []  # (op, pad, rid, offset, length, key, block offset) per request
         asked = 0  # payload bytes the requests taken ask for
@@ -145,6 +133,23 @@ class CheckedReads:
             if fence is not None:
                 fence.end_reads([entry for entry in held if entry is not None])
         return sent - first, len(reads) * block_req
+
+    def _gated(
+        self, sock: socket.socket, inbox: Inbox, sent: int, max_n: int
+    ) -> tuple[int, int] | None:
+        """The node's read gate first (kvpool.transport.tcp_read_gate): the checked
+        reads at the head of ``inbox`` it serves, at most ``max_n`` (bytes sent, bytes
+        received); None when it takes none, nothing sent."""
+        assert self._serve is not None
+        at = inbox.start
+        got = self._serve(sock.fileno(), inbox.buf, at, inbox.end, sent, max_n, GATHER_BYTES)
+        if got is None:
+            return None
+        n, done, payload = got
+        inbox.start = at + n * _BLOCK_REQ
+        self.bytes_read += payload
+        self.gated += n
+        return done, n * _BLOCK_REQ
 
 
 def _stale_reply(rid: int, pad: int, length: int, in_region: bool) -> bytes:

@@ -6,11 +6,11 @@ lock, whether the block still holds the range and holds its entry until the
 send ends. Each read finds those objects out of the caches the previous reply's
 megabyte went through: ~8-12 us of a 1 MiB read, seen by the client (issue 17,
 session 49). The gate serves the common read without them: the compiled
-``kvpool.transport._tcp_serve.serve_read`` checks the block's identity record
+``kvpool.transport._tcp_serve.serve_reads`` checks the block's identity record
 (kvpool.transport.shm_ident: the table publishes a block's record once it is
 whole and retracts it when it goes), raises the block's reader count, sends the
-reply with the GIL released and lowers the count; ``serve_reads`` does the same
-for a pipelined batch, in one gather send as the Python path sends it. Any read
+reply with the GIL released and lowers the count -- a pipelined batch's replies
+in one gather send, as the Python path sends them. Any read
 it does not take (no such record now, a claim sealed in shared memory the table
 has not adopted, the extension not built) takes the Python path, which answers it.
 
@@ -46,25 +46,21 @@ STATUS = (
 class ReadGate:
     """The native checked reads of one node's region and their counts per block start.
 
-    ``serve(fd, inbox, at, sent)``: the checked read at ``inbox[at:]`` served (the
-    bytes sent), or None -- not taken here, nothing sent (the caller's Python path
-    answers it). ``serve_batch(fd, inbox, at, end, sent, max_n, max_bytes)``: the
-    same for the pipelined requests in ``inbox[at:end]``, as many from the first as
-    it takes (at most ``max_n``, up to ``max_bytes`` of payload) in one gather send:
-    (served, bytes sent, payload bytes), or None when it takes none. Both None where
-    the gate is off; else the compiled functions with the region, its records and
-    the counts bound (C partials: no Python frame per read)."""
+    ``serve(fd, inbox, at, end, sent, max_n, max_bytes)``: the pipelined checked
+    reads in ``inbox[at:end]``, as many from the first as it takes (at most
+    ``max_n``, up to ``max_bytes`` of payload), served in one gather send: (served,
+    bytes sent, payload bytes); or None when it takes none -- nothing sent, the
+    caller's Python path answers them. None itself where the gate is off; else the
+    compiled function with the region, its records and the counts bound (a C
+    partial: no Python frame per call)."""
 
     def __init__(self, idents: BlockIdents, region: np.ndarray) -> None:
         self.size = region.nbytes
         self.readers = np.zeros(max(1, -(-self.size // ALIGN)), np.uint32)
         records, module = idents.mapping, _module
-        self.serve: Callable[[int, bytearray, int, int], int | None] | None = None
-        self.serve_batch: Callable[..., tuple[int, int, int] | None] | None = None
+        self.serve: Callable[..., tuple[int, int, int] | None] | None = None
         if module is not None and records is not None:
-            bound = (region, records, self.readers)
-            self.serve = partial(module.serve_read, *bound)
-            self.serve_batch = partial(module.serve_reads, *bound)
+            self.serve = partial(module.serve_reads, region, records, self.readers)
 
     def reading(self, block_offsets: Iterable[int]) -> bool:
         """Whether a native read of a block starting at any of these offsets is being
