@@ -348,7 +348,8 @@ def print_report(rows: Sequence[BenchRow], facts: dict[str, Any], markdown: bool
         mem = facts["memory"]
         print(f"memory {mem['gib']} GiB, NUMA nodes {mem['numa_nodes']}, transparent huge "
               f"pages: anonymous {mem['thp_anon']}, shared {mem['thp_shmem']}; free page "
-              f"reporting to the host: {mem.get('free_page_reporting')}")  # fmt: skip
+              f"reporting to the host: {mem.get('free_page_reporting')}; DAMON: "
+              f"{mem.get('damon', '-')}")  # fmt: skip
         native = facts["native"]
         print(
             f"TCP receive spin: {native['tcp_recv']}; same-host checks: {native['shm_copy']}; "

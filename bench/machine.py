@@ -86,12 +86,13 @@ def memory_facts(
     nodes: str = "/sys/devices/system/node",
     virtio: str = "/sys/bus/virtio/devices",
     reporting: str = "/sys/module/page_reporting/parameters",
+    damon: str = "/sys/kernel/mm/damon/admin/kdamonds",
 ) -> dict[str, Any]:
     """Memory in GiB, NUMA nodes, the transparent huge page settings for
-    anonymous and for shared memory, and ``free_page_reporting`` (None where
-    unknown). The shared one matters here: a node's arena is shared memory, and
-    with 4 KiB pages a same-host client fills ~260k page table entries per GiB it
-    maps (issue 17, session 32)."""
+    anonymous and for shared memory, ``free_page_reporting`` and ``damon_schemes``
+    (None where unknown). The shared one matters here: a node's arena is shared
+    memory, and with 4 KiB pages a same-host client fills ~260k page table entries
+    per GiB it maps (issue 17, session 32)."""
     total = None
     try:
         with open(meminfo) as f:
@@ -111,6 +112,7 @@ def memory_facts(
         "thp_anon": _chosen(os.path.join(thp, "enabled")),
         "thp_shmem": _chosen(os.path.join(thp, "shmem_enabled")),
         "free_page_reporting": free_page_reporting(virtio, reporting),
+        "damon": damon_schemes(damon),
     }
 
 
@@ -137,6 +139,41 @@ def free_page_reporting(virtio: str, reporting: str) -> str | None:
         return "on"
     kib = 4 << int(order)  # blocks of 2^order pages of 4 KiB
     return f"on, {kib >> 10} MiB blocks" if kib >= 1024 else f"on, {kib} KiB blocks"
+
+
+def damon_schemes(kdamonds: str) -> str | None:
+    """What the kernel's DAMON threads do to this machine's memory: "off" (none
+    running), or each running context's address space and scheme actions ("paddr:
+    pageout"); None where unknown. Why it is a fact (issue 17, session 50): the AMD
+    EPYC VMs run a kdamond over all physical memory that pages out what stayed
+    idle for a minute; it samples pages' accessed bits on either CPU, and took
+    1.0-1.4% of the CPU samples of two 1 MiB TCP read loops, 0.3% of two others."""
+    try:
+        names = sorted(n for n in os.listdir(kdamonds) if n.isdigit())
+    except OSError:
+        return None
+    running = []
+    for name in names:
+        kdamond = os.path.join(kdamonds, name)
+        if _read(os.path.join(kdamond, "state")) != "on":
+            continue
+        contexts = os.path.join(kdamond, "contexts")
+        for ctx in sorted(n for n in _listdir(contexts) if n.isdigit()):
+            ops = _read(os.path.join(contexts, ctx, "operations")) or "?"
+            schemes = os.path.join(contexts, ctx, "schemes")
+            actions = [
+                _read(os.path.join(schemes, s, "action")) or "?"
+                for s in sorted(n for n in _listdir(schemes) if n.isdigit())
+            ]
+            running.append(f"{ops}: {', '.join(actions) or 'monitoring only'}")
+    return "; ".join(running) or "off"
+
+
+def _listdir(path: str) -> list[str]:
+    try:
+        return os.listdir(path)
+    except OSError:
+        return []
 
 
 def _offers_reporting(device: str) -> bool:

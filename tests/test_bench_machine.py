@@ -4,8 +4,8 @@ Where the SSD rows ran (``storage_facts``): the mount, the block device under
 it, O_DIRECT, and the note when the directory is memory -- a fresh machine whose
 ``/tmp`` is a tmpfs runs the SSD rows in memory, and only these facts say so.
 Memory (``memory_facts``): size, NUMA nodes, transparent huge pages, free
-page reporting. The parsers run on crafted ``/proc`` and ``/sys`` files; the
-facts and the CLI also on this machine's own.
+page reporting, the DAMON threads running. The parsers run on crafted ``/proc``
+and ``/sys`` files; the facts and the CLI also on this machine's own.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import pytest
 
 from kvpool.bench.machine import (
     block_device,
+    damon_schemes,
     free_page_reporting,
     machine_facts,
     memory_facts,
@@ -178,14 +179,33 @@ def test_memory_size_numa_nodes_and_huge_pages(tmp_path: Path) -> None:
         (virtio / name).mkdir(parents=True)
         (virtio / name / "device").write_text(device + "\n")
         (virtio / name / "features").write_text(features + "\n")
-    got = memory_facts(str(tmp_path / "meminfo"), str(thp), str(nodes), str(virtio), str(reporting))
+    damon = tmp_path / "kdamonds"
+    for kdamond, state, ops, actions in (
+        ("0", "on", "paddr", ["pageout"]),
+        ("1", "off", "vaddr", ["stat"]),  # not running: not a fact
+        ("2", "on", "vaddr", []),
+    ):
+        ctx = damon / kdamond / "contexts" / "0"
+        (ctx / "schemes").mkdir(parents=True)
+        (damon / kdamond / "state").write_text(state + "\n")
+        (ctx / "operations").write_text(ops + "\n")
+        for i, action in enumerate(actions):
+            (ctx / "schemes" / str(i)).mkdir()
+            (ctx / "schemes" / str(i) / "action").write_text(action + "\n")
+    (damon / "nr_kdamonds").write_text("3\n")
+    paths = [str(tmp_path / "meminfo"), str(thp), str(nodes), str(virtio), str(reporting)]
+    got = memory_facts(*paths, str(damon))
     assert got == {
         "gib": 23.5,
         "numa_nodes": 2,
         "thp_anon": "madvise",
         "thp_shmem": "never",
         "free_page_reporting": "off",  # a balloon, but without the reporting feature (bit 5)
+        "damon": "paddr: pageout; vaddr: monitoring only",
     }
+    for kdamond in ("0", "2"):
+        (damon / kdamond / "state").write_text("off\n")
+    assert damon_schemes(str(damon)) == "off"
     (virtio / "virtio1" / "features").write_text("0110010100000000\n")
     assert free_page_reporting(str(virtio), str(reporting)) == "on, 2 MiB blocks"
     (reporting / "page_reporting_order").write_text("0\n")  # single 4 KiB pages
@@ -193,7 +213,7 @@ def test_memory_size_numa_nodes_and_huge_pages(tmp_path: Path) -> None:
     (reporting / "page_reporting_order").unlink()
     assert free_page_reporting(str(virtio), str(reporting)) == "on"  # order unknown
     missing = tmp_path / "missing"
-    assert memory_facts(*[str(missing)] * 5) == dict.fromkeys(got)
+    assert memory_facts(*[str(missing)] * 6) == dict.fromkeys(got)
 
 
 def test_the_native_helpers_say_which_path_runs() -> None:

@@ -39,6 +39,8 @@ from kvpool.transport.tcp_conn import DataConn
 from kvpool.transport.tcp_read_gate import ReadGate
 from kvpool.transport.tcp_server import TcpDataServer
 
+if tcp_read_gate.STATUS.startswith("Python") and os.environ.get("KVPOOL_REQUIRE_TCP_SERVE") == "1":
+    pytest.fail(f"KVPOOL_REQUIRE_TCP_SERVE=1 but the gate is {tcp_read_gate.STATUS}", pytrace=False)
 needs_gate = pytest.mark.skipif(
     tcp_read_gate.STATUS.startswith("Python"), reason=f"no native gate: {tcp_read_gate.STATUS}"
 )

@@ -87,7 +87,8 @@ class GrantStock:
         self.used = self.refills = 0
         # Grants already claimed on their node (kvpool.cluster.client.fenced): a
         # same-host put then skips the claim round trip. alloc id -> (grant, size,
-        # CLOCK_MONOTONIC ns read before the claim was sent: its seal deadline's base)
+        # CLOCK_MONOTONIC ns read before the claim was sent: its seal deadline's base;
+        # 1 where unknown, so a claim's clock is never 0, which reads "not claimed")
         self._claimed: dict[int, tuple[Grant, int, int]] = {}
         self._claiming: set[int] = set()
         self._renewing: set[int] = set()  # being claimed again (``claims_older_than``)
@@ -163,7 +164,7 @@ class GrantStock:
             if grant.alloc_id in self._claiming:
                 self._taken_while_claiming.add(grant.alloc_id)
             claim = self._claimed.pop(grant.alloc_id, None)  # now the put's (was_claimed)
-            return 0 if claim is None else max(1, claim[2])
+            return 0 if claim is None else claim[2]
 
     def take_claimed(self, size: int, wait_s: float = 0.0) -> tuple[Grant, int, bool] | None:
         """``take`` and ``was_claimed`` in one, for the sealed put's straight path
@@ -206,7 +207,7 @@ class GrantStock:
                 return None
             stock.popleft()
             self.used += 1
-            return grant, max(1, claim[2]), self._refill_size(size) > 0
+            return grant, claim[2], self._refill_size(size) > 0
         finally:
             lock.release()
 
@@ -303,7 +304,7 @@ class GrantStock:
                 taken = grant.alloc_id in self._taken_while_claiming
                 self._taken_while_claiming.discard(grant.alloc_id)
                 if good and grant.alloc_id in stocked and not taken:
-                    self._claimed[grant.alloc_id] = (grant, size, at_ns)
+                    self._claimed[grant.alloc_id] = (grant, size, max(1, at_ns))
                 elif good or renewal:
                     orphans.append((grant, size))
             self._claims_landed.notify_all()
@@ -331,7 +332,7 @@ class GrantStock:
         0 if not, else the clock (ns) read before the claim was sent (1: unknown)."""
         with self._lock:
             found = self._claimed.pop(alloc_id, None)
-            return 0 if found is None else max(1, found[2])
+            return 0 if found is None else found[2]
 
     def claimed_in_stock(self) -> int:
         """How many grants in stock hold their node's claim already."""
