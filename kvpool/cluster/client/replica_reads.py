@@ -46,17 +46,9 @@ def read_replicas(
         if not suspects.may_read(node_id):  # a suspected node another read tries now
             session.counts["read_node_skips"] += 1
             continue
-        try:
-            block = placement.offset
-            read_from(session, node_id, [(block + start, dst, key, block)])
-        except (StaleReadError, StaleWriteError):  # that replica left the range
-            continue
-        except TRANSFER_ERRORS:  # the node is gone or unreachable: read others first
-            node_failed(session, node_id)
-            continue
-        suspects.cleared(node_id)
-        session.counts["hits"] += 1
-        return want
+        block = placement.offset
+        if _read_allowed(session, node_id, [(block + start, dst, key, block)]):
+            return want
     session.counts["misses"] += 1
     return None
 
@@ -66,8 +58,13 @@ def read_node(session: ClientSession, node_id: str, items: list[Read]) -> bool:
     once all landed (the node cleared, the reads counted as hits); False if it was
     skipped, failed (suspected now: ``node_failed``) or refused a block as stale --
     each read's fallback (``read_replicas``) then decides what that read gets."""
-    if not session.suspects.may_read(node_id):  # (suspected: one try a second)
-        return False
+    # (suspected: one try a second; a yes is that try, so it is asked once per try)
+    return session.suspects.may_read(node_id) and _read_allowed(session, node_id, items)
+
+
+def _read_allowed(session: ClientSession, node_id: str, items: list[Read]) -> bool:
+    """``read_node`` once ``may_read`` said yes: True once all landed, else False
+    (failed: ``node_failed``; or a block refused as stale)."""
     try:
         read_from(session, node_id, items)
     except (StaleReadError, StaleWriteError):
