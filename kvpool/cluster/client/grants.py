@@ -85,10 +85,9 @@ class GrantStock:
         self._depth: dict[int, int] = {}  # size -> grants to keep (BASE_STOCK if absent)
         self._deepened: set[int] = set()  # sizes deepened since their last refill landed
         self.used = self.refills = 0
-        # Grants already claimed on their node (kvpool.cluster.client.fenced): a
-        # same-host put then skips the claim round trip. alloc id -> (grant, size,
-        # CLOCK_MONOTONIC ns read before the claim was sent: its seal deadline's base;
-        # 1 where unknown, so a claim's clock is never 0, which reads "not claimed")
+        # Grants claimed on their node (kvpool.cluster.client.fenced): a same-host put
+        # skips the claim round trip. alloc id -> (grant, size, CLOCK_MONOTONIC ns read
+        # before the claim was sent, its seal deadline's base: 1 if unknown, never 0)
         self._claimed: dict[int, tuple[Grant, int, int]] = {}
         self._claiming: set[int] = set()
         self._renewing: set[int] = set()  # being claimed again (``claims_older_than``)
